@@ -1,0 +1,3 @@
+from bulletin.cli import main
+
+main()

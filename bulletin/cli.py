@@ -1,0 +1,186 @@
+"""The ``bulletin`` command: thin click commands over each component's ``run``/``serve``.
+
+Every option also reads a ``BULLETIN_<NAME>`` environment variable (for example
+``BULLETIN_DATABASE_URL``), so secrets need not appear on command lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import types
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+import platformdirs
+
+F = Callable[..., Any]
+
+
+def _click_type(annotation: Any) -> Any:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    return {int: int, float: float, str: str, bool: bool}.get(annotation, str)
+
+
+def struct_options(struct: type, skip: Sequence[str] = ()) -> Callable[[F], F]:
+    """Add one ``--option`` (and ``BULLETIN_*`` env var) per field of a msgspec config."""
+
+    def decorate(fn: F) -> F:
+        for field in reversed(msgspec.structs.fields(struct)):
+            if field.name in skip:
+                continue
+            default = None if field.required else field.default
+            if default is msgspec.NODEFAULT:
+                default = None
+            fn = click.option(
+                f"--{field.name.replace('_', '-')}",
+                field.name,
+                type=_click_type(field.type),
+                envvar=f"BULLETIN_{field.name.upper()}",
+                required=field.required,
+                default=None,
+                help=f"[default: {default}]" if default not in (None, "") else None,
+                show_envvar=True,
+            )(fn)
+        return fn
+
+    return decorate
+
+
+def build(struct: type, values: dict[str, Any]) -> Any:
+    """The config struct from the given options, failing with a usage error that names the
+    bad setting."""
+    given = {k: v for k, v in values.items() if v is not None}
+    try:
+        return msgspec.convert(given, struct)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+@click.group()
+@click.option("--log-level", envvar="BULLETIN_LOG_LEVEL", default="info", show_envvar=True,
+              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
+def cli(log_level: str) -> None:
+    """Bulletin: run notebook functions on the lab's GPUs."""
+    _logging(log_level)
+
+
+@cli.command()
+@click.option("--state-dir", envvar="BULLETIN_STATE_DIR", show_envvar=True, type=click.Path(
+    path_type=Path), default=lambda: Path(platformdirs.user_data_dir("bulletin")),
+    show_default="a per-user data dir", help="Database, tokens and client.toml live here.")
+@click.option("--host", envvar="BULLETIN_HOST", default="127.0.0.1", show_default=True)
+@click.option("--port", envvar="BULLETIN_PORT", type=int, default=8420, show_default=True,
+              help="Gateway port; 0 picks a free one.")
+@click.option("--fake-gpus", envvar="BULLETIN_FAKE_GPUS", type=click.IntRange(0), default=None,
+              help="Offer N CPU-backed fake GPUs [default: the NVIDIA GPUs found, else 2 fakes]")
+@click.option("--cpu-slots", envvar="BULLETIN_CPU_SLOTS", type=click.IntRange(0), default=0,
+              help="CPU-only call slots [default: the number of cores]")
+@click.pass_context
+def up(ctx: click.Context, state_dir: Path, host: str, port: int, fake_gpus: int | None,
+       cpu_slots: int) -> None:
+    """Start a single-machine cluster: PostgreSQL, gateway, scheduler and one nodelet."""
+    from bulletin.up import UpError, UpSettings, run
+
+    level = ctx.parent.params["log_level"] if ctx.parent else "info"
+    settings = UpSettings(state_dir, host, port, fake_gpus, cpu_slots, level)
+    try:
+        ctx.exit(run(settings, lambda line: click.echo(line)))
+    except UpError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _gateway_config() -> type:
+    from gateway.config import GatewayConfig
+
+    return GatewayConfig
+
+
+def _nodelet_config() -> type:
+    from nodelet.config import NodeletConfig
+
+    return NodeletConfig
+
+
+@cli.command()
+@struct_options(_gateway_config())
+def gateway(**options: Any) -> None:
+    """Run a gateway replica (HTTP API and scheduler host) against PostgreSQL."""
+    from gateway.app import serve
+
+    serve(build(_gateway_config(), options))
+
+
+@cli.command()
+@click.option("--gateway", "gateway_url", envvar="BULLETIN_GATEWAY", required=True,
+              show_envvar=True, help="The gateway's URL, e.g. http://head:8420")
+@click.option("--token-file", envvar="BULLETIN_TOKEN_FILE", required=True, show_envvar=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="File holding this node's token (see 'bulletin node add').")
+@struct_options(_nodelet_config(), skip=("gateway_url", "token"))
+def nodelet(gateway_url: str, token_file: Path, **options: Any) -> None:
+    """Run the node agent: offer this machine's GPUs and run the work leased to it."""
+    from nodelet.agent import run
+
+    token = token_file.read_text().strip()
+    run(build(_nodelet_config(), {**options, "gateway_url": gateway_url, "token": token}))
+
+
+database_option = click.option("--database-url", envvar="BULLETIN_DATABASE_URL", required=True,
+                               show_envvar=True, help="postgresql://user:password@host/db")
+
+
+@cli.command()
+@database_option
+def migrate(database_url: str) -> None:
+    """Apply the schema migrations the database lacks."""
+    from bulletin import admin
+
+    applied = asyncio.run(admin.migrate(database_url))
+    click.echo("applied: " + ", ".join(applied) if applied else "the schema is up to date")
+
+
+@cli.group()
+def user() -> None:
+    """Manage users."""
+
+
+@user.command("add")
+@click.argument("name")
+@click.option("--admin", "is_admin", is_flag=True, help="Make the user an administrator.")
+@database_option
+def user_add(name: str, is_admin: bool, database_url: str) -> None:
+    """Create user NAME (if new) and print a new token for them."""
+    from bulletin import admin
+
+    click.echo(asyncio.run(admin.add_user(database_url, name, is_admin=is_admin)))
+
+
+@cli.group()
+def node() -> None:
+    """Manage nodes."""
+
+
+@node.command("add")
+@click.argument("name")
+@database_option
+def node_add(name: str, database_url: str) -> None:
+    """Create node NAME (if new) and print a node token for its nodelet's --token-file."""
+    from bulletin import admin
+
+    click.echo(asyncio.run(admin.add_node(database_url, name)))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cli.main(args=list(argv) if argv is not None else None, prog_name="bulletin")

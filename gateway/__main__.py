@@ -1,0 +1,5 @@
+import sys
+
+from bulletin.cli import main
+
+main(["gateway", *sys.argv[1:]])

@@ -1,0 +1,84 @@
+"""The gateway's ASGI application: routes, error mapping, and the lifespan that owns the
+database pool, the notification hub and the scheduler loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from importlib import resources
+
+import asyncpg
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway import auth, db, invocations, nodes, scheduling
+from gateway.config import GatewayConfig
+from gateway.errors import HANDLERS
+from gateway.notify import Hub
+
+log = logging.getLogger(__name__)
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def openapi(request: Request) -> Response:
+    await auth.principal(request, "user")
+    text = resources.files("gateway").joinpath("openapi.yaml").read_text()
+    return Response(text, media_type="application/yaml")
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    config: GatewayConfig = app.state.config
+    pool = await asyncpg.create_pool(config.database_url, min_size=2, max_size=config.pool_size)
+    async with pool.acquire() as conn:
+        applied = await db.migrate(conn)
+    if applied:
+        log.info("applied migrations: %s", ", ".join(applied))
+    hub = Hub(config.database_url)
+    app.state.pool, app.state.hub = pool, hub
+    tasks = {
+        "notify-hub": asyncio.create_task(hub.run(), name="notify-hub"),
+        "scheduler": asyncio.create_task(scheduling.run(hub, config), name="scheduler"),
+    }
+    try:
+        yield
+    finally:
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        await asyncio.wait_for(pool.close(), 10)
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    routes = [
+        Route("/healthz", healthz),
+        Route("/openapi.yaml", openapi),
+        *invocations.ROUTES,
+        *nodes.ROUTES,
+    ]
+    app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)  # type: ignore[arg-type]
+    app.state.config = config
+    return app
+
+
+def serve(config: GatewayConfig) -> None:
+    """Run the gateway until SIGINT/SIGTERM (uvicorn drains in-flight requests)."""
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
+    )
+    server.run()

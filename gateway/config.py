@@ -1,0 +1,40 @@
+"""Gateway settings, read once at start. Every timeout is configurable (design invariant 7)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
+    database_url: str
+    host: str = "127.0.0.1"
+    port: int = 8420
+    #: How long a lease lasts without renewal (database clock).
+    lease_s: float = 30.0
+    #: How often nodelets heartbeat; they are told this at registration.
+    heartbeat_s: float = 5.0
+    #: A node that has not heartbeaten for this long gets no new work.
+    node_timeout_s: float = 30.0
+    #: Longest hold of a node poll and of a client watch.
+    long_poll_s: float = 20.0
+    #: Waiters re-read the tables at least this often, in case a notification was lost.
+    recheck_s: float = 1.0
+    #: The scheduler plans at least this often even without a notification.
+    schedule_interval_s: float = 1.0
+    #: Payloads and results up to this size travel inline; larger ones as streamed blobs.
+    inline_limit: int = 1 << 20
+    #: Largest JSON request body accepted.
+    max_json_body: int = 64 << 20
+    #: Most queued calls one planning round looks at.
+    plan_batch: int = 5000
+    pool_size: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("lease_s", "heartbeat_s", "node_timeout_s", "long_poll_s", "recheck_s",
+                     "schedule_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"gateway setting {name} must be a positive number of seconds")
+        if self.heartbeat_s >= self.lease_s:
+            raise ValueError("heartbeat_s must be shorter than lease_s, or every lease expires")
+        if self.inline_limit < 1024:
+            raise ValueError("inline_limit must be at least 1024 bytes")

@@ -1,0 +1,660 @@
+"""All of Bulletin's SQL, one typed function per statement.
+
+Nothing else in the project writes SQL. Row locks (``FOR UPDATE SKIP LOCKED``) claim work;
+LISTEN/NOTIFY (channel ``bulletin_events``) only wakes waiters, who re-read the tables.
+Notification payloads: ``q`` (the queue or capacity changed: the scheduler should plan),
+``n:<node_id>`` (a node has new work or revocations), ``i:<invocation_id>`` (news of an
+invocation: logs, a state change). Every fenced write from a nodelet checks
+``(id, node_id, epoch)`` in the statement that applies it, so a stale attempt changes nothing.
+Times come from the database clock only.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import asyncpg
+import msgspec
+
+from bulletin import wire
+
+CHANNEL = "bulletin_events"
+_LEASED = ("assigned", "running")
+
+Conn = asyncpg.Connection | asyncpg.Pool
+
+
+# ------------------------------------------------------------------------------ migrations
+
+
+def migration_files() -> list[tuple[int, str, str]]:
+    """(version, name, sql) of every numbered migration, in order."""
+    found = []
+    for entry in resources.files("gateway").joinpath("migrations").iterdir():
+        if entry.name.endswith(".sql"):
+            version = int(entry.name.split("_", 1)[0])
+            found.append((version, entry.name, entry.read_text()))
+    return sorted(found)
+
+
+async def migrate(conn: asyncpg.Connection) -> list[str]:
+    """Apply the migrations this database lacks; returns the names applied.
+
+    Several gateways may start at once: a transaction-scoped advisory lock makes them take
+    turns, and each re-reads the applied versions under it."""
+    applied_now = []
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(7242001)")
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations ("
+            " version integer PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        done = {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+        for version, name, sql in migration_files():
+            if version in done:
+                continue
+            await conn.execute(sql)
+            await conn.execute(
+                "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)", version, name
+            )
+            applied_now.append(name)
+    return applied_now
+
+
+async def ensure_database(conn: asyncpg.Connection, name: str, template: str | None = None) -> None:
+    """CREATE DATABASE unless it exists (the connection is to another database)."""
+    if await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name):
+        return
+    if not name.replace("_", "").isalnum():
+        raise ValueError(f"database name {name!r} must be letters, digits and underscores")
+    suffix = "" if template is None else f' TEMPLATE "{template}"'
+    await conn.execute(f'CREATE DATABASE "{name}"{suffix}')
+
+
+# ------------------------------------------------------------------------------ users, nodes, tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    kind: str  # "user" or "node"
+    user_id: int | None
+    node_id: int | None
+    name: str
+
+
+async def create_user(conn: Conn, name: str, *, is_admin: bool = False) -> int:
+    row = await conn.fetchrow(
+        "INSERT INTO users (name, is_admin) VALUES ($1, $2) RETURNING id", name, is_admin
+    )
+    assert row is not None
+    return int(row["id"])
+
+
+async def find_user(conn: Conn, name: str) -> int | None:
+    value = await conn.fetchval("SELECT id FROM users WHERE name = $1", name)
+    return None if value is None else int(value)
+
+
+async def create_node(conn: Conn, name: str) -> int:
+    """Create a node record (before its nodelet first registers) and return its id."""
+    row = await conn.fetchrow(
+        "INSERT INTO nodes (name) VALUES ($1)"
+        " ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name RETURNING id",
+        name,
+    )
+    assert row is not None
+    return int(row["id"])
+
+
+async def add_token(
+    conn: Conn, token_hash: bytes, *, user_id: int | None = None, node_id: int | None = None
+) -> None:
+    kind = "user" if user_id is not None else "node"
+    await conn.execute(
+        "INSERT INTO tokens (token_hash, kind, user_id, node_id) VALUES ($1, $2, $3, $4)",
+        token_hash,
+        kind,
+        user_id,
+        node_id,
+    )
+
+
+async def lookup_token(conn: Conn, token_hash: bytes) -> Principal | None:
+    row = await conn.fetchrow(
+        "SELECT t.kind, t.user_id, t.node_id, coalesce(u.name, n.name) AS name"
+        " FROM tokens t LEFT JOIN users u ON u.id = t.user_id"
+        " LEFT JOIN nodes n ON n.id = t.node_id WHERE t.token_hash = $1",
+        token_hash,
+    )
+    if row is None:
+        return None
+    return Principal(row["kind"], row["user_id"], row["node_id"], row["name"])
+
+
+async def register_node(
+    conn: Conn, node_id: int, gpus: list[wire.GpuInfo], cpu_slots: int, protocol_version: int
+) -> None:
+    await conn.execute(
+        "UPDATE nodes SET gpus = $2::jsonb, cpu_slots = $3, protocol_version = $4,"
+        " registered_at = now(), last_heartbeat = now() WHERE id = $1",
+        node_id,
+        msgspec.json.encode(gpus).decode(),
+        cpu_slots,
+        protocol_version,
+    )
+    await conn.execute("SELECT pg_notify($1, 'q')", CHANNEL)
+
+
+# ------------------------------------------------------------------------------ blobs
+
+
+async def create_blob(conn: Conn, owner_id: int) -> str:
+    blob_id = uuid.uuid4()
+    await conn.execute("INSERT INTO blobs (id, owner_id) VALUES ($1, $2)", blob_id, owner_id)
+    return str(blob_id)
+
+
+async def append_blob_chunk(conn: Conn, blob_id: str, seq: int, data: bytes) -> None:
+    await conn.execute(
+        "INSERT INTO blob_chunks (blob_id, seq, data) VALUES ($1, $2, $3)",
+        uuid.UUID(blob_id),
+        seq,
+        data,
+    )
+
+
+async def finish_blob(conn: Conn, blob_id: str, size: int) -> None:
+    await conn.execute(
+        "UPDATE blobs SET size = $2, complete = true WHERE id = $1", uuid.UUID(blob_id), size
+    )
+
+
+async def blob_size(conn: Conn, blob_id: str, owner_id: int) -> int | None:
+    """Size of a complete blob owned by ``owner_id``; None if there is none."""
+    value = await conn.fetchval(
+        "SELECT size FROM blobs WHERE id = $1 AND owner_id = $2 AND complete",
+        uuid.UUID(blob_id),
+        owner_id,
+    )
+    return None if value is None else int(value)
+
+
+async def blob_chunk(conn: Conn, blob_id: str, seq: int) -> bytes | None:
+    value = await conn.fetchval(
+        "SELECT data FROM blob_chunks WHERE blob_id = $1 AND seq = $2", uuid.UUID(blob_id), seq
+    )
+    return None if value is None else bytes(value)
+
+
+# ------------------------------------------------------------------------------ submission
+
+
+async def submit(conn: asyncpg.Connection, owner_id: int, calls: Sequence[wire.CallSpec]) -> list[str]:
+    """Insert the calls (exactly once per idempotency key) and return their ids in order.
+
+    A retried batch finds its earlier rows through ``(owner_id, idempotency_key)``."""
+    ids = [uuid.uuid4() for _ in calls]
+    async with conn.transaction():
+        await conn.execute(
+            "INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,"
+            " max_retries, timeout_s, payload, payload_blob, payload_size)"
+            " SELECT u.id, $1, u.key, u.fn, u.gpus, u.retries, u.timeout, u.payload, u.blob,"
+            "  coalesce(length(u.payload), b.size, 0)"
+            " FROM unnest($2::uuid[], $3::text[], $4::text[], $5::int[], $6::int[],"
+            "  $7::float8[], $8::bytea[], $9::uuid[])"
+            "  AS u(id, key, fn, gpus, retries, timeout, payload, blob)"
+            " LEFT JOIN blobs b ON b.id = u.blob"
+            " ON CONFLICT (owner_id, idempotency_key) DO NOTHING",
+            owner_id,
+            ids,
+            [c.idempotency_key for c in calls],
+            [c.function_name for c in calls],
+            [c.gpus for c in calls],
+            [c.max_retries for c in calls],
+            [c.timeout_s for c in calls],
+            [c.payload for c in calls],
+            [None if c.payload_blob is None else uuid.UUID(c.payload_blob) for c in calls],
+        )
+        rows = await conn.fetch(
+            "SELECT i.id, k.ord FROM unnest($2::text[]) WITH ORDINALITY AS k(key, ord)"
+            " JOIN invocations i ON i.owner_id = $1 AND i.idempotency_key = k.key",
+            owner_id,
+            [c.idempotency_key for c in calls],
+        )
+        await conn.execute("SELECT pg_notify($1, 'q')", CHANNEL)
+    by_ord = {int(r["ord"]): str(r["id"]) for r in rows}
+    return [by_ord[i + 1] for i in range(len(calls))]
+
+
+async def owned_blobs(conn: Conn, owner_id: int, blob_ids: Iterable[str]) -> set[str]:
+    """The ids among ``blob_ids`` that name complete blobs of this owner."""
+    rows = await conn.fetch(
+        "SELECT id FROM blobs WHERE id = ANY($1::uuid[]) AND owner_id = $2 AND complete",
+        [uuid.UUID(b) for b in blob_ids],
+        owner_id,
+    )
+    return {str(r["id"]) for r in rows}
+
+
+# ------------------------------------------------------------------------------ user reads
+
+
+_INVOCATION_COLUMNS = (
+    "i.id, i.state, i.function_name, i.gpus, i.attempts, i.max_retries, n.name AS node,"
+    " i.error_kind, i.error_type, i.error_message, i.traceback, i.result, i.result_blob,"
+    " i.log_count, extract(epoch FROM i.submitted_at) AS t_submitted,"
+    " extract(epoch FROM i.scheduled_at) AS t_scheduled,"
+    " extract(epoch FROM i.delivered_at) AS t_delivered,"
+    " extract(epoch FROM i.started_at) AS t_started,"
+    " extract(epoch FROM i.finished_at) AS t_finished"
+)
+
+
+def _f(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def to_invocation(row: asyncpg.Record) -> wire.Invocation:
+    return wire.Invocation(
+        id=str(row["id"]),
+        state=wire.State(row["state"]),
+        function_name=row["function_name"],
+        gpus=row["gpus"],
+        attempts=row["attempts"],
+        max_retries=row["max_retries"],
+        node=row["node"],
+        error_kind=None if row["error_kind"] is None else wire.ErrorKind(row["error_kind"]),
+        error_type=row["error_type"],
+        error_message=row["error_message"],
+        traceback=row["traceback"],
+        result=None if row["result"] is None else bytes(row["result"]),
+        result_blob=None if row["result_blob"] is None else str(row["result_blob"]),
+        log_count=row["log_count"],
+        timeline=wire.Timeline(
+            submitted=_f(row["t_submitted"]),
+            scheduled=_f(row["t_scheduled"]),
+            delivered=_f(row["t_delivered"]),
+            started=_f(row["t_started"]),
+            finished=_f(row["t_finished"]),
+        ),
+    )
+
+
+async def get_invocations(conn: Conn, owner_id: int, ids: Sequence[str]) -> list[wire.Invocation]:
+    """The invocations among ``ids`` that ``owner_id`` owns (others' are simply absent)."""
+    rows = await conn.fetch(
+        f"SELECT {_INVOCATION_COLUMNS} FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id"
+        " WHERE i.id = ANY($1::uuid[]) AND i.owner_id = $2",
+        [uuid.UUID(i) for i in ids],
+        owner_id,
+    )
+    return [to_invocation(r) for r in rows]
+
+
+async def list_invocations(conn: Conn, owner_id: int, limit: int) -> list[wire.Invocation]:
+    rows = await conn.fetch(
+        f"SELECT {_INVOCATION_COLUMNS} FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id"
+        " WHERE i.owner_id = $1 ORDER BY i.submitted_at DESC LIMIT $2",
+        owner_id,
+        limit,
+    )
+    return [to_invocation(r) for r in rows]
+
+
+async def logs_after(conn: Conn, cursors: Sequence[tuple[str, int]], limit: int) -> list[wire.LogChunk]:
+    """Log chunks past each cursor ``(invocation_id, seen)``; callers pass only owned ids."""
+    rows = await conn.fetch(
+        "SELECT l.invocation_id, l.n, l.stream, l.data"
+        " FROM unnest($1::uuid[], $2::int[]) AS c(id, seen)"
+        " JOIN invocation_logs l ON l.invocation_id = c.id AND l.n > c.seen"
+        " ORDER BY l.invocation_id, l.n LIMIT $3",
+        [uuid.UUID(i) for i, _ in cursors],
+        [seen for _, seen in cursors],
+        limit,
+    )
+    return [
+        wire.LogChunk(
+            invocation_id=str(r["invocation_id"]),
+            n=r["n"],
+            stream=wire.Stream(r["stream"]),
+            data=bytes(r["data"]),
+        )
+        for r in rows
+    ]
+
+
+async def cancel(conn: asyncpg.Connection, owner_id: int, invocation_id: str) -> str | None:
+    """Cancel a non-terminal invocation; returns its state afterwards, None if not found.
+
+    A leased attempt is cancelled at once (its GPU counts as free again) and its node is told
+    to kill the worker: the node's next poll or heartbeat lists it as revoked."""
+    async with conn.transaction():
+        row = await conn.fetchrow(
+            "SELECT state, node_id FROM invocations WHERE id = $1 AND owner_id = $2 FOR UPDATE",
+            uuid.UUID(invocation_id),
+            owner_id,
+        )
+        if row is None:
+            return None
+        if row["state"] not in ("queued", *_LEASED):
+            return str(row["state"])
+        await conn.execute(
+            "UPDATE invocations SET state = 'cancelled', finished_at = now(),"
+            " lease_expires_at = NULL WHERE id = $1",
+            uuid.UUID(invocation_id),
+        )
+        await _notify(conn, f"i:{invocation_id}", "q")
+        if row["node_id"] is not None:
+            await _notify(conn, f"n:{row['node_id']}")
+    return "cancelled"
+
+
+async def _notify(conn: Conn, *payloads: str) -> None:
+    for payload in payloads:
+        await conn.execute("SELECT pg_notify($1, $2)", CHANNEL, payload)
+
+
+# ------------------------------------------------------------------------------ scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    id: int
+    name: str
+    gpus: list[wire.GpuInfo]
+    cpu_slots: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRow:
+    node_id: int
+    gpus: int
+    gpu_indices: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRow:
+    id: str
+    owner_id: int
+    gpus: int
+
+
+_GPU_LIST = msgspec.json.Decoder(list[wire.GpuInfo])
+
+
+async def live_nodes(conn: Conn, heartbeat_timeout_s: float) -> list[NodeRow]:
+    rows = await conn.fetch(
+        "SELECT id, name, gpus::text AS gpus, cpu_slots FROM nodes"
+        " WHERE last_heartbeat > now() - make_interval(secs => $1) ORDER BY id",
+        heartbeat_timeout_s,
+    )
+    return [NodeRow(r["id"], r["name"], _GPU_LIST.decode(r["gpus"]), r["cpu_slots"]) for r in rows]
+
+
+async def leases(conn: Conn) -> list[LeaseRow]:
+    rows = await conn.fetch(
+        "SELECT node_id, gpus, gpu_indices FROM invocations WHERE state IN ('assigned', 'running')"
+    )
+    return [LeaseRow(r["node_id"], r["gpus"], list(r["gpu_indices"])) for r in rows]
+
+
+def _queued_sql(limit: int) -> str:
+    # The LIMIT is a literal inside a MATERIALIZED CTE on purpose: as a prepared-statement
+    # parameter PostgreSQL switched to a generic plan that ran for minutes on a 120k-row backlog.
+    return (
+        "WITH q AS MATERIALIZED (SELECT id, owner_id, gpus FROM invocations"
+        f" WHERE state = 'queued' ORDER BY submitted_at, id LIMIT {int(limit)})"
+        " SELECT id, owner_id, gpus FROM q"
+    )
+
+
+async def queued(conn: Conn, limit: int) -> list[QueuedRow]:
+    rows = await conn.fetch(_queued_sql(limit))
+    return [QueuedRow(str(r["id"]), r["owner_id"], r["gpus"]) for r in rows]
+
+
+async def assign(
+    conn: asyncpg.Connection, decisions: Sequence[tuple[str, int, Sequence[int]]], lease_s: float
+) -> list[tuple[str, int]]:
+    """Lease still-queued invocations to nodes: ``(invocation_id, node_id, gpu_indices)``.
+    Returns the (invocation_id, node_id) pairs actually assigned (a call cancelled meanwhile
+    is skipped). The caller holds the node rows locked (``lock_nodes``) and computed capacity
+    under that lock, in the same transaction."""
+    rows = await conn.fetch(
+        "UPDATE invocations i SET state = 'assigned', node_id = d.node_id,"
+        " gpu_indices = d.gpus::int[], attempts = i.attempts + 1, epoch = i.epoch + 1,"
+        " log_ack = -1, scheduled_at = now(), delivered_at = NULL, started_at = NULL,"
+        " lease_expires_at = now() + make_interval(secs => $4)"
+        " FROM unnest($1::uuid[], $2::bigint[], $3::text[]) AS d(id, node_id, gpus)"
+        " WHERE i.id = d.id AND i.state = 'queued' RETURNING i.id, i.node_id",
+        [uuid.UUID(d[0]) for d in decisions],
+        [d[1] for d in decisions],
+        ["{" + ",".join(map(str, d[2])) + "}" for d in decisions],
+        lease_s,
+    )
+    return [(str(r["id"]), int(r["node_id"])) for r in rows]
+
+
+async def lock_nodes(conn: asyncpg.Connection, node_ids: Sequence[int]) -> None:
+    await conn.execute(
+        "SELECT id FROM nodes WHERE id = ANY($1::bigint[]) ORDER BY id FOR UPDATE", list(node_ids)
+    )
+
+
+async def notify_nodes(conn: Conn, node_ids: Iterable[int]) -> None:
+    await _notify(conn, *(f"n:{n}" for n in sorted(set(node_ids))))
+
+
+async def expire_leases(conn: asyncpg.Connection) -> list[tuple[str, str]]:
+    """Return attempts whose lease ran out to the queue (epoch moves on at the next
+    assignment) while retries remain, else fail them as ``node_lost``.
+    Returns (invocation_id, new_state) pairs."""
+    async with conn.transaction():
+        rows = await conn.fetch(
+            "WITH expired AS (SELECT id FROM invocations"
+            "  WHERE state IN ('assigned', 'running') AND lease_expires_at < now()"
+            "  FOR UPDATE SKIP LOCKED)"
+            " UPDATE invocations i SET"
+            "  state = CASE WHEN i.attempts <= i.max_retries THEN 'queued' ELSE 'failed' END,"
+            "  error_kind = CASE WHEN i.attempts <= i.max_retries THEN NULL ELSE 'node_lost' END,"
+            "  error_message = CASE WHEN i.attempts <= i.max_retries THEN NULL ELSE"
+            "   'the node running this call stopped renewing its lease (node lost) after '"
+            "   || i.attempts || ' attempt(s); raise max_retries to retry more' END,"
+            "  finished_at = CASE WHEN i.attempts <= i.max_retries THEN NULL ELSE now() END,"
+            "  node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL"
+            " FROM expired WHERE i.id = expired.id RETURNING i.id, i.state"
+        )
+        for r in rows:
+            await _notify(conn, f"i:{r['id']}")
+        if rows:
+            await _notify(conn, "q")
+    return [(str(r["id"]), r["state"]) for r in rows]
+
+
+# ------------------------------------------------------------------------------ node routes
+
+
+async def heartbeat(
+    conn: asyncpg.Connection, node_id: int, running: Sequence[wire.Attempt], lease_s: float
+) -> list[wire.Attempt]:
+    """Mark the node alive, renew the leases it still holds, return the attempts it must stop."""
+    async with conn.transaction():
+        await conn.execute("UPDATE nodes SET last_heartbeat = now() WHERE id = $1", node_id)
+        held = await conn.fetch(
+            "UPDATE invocations i SET lease_expires_at = now() + make_interval(secs => $4)"
+            " FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
+            " WHERE i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1"
+            "  AND i.state IN ('assigned', 'running') RETURNING i.id",
+            node_id,
+            [uuid.UUID(a.invocation_id) for a in running],
+            [a.epoch for a in running],
+            lease_s,
+        )
+    kept = {str(r["id"]) for r in held}
+    return [a for a in running if a.invocation_id not in kept]
+
+
+async def revoked(conn: Conn, node_id: int, running: Sequence[wire.Attempt]) -> list[wire.Attempt]:
+    """The attempts among ``running`` that are no longer leased to this node."""
+    if not running:
+        return []
+    rows = await conn.fetch(
+        "SELECT a.id FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
+        " JOIN invocations i ON i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1"
+        "  AND i.state IN ('assigned', 'running')",
+        node_id,
+        [uuid.UUID(a.invocation_id) for a in running],
+        [a.epoch for a in running],
+    )
+    kept = {str(r["id"]) for r in rows}
+    return [a for a in running if a.invocation_id not in kept]
+
+
+async def deliver(
+    conn: Conn, node_id: int, running: Sequence[wire.Attempt], inline_limit: int
+) -> list[wire.Assignment]:
+    """Assigned work of this node that it does not already run. Redelivered until the node
+    starts it, so a lost poll answer loses nothing."""
+    rows = await conn.fetch(
+        "UPDATE invocations i SET delivered_at = coalesce(i.delivered_at, now())"
+        " WHERE i.node_id = $1 AND i.state = 'assigned'"
+        "  AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
+        "   WHERE a.id = i.id AND a.epoch = i.epoch)"
+        " RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,"
+        "  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload",
+        node_id,
+        [uuid.UUID(a.invocation_id) for a in running],
+        [a.epoch for a in running],
+        inline_limit,
+    )
+    return [
+        wire.Assignment(
+            invocation_id=str(r["id"]),
+            epoch=r["epoch"],
+            gpu_indices=list(r["gpu_indices"]),
+            timeout_s=r["timeout_s"],
+            function_name=r["function_name"],
+            payload_size=r["payload_size"],
+            payload=None if r["payload"] is None else bytes(r["payload"]),
+        )
+        for r in rows
+    ]
+
+
+_FENCE = "i.id = $1 AND i.node_id = $2 AND i.epoch = $3 AND i.state IN ('assigned', 'running')"
+
+
+async def start(conn: Conn, node_id: int, invocation_id: str, epoch: int) -> bool:
+    status = await conn.execute(
+        "UPDATE invocations i SET state = 'running', started_at = coalesce(started_at, now())"
+        f" WHERE {_FENCE}",
+        uuid.UUID(invocation_id),
+        node_id,
+        epoch,
+    )
+    if status.endswith(" 1"):
+        await _notify(conn, f"i:{invocation_id}")
+        return True
+    return False
+
+
+async def payload_source(
+    conn: Conn, node_id: int, invocation_id: str, epoch: int
+) -> tuple[bytes | None, str | None, int] | None:
+    """(inline payload, payload blob id, size) of a fenced attempt; None if it is stale."""
+    row = await conn.fetchrow(
+        f"SELECT i.payload, i.payload_blob, i.payload_size FROM invocations i WHERE {_FENCE}",
+        uuid.UUID(invocation_id),
+        node_id,
+        epoch,
+    )
+    if row is None:
+        return None
+    blob = None if row["payload_blob"] is None else str(row["payload_blob"])
+    inline = None if row["payload"] is None else bytes(row["payload"])
+    return inline, blob, int(row["payload_size"])
+
+
+async def attempt_owner(conn: Conn, node_id: int, invocation_id: str, epoch: int) -> int | None:
+    """The owner of a fenced attempt (result blobs belong to them); None if stale."""
+    value = await conn.fetchval(
+        f"SELECT i.owner_id FROM invocations i WHERE {_FENCE}",
+        uuid.UUID(invocation_id),
+        node_id,
+        epoch,
+    )
+    return None if value is None else int(value)
+
+
+async def append_logs(
+    conn: asyncpg.Connection,
+    node_id: int,
+    invocation_id: str,
+    request: wire.LogsRequest,
+) -> bool:
+    """Append an attempt's log chunks, skipping any a retried request already applied.
+    False if the attempt is stale."""
+    async with conn.transaction():
+        row = await conn.fetchrow(
+            f"SELECT i.log_count, i.log_ack FROM invocations i WHERE {_FENCE} FOR UPDATE",
+            uuid.UUID(invocation_id),
+            node_id,
+            request.epoch,
+        )
+        if row is None:
+            return False
+        skip = max(0, row["log_ack"] + 1 - request.first_seq)
+        fresh = request.chunks[skip:]
+        if not fresh:
+            return True
+        first_n = row["log_count"] + 1
+        await conn.execute(
+            "INSERT INTO invocation_logs (invocation_id, n, stream, data)"
+            " SELECT $1, $2 + o - 1, s, d FROM unnest($3::smallint[], $4::bytea[])"
+            "  WITH ORDINALITY AS c(s, d, o)",
+            uuid.UUID(invocation_id),
+            first_n,
+            [int(c.stream) for c in fresh],
+            [c.data for c in fresh],
+        )
+        await conn.execute(
+            "UPDATE invocations SET log_count = log_count + $2, log_ack = $3 WHERE id = $1",
+            uuid.UUID(invocation_id),
+            len(fresh),
+            request.first_seq + len(request.chunks) - 1,
+        )
+        await _notify(conn, f"i:{invocation_id}")
+    return True
+
+
+async def complete(
+    conn: asyncpg.Connection, node_id: int, invocation_id: str, request: wire.CompleteRequest
+) -> bool:
+    """Commit an attempt's outcome exactly once; False if the attempt is stale."""
+    async with conn.transaction():
+        status = await conn.execute(
+            "UPDATE invocations i SET state = $4, error_kind = $5, error_type = $6,"
+            " error_message = $7, traceback = $8, result = $9, result_blob = $10,"
+            " finished_at = now(), lease_expires_at = NULL"
+            f" WHERE {_FENCE} AND ($10::uuid IS NULL OR EXISTS (SELECT 1 FROM blobs b"
+            "  WHERE b.id = $10 AND b.owner_id = i.owner_id AND b.complete))",
+            uuid.UUID(invocation_id),
+            node_id,
+            request.epoch,
+            request.state,
+            None if request.error_kind is None else str(request.error_kind),
+            request.error_type,
+            request.error_message,
+            request.traceback,
+            request.result,
+            None if request.result_blob is None else uuid.UUID(request.result_blob),
+        )
+        if not status.endswith(" 1"):
+            return False
+        await _notify(conn, f"i:{invocation_id}", "q")
+    return True

@@ -1,0 +1,89 @@
+"""Request decoding and response encoding with msgspec, plus streamed blob bodies."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+import asyncpg
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from bulletin import wire
+from gateway import db
+from gateway.errors import BadRequest, PayloadTooLarge
+
+T = TypeVar("T")
+JSON = "application/json"
+CHUNK = 4 << 20  # blob chunk rows; big enough to amortise a row, small enough to stream
+
+
+@functools.cache
+def _decoder(type_: Any) -> msgspec.json.Decoder[Any]:
+    return msgspec.json.Decoder(type_)
+
+
+async def body(request: Request, type_: type[T]) -> T:
+    """Decode a JSON body as ``type_``; invalid bodies raise msgspec errors (→ 422)."""
+    limit = request.app.state.config.max_json_body
+    declared = request.headers.get("content-length")
+    if declared is not None and int(declared) > limit:
+        raise PayloadTooLarge(f"request body over {limit} bytes; upload big payloads as blobs")
+    data = bytearray()
+    async for piece in request.stream():
+        data += piece
+        if len(data) > limit:
+            raise PayloadTooLarge(f"request body over {limit} bytes; upload big payloads as blobs")
+    if not data:
+        raise BadRequest("this route needs a JSON body")
+    result: T = _decoder(type_).decode(data)
+    return result
+
+
+def reply(value: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(value), status, media_type=JSON)
+
+
+def int_param(request: Request, name: str, default: int | None = None) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        if default is None:
+            raise BadRequest(f"query parameter '{name}' is required")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise BadRequest(f"query parameter '{name}' must be an integer, not {raw!r}") from None
+
+
+async def store_blob(request: Request, owner_id: int) -> wire.BlobRef:
+    """Stream the request body into a new blob of ``owner_id``, CHUNK bytes a row."""
+    pool: asyncpg.Pool = request.app.state.pool
+    blob_id = await db.create_blob(pool, owner_id)
+    pending = bytearray()
+    seq = size = 0
+    async for piece in request.stream():
+        pending += piece
+        size += len(piece)
+        while len(pending) >= CHUNK:
+            await db.append_blob_chunk(pool, blob_id, seq, bytes(pending[:CHUNK]))
+            del pending[:CHUNK]
+            seq += 1
+    if pending or seq == 0:
+        await db.append_blob_chunk(pool, blob_id, seq, bytes(pending))
+    await db.finish_blob(pool, blob_id, size)
+    return wire.BlobRef(id=blob_id, size=size)
+
+
+def stream_blob(pool: asyncpg.Pool, blob_id: str, size: int) -> StreamingResponse:
+    async def chunks() -> AsyncIterator[bytes]:
+        seq = 0
+        while (data := await db.blob_chunk(pool, blob_id, seq)) is not None:
+            yield data
+            seq += 1
+
+    return StreamingResponse(
+        chunks(), media_type=wire.OCTET_STREAM, headers={"content-length": str(size)}
+    )

@@ -1,0 +1,159 @@
+"""User routes: submit, read, cancel and watch invocations; upload and fetch blobs."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from bulletin import wire
+from gateway import auth, db
+from gateway.errors import NotFound, PayloadTooLarge, Unprocessable
+from gateway.http import body, int_param, reply, store_blob, stream_blob
+
+MAX_RETRIES = 10
+MAX_LOG_CHUNKS = 10_000
+
+
+def _check_call(spec: wire.CallSpec, index: int, inline_limit: int) -> wire.CallSpec:
+    where = f"calls[{index}]"
+    if spec.gpus < 0:
+        raise Unprocessable(f"{where}.gpus must be 0 (CPU only) or more, not {spec.gpus}")
+    if not 0 <= spec.max_retries <= MAX_RETRIES:
+        raise Unprocessable(f"{where}.max_retries must be between 0 and {MAX_RETRIES}")
+    if spec.timeout_s is not None and spec.timeout_s <= 0:
+        raise Unprocessable(f"{where}.timeout_s must be a positive number of seconds")
+    if (spec.payload is None) == (spec.payload_blob is None):
+        raise Unprocessable(f"{where} needs exactly one of payload and payload_blob")
+    if spec.payload is not None and len(spec.payload) > inline_limit:
+        raise PayloadTooLarge(
+            f"{where}.payload is {len(spec.payload)} bytes, over the inline limit of "
+            f"{inline_limit}: upload it with PUT /v1/blobs and pass payload_blob",
+            code="payload_too_large",
+        )
+    if len(spec.idempotency_key) > 200:
+        raise Unprocessable(f"{where}.idempotency_key is longer than 200 characters")
+    if not spec.idempotency_key:
+        # Without a key a retried request cannot be recognised; each call stands alone.
+        spec = wire.CallSpec(**{**_fields(spec), "idempotency_key": uuid.uuid4().hex})
+    return spec
+
+
+def _fields(spec: wire.CallSpec) -> dict[str, object]:
+    return {f: getattr(spec, f) for f in spec.__struct_fields__}
+
+
+async def submit(request: Request) -> Response:
+    owner = await auth.user_id(request)
+    req = await body(request, wire.SubmitRequest)
+    if not 1 <= len(req.calls) <= wire.MAX_SUBMIT:
+        raise Unprocessable(f"submit between 1 and {wire.MAX_SUBMIT} calls per request")
+    limit = request.app.state.config.inline_limit
+    calls = [_check_call(c, i, limit) for i, c in enumerate(req.calls)]
+    keys = [c.idempotency_key for c in calls]
+    if len(set(keys)) != len(keys):
+        raise Unprocessable("two calls in one request share an idempotency_key")
+    blobs = {c.payload_blob for c in calls if c.payload_blob is not None}
+    if blobs:
+        missing = blobs - await db.owned_blobs(request.app.state.pool, owner, _uuids(blobs))
+        if missing:
+            raise Unprocessable(f"payload_blob {sorted(missing)[0]} is not a complete blob of yours")
+    async with request.app.state.pool.acquire() as conn:
+        ids = await db.submit(conn, owner, calls)
+    return reply(wire.SubmitResponse(ids=ids), 201)
+
+
+def _uuids(values: set[str]) -> list[str]:
+    for value in values:
+        _valid_id(value)
+    return list(values)
+
+
+def _valid_id(value: str) -> str:
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise NotFound(f"no invocation or blob with id {value!r}") from None
+
+
+async def _one(request: Request, owner: int, invocation_id: str) -> wire.Invocation:
+    found = await db.get_invocations(request.app.state.pool, owner, [_valid_id(invocation_id)])
+    if not found:
+        raise NotFound(f"no invocation {invocation_id} (ids are per user)")
+    return found[0]
+
+
+async def get_invocation(request: Request) -> Response:
+    owner = await auth.user_id(request)
+    return reply(await _one(request, owner, request.path_params["id"]))
+
+
+async def list_invocations(request: Request) -> Response:
+    owner = await auth.user_id(request)
+    limit = int_param(request, "limit", 100)
+    if not 1 <= limit <= 1000:
+        raise Unprocessable("limit must be between 1 and 1000")
+    return reply(await db.list_invocations(request.app.state.pool, owner, limit))
+
+
+async def cancel(request: Request) -> Response:
+    owner = await auth.user_id(request)
+    invocation_id = _valid_id(request.path_params["id"])
+    async with request.app.state.pool.acquire() as conn:
+        if await db.cancel(conn, owner, invocation_id) is None:
+            raise NotFound(f"no invocation {invocation_id} (ids are per user)")
+    return reply(await _one(request, owner, invocation_id))
+
+
+async def watch(request: Request) -> Response:
+    """Long-poll: answer at once if any watched call is terminal or has unseen logs."""
+    owner = await auth.user_id(request)
+    req = await body(request, wire.WatchRequest)
+    if not 1 <= len(req.items) <= wire.MAX_WATCH:
+        raise Unprocessable(f"watch between 1 and {wire.MAX_WATCH} invocations per request")
+    seen = {_valid_id(i.id): i.log_after for i in req.items}
+    config, pool = request.app.state.config, request.app.state.pool
+    deadline = time.monotonic() + min(max(req.timeout_s, 0.0), config.long_poll_s)
+    async with request.app.state.hub.subscribe(f"i:{i}" for i in seen) as sub:
+        while True:
+            found = await db.get_invocations(pool, owner, list(seen))
+            if len(found) < len(seen):
+                missing = set(seen) - {f.id for f in found}
+                raise NotFound(f"no invocation {sorted(missing)[0]} (ids are per user)")
+            changed = [f for f in found if f.state.terminal or f.log_count > seen[f.id]]
+            remaining = deadline - time.monotonic()
+            if changed or remaining <= 0:
+                break
+            await sub.wait(min(remaining, config.recheck_s))
+    with_logs = [(f.id, seen[f.id]) for f in changed if f.log_count > seen[f.id]]
+    logs = await db.logs_after(pool, with_logs, MAX_LOG_CHUNKS) if with_logs else []
+    return reply(wire.WatchResponse(invocations=changed, logs=logs))
+
+
+async def put_blob(request: Request) -> Response:
+    owner = await auth.user_id(request)
+    return reply(await store_blob(request, owner), 201)
+
+
+async def get_blob(request: Request) -> Response:
+    owner = await auth.user_id(request)
+    blob_id = _valid_id(request.path_params["id"])
+    pool = request.app.state.pool
+    size = await db.blob_size(pool, blob_id, owner)
+    if size is None:
+        raise NotFound(f"no blob {blob_id} (blobs are per user)")
+    return stream_blob(pool, blob_id, size)
+
+
+ROUTES = [
+    Route("/v1/invocations", submit, methods=["POST"]),
+    Route("/v1/invocations", list_invocations, methods=["GET"]),
+    Route("/v1/invocations/watch", watch, methods=["POST"]),
+    Route("/v1/invocations/{id}", get_invocation, methods=["GET"]),
+    Route("/v1/invocations/{id}/cancel", cancel, methods=["POST"]),
+    Route("/v1/blobs", put_blob, methods=["PUT"]),
+    Route("/v1/blobs/{id}", get_blob, methods=["GET"]),
+]

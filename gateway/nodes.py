@@ -1,0 +1,141 @@
+"""Node routes: the nodelet's side. A node token works only here, and only for work leased
+to its own node; every write is fenced by ``(invocation_id, epoch)`` (409 when stale)."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from bulletin import wire
+from gateway import auth, db
+from gateway.errors import Conflict, Unprocessable
+from gateway.http import body, int_param, reply, store_blob, stream_blob
+from gateway.invocations import _valid_id
+
+STALE = "this attempt is no longer leased to your node (cancelled, expired or reassigned)"
+
+
+def _stale(invocation_id: str) -> Conflict:
+    return Conflict(f"invocation {invocation_id}: {STALE}; discard its result", code="stale_epoch")
+
+
+async def register(request: Request) -> Response:
+    node = await auth.principal(request, "node")
+    req = await body(request, wire.RegisterRequest)
+    if req.protocol_version < wire.MIN_PROTOCOL_VERSION:
+        raise Unprocessable(
+            f"nodelet protocol {req.protocol_version} is too old; this gateway needs "
+            f"{wire.MIN_PROTOCOL_VERSION}..{wire.PROTOCOL_VERSION}: upgrade the nodelet"
+        )
+    if req.name != node.name:
+        raise Conflict(f"this token belongs to node {node.name!r}, not {req.name!r}")
+    if req.cpu_slots < 0:
+        raise Unprocessable("cpu_slots must be 0 or more")
+    assert node.node_id is not None
+    await db.register_node(
+        request.app.state.pool, node.node_id, req.gpus, req.cpu_slots, req.protocol_version
+    )
+    config = request.app.state.config
+    return reply(
+        wire.RegisterResponse(
+            node_id=node.node_id,
+            lease_s=config.lease_s,
+            heartbeat_s=config.heartbeat_s,
+            long_poll_s=config.long_poll_s,
+            inline_limit=config.inline_limit,
+        )
+    )
+
+
+async def heartbeat(request: Request) -> Response:
+    node_id = await auth.node_id(request)
+    req = await body(request, wire.HeartbeatRequest)
+    lease_s = request.app.state.config.lease_s
+    async with request.app.state.pool.acquire() as conn:
+        revoked = await db.heartbeat(conn, node_id, req.running, lease_s)
+    return reply(wire.HeartbeatResponse(revoked=revoked, lease_s=lease_s))
+
+
+async def poll(request: Request) -> Response:
+    """Long-poll for new assignments and revocations of this node."""
+    node_id = await auth.node_id(request)
+    req = await body(request, wire.PollRequest)
+    config, pool = request.app.state.config, request.app.state.pool
+    deadline = time.monotonic() + min(max(req.timeout_s, 0.0), config.long_poll_s)
+    async with request.app.state.hub.subscribe([f"n:{node_id}"]) as sub:
+        while True:
+            revoked = await db.revoked(pool, node_id, req.running)
+            work = await db.deliver(pool, node_id, req.running, config.inline_limit)
+            remaining = deadline - time.monotonic()
+            if work or revoked or remaining <= 0:
+                return reply(wire.PollResponse(assignments=work, revoked=revoked))
+            await sub.wait(min(remaining, config.recheck_s))
+
+
+async def start(request: Request) -> Response:
+    node_id = await auth.node_id(request)
+    invocation_id = _valid_id(request.path_params["id"])
+    req = await body(request, wire.StartRequest)
+    if not await db.start(request.app.state.pool, node_id, invocation_id, req.epoch):
+        raise _stale(invocation_id)
+    return Response(status_code=204)
+
+
+async def payload(request: Request) -> Response:
+    node_id = await auth.node_id(request)
+    invocation_id = _valid_id(request.path_params["id"])
+    epoch = int_param(request, "epoch")
+    pool = request.app.state.pool
+    source = await db.payload_source(pool, node_id, invocation_id, epoch)
+    if source is None:
+        raise _stale(invocation_id)
+    inline, blob_id, size = source
+    if blob_id is None:
+        return Response(inline or b"", media_type=wire.OCTET_STREAM)
+    return stream_blob(pool, blob_id, size)
+
+
+async def logs(request: Request) -> Response:
+    node_id = await auth.node_id(request)
+    invocation_id = _valid_id(request.path_params["id"])
+    req = await body(request, wire.LogsRequest)
+    async with request.app.state.pool.acquire() as conn:
+        if not await db.append_logs(conn, node_id, invocation_id, req):
+            raise _stale(invocation_id)
+    return Response(status_code=204)
+
+
+async def put_result(request: Request) -> Response:
+    node_id = await auth.node_id(request)
+    invocation_id = _valid_id(request.path_params["id"])
+    epoch = int_param(request, "epoch")
+    owner = await db.attempt_owner(request.app.state.pool, node_id, invocation_id, epoch)
+    if owner is None:
+        raise _stale(invocation_id)
+    # The result blob belongs to the call's owner, who alone may download it.
+    return reply(await store_blob(request, owner), 201)
+
+
+async def complete(request: Request) -> Response:
+    node_id = await auth.node_id(request)
+    invocation_id = _valid_id(request.path_params["id"])
+    req = await body(request, wire.CompleteRequest)
+    async with request.app.state.pool.acquire() as conn:
+        if not await db.complete(conn, node_id, invocation_id, req):
+            raise _stale(invocation_id)
+    return Response(status_code=204)
+
+
+ROUTES = [
+    Route("/v1/node/register", register, methods=["POST"]),
+    Route("/v1/node/heartbeat", heartbeat, methods=["POST"]),
+    Route("/v1/node/poll", poll, methods=["POST"]),
+    Route("/v1/node/invocations/{id}/start", start, methods=["POST"]),
+    Route("/v1/node/invocations/{id}/payload", payload, methods=["GET"]),
+    Route("/v1/node/invocations/{id}/logs", logs, methods=["POST"]),
+    Route("/v1/node/invocations/{id}/result", put_result, methods=["PUT"]),
+    Route("/v1/node/invocations/{id}/complete", complete, methods=["POST"]),
+]

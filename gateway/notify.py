@@ -1,0 +1,93 @@
+"""Wakes waiters on PostgreSQL notifications. It only wakes: waiters always re-read the
+tables, and also re-check on a short timer because a notification can be lost (a reconnect,
+a listener busy elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterable
+
+import asyncpg
+
+from gateway.db import CHANNEL
+
+log = logging.getLogger(__name__)
+
+
+class Subscription:
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait for a notification or ``timeout``; True if woken. Clears for the next wait."""
+        try:
+            await asyncio.wait_for(self.event.wait(), max(timeout, 0))
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self.event.clear()
+
+
+class Hub:
+    """One LISTEN connection per gateway process, fanning out to in-process waiters."""
+
+    def __init__(self, database_url: str) -> None:
+        self._url = database_url
+        self._waiters: dict[str, set[Subscription]] = defaultdict(set)
+        self._conn: asyncpg.Connection | None = None
+        self._lost = asyncio.Event()
+
+    async def run(self) -> None:
+        """Keep a listening connection up until cancelled; reconnects with backoff."""
+        delay = 0.1
+        while True:
+            try:
+                self._conn = await asyncpg.connect(self._url)
+                self._conn.add_termination_listener(lambda _c: self._lost.set())
+                await self._conn.add_listener(CHANNEL, self._on_notify)
+                delay = 0.1
+                self._wake_all()  # anything may have happened while we were away
+                await self._lost.wait()
+            except (OSError, asyncpg.PostgresError) as exc:
+                log.warning("notification listener lost (%s); reconnecting in %.1fs", exc, delay)
+            finally:
+                self._lost.clear()
+                await self._close()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def _close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close(timeout=2)
+            self._conn = None
+
+    def _on_notify(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:
+        for sub in self._waiters.get(payload, ()):
+            sub.event.set()
+
+    def _wake_all(self) -> None:
+        for subs in self._waiters.values():
+            for sub in subs:
+                sub.event.set()
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, keys: Iterable[str]) -> AsyncIterator[Subscription]:
+        """Register before reading the tables, so a change between read and wait still wakes."""
+        sub = Subscription()
+        keys = list(keys)
+        for key in keys:
+            self._waiters[key].add(sub)
+        try:
+            yield sub
+        finally:
+            for key in keys:
+                subs = self._waiters.get(key)
+                if subs is not None:
+                    subs.discard(sub)
+                    if not subs:
+                        del self._waiters[key]

@@ -1,0 +1,5 @@
+import sys
+
+from bulletin.cli import main
+
+main(["nodelet", *sys.argv[1:]])

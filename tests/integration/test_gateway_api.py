@@ -1,0 +1,225 @@
+"""The gateway's HTTP contract, driven with plain HTTP against a real gateway and PostgreSQL,
+playing the nodelet's part by hand where a test needs exact control of a node."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import msgspec
+import pytest
+
+from bulletin import wire
+from tests.conftest import Cluster, wait_until
+
+
+class Http:
+    def __init__(self, url: str, token: str) -> None:
+        self.client = httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"},
+                                   timeout=30)
+
+    def post(self, path: str, msg: object, **kw: object) -> httpx.Response:
+        return self.client.post(path, content=msgspec.json.encode(msg), **kw)  # type: ignore[arg-type]
+
+    def get(self, path: str, **kw: object) -> httpx.Response:
+        return self.client.get(path, **kw)  # type: ignore[arg-type]
+
+
+def call(payload: bytes = b"opaque", **kw: object) -> wire.CallSpec:
+    return wire.CallSpec(idempotency_key=uuid.uuid4().hex, payload=payload, **kw)  # type: ignore[arg-type]
+
+
+def register(cluster: Cluster, name: str = "n1", gpus: int = 1) -> Http:
+    node = Http(cluster.url, cluster.node_token(name).read_text())
+    info = [wire.GpuInfo(index=i, uuid=f"g{i}", name="Fake", memory_mb=1, fake=True)
+            for i in range(gpus)]
+    r = node.post("/v1/node/register", wire.RegisterRequest(name=name, gpus=info, cpu_slots=1))
+    assert r.status_code == 200, r.text
+    return node
+
+
+def poll(node: Http, running: list[wire.Attempt] | None = None) -> wire.PollResponse:
+    r = node.post("/v1/node/poll", wire.PollRequest(running=running or [], timeout_s=5))
+    assert r.status_code == 200, r.text
+    return msgspec.json.decode(r.content, type=wire.PollResponse)
+
+
+def submit(user: Http, *calls: wire.CallSpec) -> list[str]:
+    r = user.post("/v1/invocations", wire.SubmitRequest(calls=list(calls)))
+    assert r.status_code == 201, r.text
+    return msgspec.json.decode(r.content, type=wire.SubmitResponse).ids
+
+
+def status(user: Http, invocation_id: str) -> wire.Invocation:
+    r = user.get(f"/v1/invocations/{invocation_id}")
+    assert r.status_code == 200, r.text
+    return msgspec.json.decode(r.content, type=wire.Invocation)
+
+
+def test_healthz_is_open_and_everything_else_needs_a_token(gateway: Cluster) -> None:
+    assert httpx.get(f"{gateway.url}/healthz").json() == {"status": "ok"}
+    r = httpx.get(f"{gateway.url}/v1/invocations")
+    assert r.status_code == 401
+    assert r.headers["content-type"] == "application/problem+json"
+    assert r.json()["status"] == 401 and "Bearer" in r.json()["detail"]
+    assert httpx.get(f"{gateway.url}/openapi.yaml").status_code == 401
+    bad = httpx.get(f"{gateway.url}/v1/invocations", headers={"authorization": "Bearer nope"})
+    assert bad.status_code == 401
+
+
+def test_token_kinds_only_work_on_their_own_routes(gateway: Cluster) -> None:
+    user = Http(gateway.url, gateway.token)
+    node = Http(gateway.url, gateway.node_token("n1").read_text())
+    assert node.get("/v1/invocations").status_code == 403
+    r = user.post("/v1/node/poll", wire.PollRequest(running=[]))
+    assert r.status_code == 403
+    assert "user token cannot be used on node routes" in r.json()["detail"]
+
+
+def test_submit_is_exactly_once_per_idempotency_key(gateway: Cluster) -> None:
+    user = Http(gateway.url, gateway.token)
+    spec = call()
+    first = submit(user, spec)
+    again = submit(user, spec, call())
+    assert again[0] == first[0] and again[1] != first[0]
+    listed = user.get("/v1/invocations").json()
+    assert sorted(i["id"] for i in listed) == sorted(again)
+
+
+def test_bad_submissions_get_problem_details_that_say_what_to_do(gateway: Cluster) -> None:
+    user = Http(gateway.url, gateway.token)
+    r = user.post("/v1/invocations", wire.SubmitRequest(calls=[call(gpus=-1)]))
+    assert r.status_code == 422 and "gpus must be 0" in r.json()["detail"]
+    big = call(payload=b"x" * (2 << 20))
+    r = user.post("/v1/invocations", wire.SubmitRequest(calls=[big]))
+    assert r.status_code == 413 and "PUT /v1/blobs" in r.json()["detail"]
+    r = user.client.post("/v1/invocations", content=b"{not json")
+    assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json"
+    assert "Traceback" not in r.text
+
+
+def test_users_see_only_their_own_invocations(gateway: Cluster) -> None:
+    alice = Http(gateway.url, gateway.token)
+    bob = Http(gateway.url, gateway.add_user("bob"))
+    [invocation_id] = submit(alice, call())
+    assert bob.get(f"/v1/invocations/{invocation_id}").status_code == 404
+    assert bob.client.post(f"/v1/invocations/{invocation_id}/cancel").status_code == 404
+    r = bob.post("/v1/invocations/watch", wire.WatchRequest(items=[wire.WatchItem(id=invocation_id)]))
+    assert r.status_code == 404
+    assert bob.get("/v1/invocations").json() == []
+
+
+def test_a_call_runs_through_the_node_routes_and_the_user_sees_logs_and_result(
+    gateway: Cluster,
+) -> None:
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway)
+    [invocation_id] = submit(user, call(payload=b"pickled-call", gpus=1))
+    [work] = poll(node).assignments
+    assert (work.invocation_id, work.payload, work.gpu_indices) == (invocation_id, b"pickled-call", [0])
+    base = f"/v1/node/invocations/{invocation_id}"
+    assert node.post(f"{base}/start", wire.StartRequest(epoch=work.epoch)).status_code == 204
+    chunks = [wire.NodeLogChunk(stream=wire.Stream.STDOUT, data=b"step 1\r"),
+              wire.NodeLogChunk(stream=wire.Stream.STDERR, data=b"warn\n")]
+    logs = wire.LogsRequest(epoch=work.epoch, first_seq=0, chunks=chunks)
+    assert node.post(f"{base}/logs", logs).status_code == 204
+    assert node.post(f"{base}/logs", logs).status_code == 204  # a retry appends nothing
+    done = wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"pickled-result")
+    assert node.post(f"{base}/complete", done).status_code == 204
+    r = user.post("/v1/invocations/watch", wire.WatchRequest(items=[wire.WatchItem(id=invocation_id)]))
+    news = msgspec.json.decode(r.content, type=wire.WatchResponse)
+    assert [(c.n, c.stream, c.data) for c in news.logs] == [
+        (1, wire.Stream.STDOUT, b"step 1\r"), (2, wire.Stream.STDERR, b"warn\n")]
+    [inv] = news.invocations
+    assert inv.state == wire.State.SUCCEEDED and inv.result == b"pickled-result"
+    t = inv.timeline
+    assert t.submitted and t.scheduled and t.delivered and t.started and t.finished
+    assert t.submitted <= t.scheduled <= t.delivered <= t.started <= t.finished
+    # A second completion (a duplicate or a stale attempt) changes nothing.
+    assert node.post(f"{base}/complete", done).status_code == 409
+
+
+def test_watch_wakes_on_completion_without_waiting_for_the_recheck_timer(gateway: Cluster) -> None:
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway)
+    [invocation_id] = submit(user, call(gpus=1))
+    [work] = poll(node).assignments
+    import threading
+
+    def finish() -> None:
+        time.sleep(0.3)
+        node.post(f"/v1/node/invocations/{invocation_id}/complete",
+                  wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"r"))
+
+    threading.Thread(target=finish).start()
+    started = time.monotonic()
+    r = user.post("/v1/invocations/watch",
+                  wire.WatchRequest(items=[wire.WatchItem(id=invocation_id)], timeout_s=5))
+    elapsed = time.monotonic() - started
+    assert r.json()["invocations"][0]["state"] == "succeeded"
+    # Woken by NOTIFY: well before the 1 s re-check timer would have fired after completion.
+    assert elapsed < 0.3 + 0.5, elapsed
+
+
+def test_lost_lease_requeues_with_a_new_epoch_and_fences_the_old_attempt(gateway: Cluster) -> None:
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway)
+    [invocation_id] = submit(user, call(gpus=1, max_retries=1))
+    [first] = poll(node).assignments
+    base = f"/v1/node/invocations/{invocation_id}"
+    assert node.post(f"{base}/start", wire.StartRequest(epoch=first.epoch)).status_code == 204
+    # Heartbeats keep the node alive but do not name the attempt, so its lease (3 s) runs out:
+    # the scheduler returns the call to the queue and leases it again with the next epoch.
+    def re_leased() -> bool:
+        node.post("/v1/node/heartbeat", wire.HeartbeatRequest(running=[]))
+        return status(user, invocation_id).attempts == 2
+
+    wait_until(re_leased, 15, "the call to be re-leased")
+    hb = node.post("/v1/node/heartbeat", wire.HeartbeatRequest(
+        running=[wire.Attempt(invocation_id=invocation_id, epoch=first.epoch)]))
+    assert hb.json()["revoked"] == [{"invocation_id": invocation_id, "epoch": first.epoch}]
+    late = wire.CompleteRequest(epoch=first.epoch, state="succeeded", result=b"stale")
+    r = node.post(f"{base}/complete", late)
+    assert r.status_code == 409 and r.json()["code"] == "stale_epoch"
+    [second] = poll(node).assignments
+    assert second.epoch == first.epoch + 1
+    assert status(user, invocation_id).result is None
+
+
+def test_lease_expiry_without_retries_fails_the_call_as_node_lost(gateway: Cluster) -> None:
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway)
+    [invocation_id] = submit(user, call(gpus=1, max_retries=0))
+    [work] = poll(node).assignments
+    wait_until(lambda: status(user, invocation_id).state == "failed", 15, "node-lost failure")
+    inv = status(user, invocation_id)
+    assert inv.error_kind == wire.ErrorKind.NODE_LOST and "node lost" in (inv.error_message or "")
+    r = node.post(f"/v1/node/invocations/{invocation_id}/start", wire.StartRequest(epoch=work.epoch))
+    assert r.status_code == 409
+
+
+def test_cancel_of_a_leased_call_revokes_it_on_the_node(gateway: Cluster) -> None:
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway)
+    [invocation_id] = submit(user, call(gpus=1))
+    [work] = poll(node).assignments
+    attempt = wire.Attempt(invocation_id=invocation_id, epoch=work.epoch)
+    r = user.client.post(f"/v1/invocations/{invocation_id}/cancel")
+    assert r.json()["state"] == "cancelled"
+    assert poll(node, [attempt]).revoked == [attempt]
+    # Terminal states absorb: cancelling again leaves it as it is.
+    assert user.client.post(f"/v1/invocations/{invocation_id}/cancel").json()["state"] == "cancelled"
+
+
+@pytest.mark.parametrize("size", [0, 5 << 20])
+def test_blobs_stream_in_and_out(gateway: Cluster, size: int) -> None:
+    user = Http(gateway.url, gateway.token)
+    data = bytes(range(256)) * (size // 256)
+    r = user.client.put("/v1/blobs", content=iter([data[: size // 2], data[size // 2 :]]))
+    assert r.status_code == 201, r.text
+    ref = msgspec.json.decode(r.content, type=wire.BlobRef)
+    assert ref.size == size
+    assert user.get(f"/v1/blobs/{ref.id}").content == data
+    other = Http(gateway.url, gateway.add_user("bob"))
+    assert other.get(f"/v1/blobs/{ref.id}").status_code == 404
