@@ -1,0 +1,271 @@
+"""The node agent's main loop: register, then poll for work, heartbeat and keep workers warm.
+
+Three named background tasks run until ``stop`` is set: the poll loop (starts an
+:class:`~nodelet.attempt.Attempt` per assignment), the heartbeat loop (renews leases, and
+kills every attempt itself when it cannot renew in time: DESIGN.md invariant 3), and the
+worker pool's maintainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from bulletin import wire
+from nodelet.attempt import Attempt
+from nodelet.backoff import Backoff
+from nodelet.client import GatewayClient
+from nodelet.config import NodeletConfig
+from nodelet.errors import AuthRejected, GatewayUnavailable, NodeletError
+from nodelet.gpus import choose_provider
+from nodelet.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+#: How long shutdown waits for killed attempts to wind down.
+SHUTDOWN_GRACE_S = 1.0
+_T = TypeVar("_T")
+
+
+def run(config: NodeletConfig) -> None:
+    """Serve until SIGINT or SIGTERM; exit with status 1 if the gateway refuses the node."""
+    try:
+        asyncio.run(_serve_until_signalled(config))
+    except NodeletError as exc:
+        log.critical("nodelet stopped: %s", exc)
+        raise SystemExit(1) from None
+
+
+async def _serve_until_signalled(config: NodeletConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for signum in signals:
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await serve(config, stop)
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+
+
+async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
+    """Register the node and run it until ``stop`` is set.
+
+    Raises AuthRejected when the token is refused, GatewayRejected when registration is.
+    """
+    work_dir = config.work_dir or tempfile.mkdtemp(prefix="bulletin-nodelet-")
+    client = GatewayClient(config.gateway_url, config.token, timeout_s=config.http_timeout_s)
+    pool = WorkerPool(config.spare_workers, cwd=work_dir)
+    try:
+        registration = await _unless_stopped(_register(client, config), stop)
+        if registration is not None:
+            node = Node(config, client, pool, registration, work_dir=work_dir)
+            await node.run(stop)
+    finally:
+        await pool.close()
+        await client.aclose()
+        if not config.work_dir:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+async def _unless_stopped(work: Coroutine[Any, Any, _T], stop: asyncio.Event) -> _T | None:
+    """The result of ``work``, or None if ``stop`` is set first (then ``work`` is cancelled)."""
+    task = asyncio.create_task(work, name="nodelet-register")
+    stopped = asyncio.create_task(stop.wait(), name="nodelet-stop")
+    await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.wait([task])
+        return None
+    return task.result()
+
+
+async def _register(client: GatewayClient, config: NodeletConfig) -> wire.RegisterResponse:
+    """Register, retrying while the gateway is down."""
+    gpus = await asyncio.to_thread(choose_provider(config.fake_gpus, node=config.name).discover)
+    request = wire.RegisterRequest(
+        name=config.name, gpus=gpus, cpu_slots=config.effective_cpu_slots
+    )
+    backoff = Backoff()
+    while True:
+        try:
+            response = await client.register(request)
+        except GatewayUnavailable as exc:
+            log.warning("cannot register with %s (%s); retrying", config.gateway_url, exc)
+            await backoff.sleep()
+            continue
+        log.info(
+            "registered as %r (node %d) with %d GPUs, %d CPU slots",
+            config.name,
+            response.node_id,
+            len(gpus),
+            request.cpu_slots,
+        )
+        return response
+
+
+class Node:
+    """A registered node: runs its attempts and its three background loops."""
+
+    def __init__(
+        self,
+        config: NodeletConfig,
+        client: GatewayClient,
+        pool: WorkerPool,
+        registration: wire.RegisterResponse,
+        *,
+        work_dir: str,
+    ) -> None:
+        self.config = config
+        self.registration = registration
+        self.lease_s = registration.lease_s
+        self.attempts: dict[tuple[str, int], Attempt] = {}
+        self._client = client
+        self._pool = pool
+        self._work_dir = work_dir
+
+    def running(self) -> list[wire.Attempt]:
+        """The attempts this node still runs; killed ones are already given up."""
+        return [attempt.ref for attempt in self._live()]
+
+    def _live(self) -> list[Attempt]:
+        return [attempt for attempt in self.attempts.values() if not attempt.killed]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run the loops until ``stop`` is set or one of them fails; then kill every attempt."""
+        loops = [
+            asyncio.create_task(self._poll_loop(), name="nodelet-poll"),
+            asyncio.create_task(self._heartbeat_loop(), name="nodelet-heartbeat"),
+            asyncio.create_task(self._pool.maintain(), name="nodelet-worker-pool"),
+        ]
+        stopped = asyncio.create_task(stop.wait(), name="nodelet-stop")
+        try:
+            await asyncio.wait([*loops, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in [*loops, stopped]:
+                task.cancel()
+            await asyncio.wait([*loops, stopped])
+            await self._kill_all("the nodelet is stopping")
+        for task in loops:
+            failure = None if task.cancelled() else task.exception()
+            if failure is not None:
+                raise failure
+
+    async def _poll_loop(self) -> None:
+        backoff = Backoff()
+        while True:
+            try:
+                response = await self._client.poll(
+                    self.running(), hold_s=self.registration.long_poll_s
+                )
+            except AuthRejected:
+                raise
+            except NodeletError as exc:
+                log.warning("poll failed (%s); retrying", exc)
+                await backoff.sleep()
+                continue
+            backoff.reset()
+            self._revoke(response.revoked)
+            for assignment in response.assignments:
+                self._launch(assignment)
+
+    def _launch(self, assignment: wire.Assignment) -> None:
+        key = (assignment.invocation_id, assignment.epoch)
+        if key in self.attempts:
+            return  # already running: the gateway did not see it in `running` yet
+        attempt = Attempt(
+            assignment,
+            client=self._client,
+            pool=self._pool,
+            work_dir=self._work_dir,
+            inline_limit=self.registration.inline_limit,
+            log_flush_s=self.config.log_flush_s,
+        )
+        self.attempts[key] = attempt
+        attempt.start().add_done_callback(lambda _: self.attempts.pop(key, None))
+        log.info(
+            "started %s (%s) on GPUs %s",
+            attempt,
+            assignment.function_name or "unnamed function",
+            assignment.gpu_indices,
+        )
+
+    def _revoke(self, revoked: list[wire.Attempt]) -> None:
+        for ref in revoked:
+            attempt = self.attempts.get((ref.invocation_id, ref.epoch))
+            if attempt is not None:
+                log.info("%s revoked by the gateway; killing it", attempt)
+                attempt.kill()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            sent = time.monotonic()
+            held = self._live()
+            if await self._heartbeat([a.ref for a in held], timeout_s=self._heartbeat_timeout()):
+                for attempt in held:
+                    attempt.renewed_at = sent  # the gateway renewed as of (after) this moment
+            self._kill_expiring()
+            pause = self.registration.heartbeat_s - (time.monotonic() - sent)
+            await asyncio.sleep(max(0.01, min(pause, self._until_deadline())))
+
+    async def _heartbeat(self, running: list[wire.Attempt], *, timeout_s: float) -> bool:
+        """One heartbeat; True if it renewed the leases of ``running``."""
+        try:
+            response = await self._client.heartbeat(running, timeout_s=timeout_s)
+        except AuthRejected:
+            raise
+        except NodeletError as exc:
+            log.warning("heartbeat failed: %s", exc)
+            return False
+        self.lease_s = response.lease_s
+        self._revoke(response.revoked)
+        return True
+
+    def _heartbeat_timeout(self) -> float:
+        # A heartbeat still in flight at the kill deadline is as good as a failed one.
+        return min(self.config.http_timeout_s, max(self._until_deadline(), 0.05))
+
+    def _until_deadline(self) -> float:
+        """Seconds until the first live attempt must be killed for want of a renewal."""
+        renewals = [a.renewed_at for a in self._live()]
+        if not renewals:
+            return self.config.http_timeout_s
+        return min(renewals) + self._grace_s() - time.monotonic()
+
+    def _kill_expiring(self) -> None:
+        """Kill attempts whose lease may expire before another renewal: they will be requeued
+        elsewhere, and must not run twice (DESIGN.md invariant 3)."""
+        now = time.monotonic()
+        for attempt in self._live():
+            if now - attempt.renewed_at >= self._grace_s():
+                log.warning(
+                    "%s: no lease renewal for %.1f s (lease %.1f s); killing it before its "
+                    "lease expires and it is requeued elsewhere",
+                    attempt,
+                    now - attempt.renewed_at,
+                    self.lease_s,
+                )
+                attempt.kill()
+
+    def _grace_s(self) -> float:
+        """How long the node may go without renewing before it must kill its attempts."""
+        heartbeat_s = self.registration.heartbeat_s
+        return self.lease_s - max(heartbeat_s, 0.25 * self.lease_s)
+
+    async def _kill_all(self, why: str) -> None:
+        attempts = list(self.attempts.values())
+        if not attempts:
+            return
+        log.info("killing %d attempts: %s", len(attempts), why)
+        for attempt in attempts:
+            attempt.kill()
+        tasks = [attempt.task for attempt in attempts if attempt.task is not None]
+        await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE_S)

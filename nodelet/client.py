@@ -1,0 +1,176 @@
+"""The nodelet's HTTP client for the gateway's node routes (docs/protocol.md).
+
+Every request carries the node token and an explicit timeout; every failure is mapped to a
+:mod:`nodelet.errors` exception in :func:`_error_for`, so httpx errors never leave this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import httpx
+import msgspec
+
+from bulletin import wire
+from nodelet.errors import (
+    AuthRejected,
+    GatewayRejected,
+    GatewayUnavailable,
+    NodeletError,
+    StaleAttempt,
+)
+
+_T = TypeVar("_T")
+
+#: Result uploads are streamed in chunks of at most this size.
+UPLOAD_CHUNK = 4 * 1024 * 1024
+
+_register_decoder = msgspec.json.Decoder(wire.RegisterResponse)
+_heartbeat_decoder = msgspec.json.Decoder(wire.HeartbeatResponse)
+_poll_decoder = msgspec.json.Decoder(wire.PollResponse)
+_blob_decoder = msgspec.json.Decoder(wire.BlobRef)
+_problem_decoder = msgspec.json.Decoder(wire.Problem)
+_encoder = msgspec.json.Encoder()
+
+
+class GatewayClient:
+    """Async client for ``/v1/node/...``; one per nodelet, closed with :meth:`aclose`."""
+
+    def __init__(self, base_url: str, token: str, *, timeout_s: float = 10.0) -> None:
+        self.timeout_s = timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout_s,
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def register(self, request: wire.RegisterRequest) -> wire.RegisterResponse:
+        try:
+            response = await self._post("/v1/node/register", request)
+        except StaleAttempt as exc:
+            # 409 here is not about an attempt: the token was made for a node of another name.
+            raise GatewayRejected(
+                f"registration refused: {exc.detail}; start the nodelet with the node name "
+                "its token was made for",
+                status=exc.status,
+                detail=exc.detail,
+            ) from exc
+        return _decode(_register_decoder, response)
+
+    async def heartbeat(
+        self, running: list[wire.Attempt], *, timeout_s: float | None = None
+    ) -> wire.HeartbeatResponse:
+        request = wire.HeartbeatRequest(running=running)
+        response = await self._post("/v1/node/heartbeat", request, timeout_s=timeout_s)
+        return _decode(_heartbeat_decoder, response)
+
+    async def poll(self, running: list[wire.Attempt], *, hold_s: float) -> wire.PollResponse:
+        """Long-poll for work; the gateway holds the request up to ``hold_s`` seconds."""
+        request = wire.PollRequest(running=running, timeout_s=hold_s)
+        response = await self._post("/v1/node/poll", request, timeout_s=hold_s + self.timeout_s)
+        return _decode(_poll_decoder, response)
+
+    async def start(self, invocation_id: str, epoch: int) -> None:
+        await self._post(_route(invocation_id, "start"), wire.StartRequest(epoch=epoch))
+
+    async def payload(self, invocation_id: str, epoch: int) -> bytes:
+        """Download the pickled call of an assignment whose payload was not inline."""
+        response = await self._send(
+            "GET", _route(invocation_id, "payload"), params={"epoch": epoch}
+        )
+        return response.content
+
+    async def logs(self, invocation_id: str, request: wire.LogsRequest) -> None:
+        await self._post(_route(invocation_id, "logs"), request)
+
+    async def upload_result(self, invocation_id: str, epoch: int, data: bytes) -> wire.BlobRef:
+        """Stream a result too big to inline; the answer names the blob for ``complete``."""
+        response = await self._send(
+            "PUT",
+            _route(invocation_id, "result"),
+            params={"epoch": epoch},
+            content=_chunks(data),
+            headers={"Content-Type": wire.OCTET_STREAM, "Content-Length": str(len(data))},
+        )
+        return _decode(_blob_decoder, response)
+
+    async def complete(self, invocation_id: str, request: wire.CompleteRequest) -> None:
+        await self._post(_route(invocation_id, "complete"), request)
+
+    async def _post(
+        self, path: str, body: msgspec.Struct, *, timeout_s: float | None = None
+    ) -> httpx.Response:
+        return await self._send(
+            "POST",
+            path,
+            content=_encoder.encode(body),
+            headers={"Content-Type": "application/json"},
+            timeout_s=timeout_s,
+        )
+
+    async def _send(
+        self, method: str, path: str, *, timeout_s: float | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            response = await self._http.request(method, path, timeout=timeout, **kwargs)
+        except httpx.HTTPError as exc:
+            # Timeouts stringify as "": the type name alone says what happened.
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise GatewayUnavailable(f"{method} {path} failed: {reason}") from exc
+        if response.is_error:
+            raise _error_for(method, path, response)
+        return response
+
+
+def _route(invocation_id: str, action: str) -> str:
+    return f"/v1/node/invocations/{quote(invocation_id, safe='')}/{action}"
+
+
+def _decode(decoder: msgspec.json.Decoder[_T], response: httpx.Response) -> _T:
+    try:
+        return decoder.decode(response.content)
+    except msgspec.DecodeError as exc:
+        request = response.request
+        raise GatewayRejected(
+            f"{request.method} {request.url.path} answered a malformed body: {exc}",
+            status=response.status_code,
+        ) from exc
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    view = memoryview(data)
+    for offset in range(0, len(data), UPLOAD_CHUNK):
+        yield bytes(view[offset : offset + UPLOAD_CHUNK])
+
+
+def _error_for(method: str, path: str, response: httpx.Response) -> NodeletError:
+    """The one place that maps an HTTP error answer to a nodelet exception."""
+    status = response.status_code
+    detail = _detail(response)
+    where = f"{method} {path} answered {status}"
+    if status in (401, 403):
+        return AuthRejected(
+            f"{where}: the gateway rejected the node token ({detail}); "
+            "check the node token file and that the node is still enrolled",
+            status=status,
+            detail=detail,
+        )
+    if status == 409:
+        return StaleAttempt(f"{where}: {detail}", status=status, detail=detail)
+    if status == 429 or status >= 500:
+        return GatewayUnavailable(f"{where}: {detail}", status=status, detail=detail)
+    return GatewayRejected(f"{where}: {detail}", status=status, detail=detail)
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        problem = _problem_decoder.decode(response.content)
+    except msgspec.DecodeError:
+        return response.text[:200] or response.reason_phrase
+    return problem.detail or problem.title

@@ -1,0 +1,53 @@
+"""The nodelet's settings, read once at start."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import msgspec
+
+
+class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How one nodelet runs. Validated on construction; errors name the bad setting."""
+
+    gateway_url: str
+    token: str
+    name: str = msgspec.field(default_factory=socket.gethostname)
+    # None: discover NVIDIA GPUs, falling back to 2 fake ones when there are none.
+    fake_gpus: int | None = None
+    cpu_slots: int = 0  # 0: os.cpu_count()
+    spare_workers: int = 2  # idle worker processes kept started ahead of demand
+    work_dir: str = ""  # empty: a fresh temporary directory
+    http_timeout_s: float = 10.0  # on top of the long-poll hold for poll requests
+    log_flush_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        problems = _problems(self)
+        if problems:
+            raise ValueError("invalid nodelet config: " + "; ".join(problems))
+
+    @property
+    def effective_cpu_slots(self) -> int:
+        """``cpu_slots``, or the machine's CPU count when it is 0."""
+        return self.cpu_slots or os.cpu_count() or 1
+
+
+def _problems(config: NodeletConfig) -> list[str]:
+    checks = [
+        (
+            config.gateway_url.startswith(("http://", "https://")),
+            f"gateway_url must start with http:// or https://, got {config.gateway_url!r}",
+        ),
+        (bool(config.token.strip()), "token is empty: pass the node token (bn_...)"),
+        (bool(config.name.strip()), "name is empty: give the node a name"),
+        (
+            config.fake_gpus is None or config.fake_gpus >= 0,
+            f"fake_gpus must be None (discover) or >= 0, got {config.fake_gpus}",
+        ),
+        (config.cpu_slots >= 0, f"cpu_slots must be >= 0 (0 = all CPUs), got {config.cpu_slots}"),
+        (config.spare_workers >= 0, f"spare_workers must be >= 0, got {config.spare_workers}"),
+        (config.http_timeout_s > 0, f"http_timeout_s must be > 0, got {config.http_timeout_s}"),
+        (config.log_flush_s > 0, f"log_flush_s must be > 0, got {config.log_flush_s}"),
+    ]
+    return [message for ok, message in checks if not ok]

@@ -1,0 +1,141 @@
+"""Log shipping: a worker's stdout/stderr, in order, to the gateway's logs route.
+
+Output is read in chunks as it comes (never split by lines: ``\\r`` progress bars must survive)
+and posted by ONE sender per attempt, so chunks keep their order. Each batch names the position
+of its first chunk (``first_seq``), which makes a retried post idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import Callable
+
+from bulletin import wire
+from nodelet.backoff import Backoff
+from nodelet.client import GatewayClient
+from nodelet.errors import GatewayUnavailable, NodeletError, StaleAttempt
+
+log = logging.getLogger(__name__)
+
+READ_SIZE = 65536
+#: Flush at once when this much output is pending, without waiting for the flush interval.
+URGENT_BYTES = 256 * 1024
+#: Upper bound on one request's chunk bytes (JSON base64 adds a third on top).
+MAX_BATCH_BYTES = 1024 * 1024
+#: Past this much unsent output, stop reading the pipes: the worker then blocks on its writes
+#: instead of the nodelet buffering without bound while the gateway is slow or away.
+MAX_PENDING_BYTES = 16 * 1024 * 1024
+
+
+class LogShipper:
+    """Collects one attempt's output and posts it in order through one sender."""
+
+    def __init__(
+        self,
+        client: GatewayClient,
+        attempt: wire.Attempt,
+        *,
+        flush_s: float,
+        on_stale: Callable[[], None],
+    ) -> None:
+        self._client = client
+        self._attempt = attempt
+        self._flush_s = flush_s
+        self._on_stale = on_stale
+        self._pending: collections.deque[wire.NodeLogChunk] = collections.deque()
+        self._pending_bytes = 0
+        self._sent = 0  # chunks the gateway has accepted: the next batch's first_seq
+        self._has_data = asyncio.Event()
+        self._urgent = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._closing = False
+        self._stopped = False
+        self.stale: StaleAttempt | None = None
+
+    async def pump(self, reader: asyncio.StreamReader, stream: wire.Stream) -> None:
+        """Read ``reader`` until EOF, queueing what arrives."""
+        while data := await reader.read(READ_SIZE):
+            self.add(stream, data)
+            await self._room.wait()
+
+    def add(self, stream: wire.Stream, data: bytes) -> None:
+        if self._stopped:
+            return
+        last = self._pending[-1] if self._pending else None
+        if last is not None and last.stream == stream and len(last.data) + len(data) <= READ_SIZE:
+            # Merge small writes (a progress bar's) so the gateway stores fewer, fuller chunks.
+            self._pending[-1] = wire.NodeLogChunk(stream=stream, data=last.data + data)
+        else:
+            self._pending.append(wire.NodeLogChunk(stream=stream, data=data))
+        self._pending_bytes += len(data)
+        self._has_data.set()
+        if self._pending_bytes >= URGENT_BYTES:
+            self._urgent.set()
+        if self._pending_bytes >= MAX_PENDING_BYTES:
+            self._room.clear()
+
+    async def run(self) -> None:
+        """The sender: returns once :meth:`close` was called and everything was posted."""
+        try:
+            while await self._next_round():
+                batch = self._take()
+                if batch:
+                    await self._post(batch)
+        except StaleAttempt as exc:
+            self.stale = exc
+            self._on_stale()
+        except NodeletError as exc:
+            # Not the attempt's fault: stop shipping its output but let it finish and complete.
+            log.error("dropping the rest of the output of %s: %s", self._describe(), exc)
+        self._stopped = True
+        self._pending.clear()
+        self._room.set()  # the pipes must still be drained, or the worker blocks for ever
+
+    def close(self) -> None:
+        """No more output will come: post what is pending, then let :meth:`run` return."""
+        self._closing = True
+        self._has_data.set()
+        self._urgent.set()
+
+    async def _next_round(self) -> bool:
+        await self._has_data.wait()
+        if not self._urgent.is_set():
+            # Linger a little so a burst of small writes goes out as one request.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._urgent.wait(), self._flush_s)
+        return bool(self._pending) or not self._closing
+
+    def _take(self) -> list[wire.NodeLogChunk]:
+        batch: list[wire.NodeLogChunk] = []
+        size = 0
+        while self._pending and (not batch or size + len(self._pending[0].data) <= MAX_BATCH_BYTES):
+            chunk = self._pending.popleft()
+            batch.append(chunk)
+            size += len(chunk.data)
+        self._pending_bytes -= size
+        if not self._pending and not self._closing:
+            self._has_data.clear()
+        if self._pending_bytes < URGENT_BYTES and not self._closing:
+            self._urgent.clear()
+        if self._pending_bytes < MAX_PENDING_BYTES:
+            self._room.set()
+        return batch
+
+    async def _post(self, batch: list[wire.NodeLogChunk]) -> None:
+        request = wire.LogsRequest(epoch=self._attempt.epoch, first_seq=self._sent, chunks=batch)
+        backoff = Backoff()
+        while True:
+            try:
+                await self._client.logs(self._attempt.invocation_id, request)
+                break
+            except GatewayUnavailable as exc:
+                log.warning("posting logs of %s failed (%s); retrying", self._describe(), exc)
+                await backoff.sleep()
+        self._sent += len(batch)
+
+    def _describe(self) -> str:
+        return f"invocation {self._attempt.invocation_id} epoch {self._attempt.epoch}"

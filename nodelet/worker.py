@@ -1,0 +1,199 @@
+"""The worker process: runs exactly one call, then exits.
+
+Started as ``python -m nodelet.worker`` by :mod:`nodelet.workers`. It reads one length-prefixed
+msgpack :class:`~bulletin.wire.WorkerTask` from stdin, unpickles the call (the only place on a
+node where user data is unpickled), runs it with stdout/stderr on the nodelet's pipes, and
+leaves a :class:`~bulletin.wire.WorkerOutcome` at ``task.result_path``.
+
+Imports stay light (stdlib, cloudpickle, msgspec, the wire module): a worker must start fast.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import sys
+import traceback
+from types import TracebackType
+from typing import IO, Any
+
+import cloudpickle
+import msgspec
+
+from bulletin import wire
+
+_PR_SET_PDEATHSIG = 1
+_SIGKILL = 9
+_task_decoder = msgspec.msgpack.Decoder(wire.WorkerTask)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def frame(task: wire.WorkerTask) -> tuple[bytes, bytes]:
+    """The length prefix and body a worker expects on its stdin."""
+    body = _encoder.encode(task)
+    return len(body).to_bytes(4, "big"), body
+
+
+def read_task(stream: IO[bytes]) -> wire.WorkerTask | None:
+    """One framed task from ``stream``, or None when it closes before a whole task arrives."""
+    prefix = stream.read(4)
+    if len(prefix) < 4:
+        return None
+    body = stream.read(int.from_bytes(prefix, "big"))
+    return _task_decoder.decode(body)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the nodelet dies, so no worker outlives it."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
+    # The parent may have died before prctl took effect: then no signal will ever come.
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def run_task(task: wire.WorkerTask) -> wire.WorkerOutcome:
+    """Prepare the environment, unpickle the call and run it."""
+    os.environ.update(task.env)
+    # The gateway's GPU choice wins over anything in task.env.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, task.gpu_indices))
+    try:
+        loaded = cloudpickle.loads(task.payload)
+    except Exception as exc:
+        return _bad_payload(exc)
+    if not (isinstance(loaded, tuple) and len(loaded) == 3):
+        return _not_a_call(loaded)
+    fn, args, kwargs = loaded
+    return call(fn, args, kwargs)
+
+
+def call(fn: Any, args: Any, kwargs: Any) -> wire.WorkerOutcome:
+    """Run ``fn(*args, **kwargs)`` and describe how it went."""
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException as exc:
+        # BaseException: sys.exit() or KeyboardInterrupt in user code is still the user's doing.
+        return _user_error(exc)
+    try:
+        result = cloudpickle.dumps(value)
+    except Exception as exc:
+        return _unpicklable_result(fn, value, exc)
+    return wire.WorkerOutcome(ok=True, result=result)
+
+
+def _user_error(exc: BaseException) -> wire.WorkerOutcome:
+    return wire.WorkerOutcome(
+        ok=False,
+        result=_pickled_or_none(exc),
+        error_kind=wire.ErrorKind.USER,
+        error_type=type_name(exc),
+        error_message=str(exc),
+        traceback=user_traceback(exc),
+    )
+
+
+def _unpicklable_result(fn: Any, value: Any, exc: Exception) -> wire.WorkerOutcome:
+    name = getattr(fn, "__qualname__", repr(fn))
+    return wire.WorkerOutcome(
+        ok=False,
+        result=_pickled_or_none(exc),
+        error_kind=wire.ErrorKind.USER,
+        error_type=type_name(exc),
+        error_message=(
+            f"the return value of {name} (a {type_name(value)}) could not be pickled: "
+            f"{type_name(exc)}: {exc}; return plain data, tensors or picklable objects"
+        ),
+        traceback=user_traceback(exc),
+    )
+
+
+def _bad_payload(exc: Exception) -> wire.WorkerOutcome:
+    if isinstance(exc, ModuleNotFoundError):
+        message = (
+            f"the call needs module {exc.name!r}, which is not installed on node "
+            f"{socket.gethostname()!r}: install it on the node, or ship it with the call "
+            f"(cloudpickle.register_pickle_by_value) if it is a local helper module"
+        )
+    else:
+        message = f"the call could not be unpickled on the node: {type_name(exc)}: {exc}"
+    return wire.WorkerOutcome(
+        ok=False,
+        error_kind=wire.ErrorKind.BAD_PAYLOAD,
+        error_type=type_name(exc),
+        error_message=message,
+        traceback="".join(traceback.format_exception(exc)),
+    )
+
+
+def _not_a_call(loaded: object) -> wire.WorkerOutcome:
+    return wire.WorkerOutcome(
+        ok=False,
+        error_kind=wire.ErrorKind.BAD_PAYLOAD,
+        error_type=type_name(loaded),
+        error_message=(
+            f"the payload is a pickled {type_name(loaded)}, not a (fn, args, kwargs) tuple"
+        ),
+    )
+
+
+def type_name(obj: object) -> str:
+    """The qualified name of ``obj``'s type, without the ``builtins.`` prefix."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The formatted traceback of ``exc`` without the worker's own frames on top."""
+    return "".join(traceback.format_exception(type(exc), exc, _trim(exc.__traceback__)))
+
+
+def _trim(tb: TracebackType | None) -> TracebackType | None:
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return tb
+
+
+def _pickled_or_none(obj: object) -> bytes | None:
+    try:
+        return cloudpickle.dumps(obj)
+    except Exception:
+        return None
+
+
+def write_outcome(path: str, outcome: wire.WorkerOutcome) -> None:
+    """Write atomically, so the nodelet never reads half an outcome."""
+    temp = f"{path}.tmp"
+    with open(temp, "wb") as file:
+        file.write(_encoder.encode(outcome))
+    os.replace(temp, path)
+
+
+def _flush(*streams: IO[str] | None) -> None:
+    for stream in streams:
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass  # the user closed or broke it; what was written is already on the pipe
+
+
+def main() -> None:
+    die_with_parent()
+    task = read_task(sys.stdin.buffer)
+    if task is None:
+        # The nodelet closed our stdin without a task: it is discarding a spare worker.
+        os._exit(0)
+    outcome = run_task(task)
+    write_outcome(task.result_path, outcome)
+    _flush(sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    # os._exit: threads the user left running must not keep a finished worker alive.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

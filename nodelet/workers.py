@@ -1,0 +1,172 @@
+"""Worker processes: one per call, pre-started so a call never waits for Python to boot.
+
+Workers are always exec'd (``python -m nodelet.worker``), never forked: forking a process that
+has imported torch or created a CUDA context is unsafe. Each worker leads its own session, so
+killing its process group also kills whatever the user's code spawned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping
+
+from bulletin import wire
+from nodelet.worker import frame
+
+log = logging.getLogger(__name__)
+
+#: How often the pool checks that its idle workers are still alive.
+_CHECK_S = 1.0
+_RESPAWN_BACKOFF_MAX_S = 5.0
+
+
+class Worker:
+    """A handle on one worker process."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    @property
+    def stdout(self) -> asyncio.StreamReader:
+        assert self.process.stdout is not None  # started with stdout=PIPE
+        return self.process.stdout
+
+    @property
+    def stderr(self) -> asyncio.StreamReader:
+        assert self.process.stderr is not None  # started with stderr=PIPE
+        return self.process.stderr
+
+    async def send(self, task: wire.WorkerTask) -> bool:
+        """Hand the worker its call and close its stdin. False if the worker is already gone."""
+        stdin = self.process.stdin
+        assert stdin is not None  # started with stdin=PIPE
+        prefix, body = frame(task)
+        try:
+            stdin.write(prefix)
+            stdin.write(body)
+            await stdin.drain()
+            stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            log.warning("worker %d exited before it received its task", self.pid)
+            return False
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL the worker's whole process group: the worker and anything it spawned."""
+        with contextlib.suppress(ProcessLookupError):  # already gone, children and all
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    async def wait(self) -> int:
+        return await self.process.wait()
+
+
+async def spawn_worker(*, cwd: str | None = None, env: Mapping[str, str] | None = None) -> Worker:
+    """Start one worker process; it waits for its task on stdin."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "nodelet.worker",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=cwd,
+        env=worker_env(env),
+        start_new_session=True,
+    )
+    return Worker(process)
+
+
+def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The nodelet's environment for a worker, unbuffered so logs stream as they are written."""
+    env = dict(os.environ)
+    env.update(extra or {})
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class WorkerPool:
+    """Keeps ``spares`` idle workers started; :meth:`maintain` refills it in the background."""
+
+    def __init__(
+        self, spares: int, *, cwd: str | None = None, env: Mapping[str, str] | None = None
+    ) -> None:
+        self.spares = spares
+        self._cwd = cwd
+        self._env = dict(env or {})
+        self._idle: collections.deque[Worker] = collections.deque()
+        self._wanted = asyncio.Event()
+        self._closed = False
+
+    async def acquire(self) -> Worker:
+        """A started worker: an idle one if there is one (then refilled), else a new one."""
+        self._wanted.set()
+        while self._idle:
+            worker = self._idle.popleft()
+            if worker.returncode is None:
+                return worker
+            await self._discard(worker)
+        return await self._spawn()
+
+    async def maintain(self) -> None:
+        """Run until cancelled, keeping ``spares`` idle workers alive."""
+        backoff = 0.1
+        while not self._closed:
+            try:
+                await self._refill()
+                backoff = 0.1
+            except OSError as exc:
+                log.error("cannot start a worker process (%s); retrying in %.1f s", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _RESPAWN_BACKOFF_MAX_S)
+                continue
+            self._wanted.clear()
+            with contextlib.suppress(TimeoutError):  # time for the periodic liveness check
+                await asyncio.wait_for(self._wanted.wait(), _CHECK_S)
+
+    async def close(self) -> None:
+        """Kill every idle worker. Workers already acquired belong to their attempts."""
+        self._closed = True
+        idle, self._idle = list(self._idle), collections.deque()
+        for worker in idle:
+            worker.kill()
+        for worker in idle:
+            await worker.wait()
+
+    async def _refill(self) -> None:
+        for worker in [w for w in self._idle if w.returncode is not None]:
+            self._idle.remove(worker)
+            await self._discard(worker)
+        while len(self._idle) < self.spares and not self._closed:
+            worker = await self._spawn()
+            if self._closed:
+                worker.kill()  # close() ran while this one was starting
+                await worker.wait()
+            else:
+                self._idle.append(worker)
+
+    async def _spawn(self) -> Worker:
+        return await spawn_worker(cwd=self._cwd, env=self._env)
+
+    async def _discard(self, worker: Worker) -> None:
+        # An idle worker that died on its own usually failed to start; its stderr says why.
+        stderr = await worker.stderr.read()
+        log.warning(
+            "idle worker %d exited with %s: %s",
+            worker.pid,
+            worker.returncode,
+            stderr.decode(errors="replace").strip()[-2000:] or "no output",
+        )

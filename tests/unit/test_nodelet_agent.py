@@ -1,0 +1,71 @@
+"""The agent's shutdown and the attempt's exit descriptions, without a gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from nodelet.agent import serve
+from nodelet.attempt import describe_exit
+from nodelet.config import NodeletConfig
+
+
+def _stop_after(delay_s: float, config: NodeletConfig) -> float:
+    """Run serve() and set its stop event after ``delay_s``; how long serve() took."""
+
+    async def main() -> float:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(delay_s, stop.set)
+        started = time.monotonic()
+        await asyncio.wait_for(serve(config, stop), 10)
+        return time.monotonic() - started
+
+    return asyncio.run(main())
+
+
+def _config(url: str, tmp_path: Path) -> NodeletConfig:
+    return NodeletConfig(
+        gateway_url=url, token="bn_test", fake_gpus=1, spare_workers=1, work_dir=str(tmp_path)
+    )
+
+
+def test_stop_while_the_gateway_refuses_connections(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # Nothing listens on the port: registration keeps failing and backing off.
+    elapsed = _stop_after(0.5, _config(f"http://127.0.0.1:{port}", tmp_path))
+    assert elapsed < 2.5
+    assert tmp_path.is_dir()  # a work_dir the operator chose is left in place
+
+
+def test_stop_while_registration_hangs(tmp_path: Path) -> None:
+    # A gateway that accepts connections but never answers: registration would wait for the
+    # full HTTP timeout (10 s), yet stop must not.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        elapsed = _stop_after(0.5, _config(f"http://127.0.0.1:{port}", tmp_path))
+    assert elapsed < 2.5
+
+
+@pytest.mark.parametrize(
+    ("returncode", "message"),
+    [
+        (
+            -signal.SIGKILL,
+            "worker process was killed by signal 9 (SIGKILL) — often the out-of-memory killer",
+        ),
+        (-signal.SIGSEGV, "worker process was killed by signal 11 (SIGSEGV)"),
+        (3, "worker process exited with code 3 without leaving a result"),
+        (None, "worker process vanished without leaving a result"),
+    ],
+)
+def test_worker_exit_descriptions(returncode: int | None, message: str) -> None:
+    assert describe_exit(returncode) == message

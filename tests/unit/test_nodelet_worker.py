@@ -1,0 +1,276 @@
+"""The worker process, run for real: one framed WorkerTask in, one WorkerOutcome out."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import cloudpickle
+import msgspec
+import pytest
+
+from bulletin import wire
+from nodelet.worker import frame
+
+# The worker cannot import this test module, so functions defined here travel by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+_outcome_decoder = msgspec.msgpack.Decoder(wire.WorkerOutcome)
+
+
+class Finished(msgspec.Struct):
+    outcome: wire.WorkerOutcome | None
+    stdout: bytes
+    stderr: bytes
+    returncode: int
+
+
+def run_worker(
+    tmp_path: Path,
+    payload: bytes,
+    *,
+    gpu_indices: list[int] | None = None,
+    env: dict[str, str] | None = None,
+) -> Finished:
+    """Start ``python -m nodelet.worker`` as the nodelet does and hand it one task."""
+    result_path = tmp_path / "outcome.msgpack"
+    task = wire.WorkerTask(
+        invocation_id="inv-1",
+        payload=payload,
+        result_path=str(result_path),
+        gpu_indices=gpu_indices or [],
+        env=env or {},
+    )
+    worker_env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    worker_env["PYTHONUNBUFFERED"] = "1"
+    prefix, body = frame(task)
+    done = subprocess.run(
+        [sys.executable, "-m", "nodelet.worker"],
+        input=prefix + body,
+        capture_output=True,
+        env=worker_env,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
+    outcome = _outcome_decoder.decode(result_path.read_bytes()) if result_path.exists() else None
+    return Finished(
+        outcome=outcome, stdout=done.stdout, stderr=done.stderr, returncode=done.returncode
+    )
+
+
+def call(fn: object, *args: object, **kwargs: object) -> bytes:
+    return cloudpickle.dumps((fn, args, kwargs))
+
+
+def add(a: int, b: int, *, scale: int = 1) -> dict[str, int]:
+    return {"sum": (a + b) * scale}
+
+
+class TrainingDiverged(Exception):
+    pass
+
+
+def train_step(loss: float) -> None:
+    raise TrainingDiverged(f"loss is {loss}")
+
+
+def test_success_round_trips_the_value(tmp_path: Path) -> None:
+    done = run_worker(tmp_path, call(add, 2, 3, scale=10))
+    assert done.returncode == 0, done.stderr
+    assert done.outcome is not None
+    assert done.outcome.ok is True
+    assert done.outcome.error_kind is None
+    assert done.outcome.result is not None
+    assert cloudpickle.loads(done.outcome.result) == {"sum": 50}
+    assert not list(tmp_path.glob("*.tmp")), "the temporary outcome file was left behind"
+
+
+def test_user_exception_is_pickled_with_its_traceback(tmp_path: Path) -> None:
+    done = run_worker(tmp_path, call(train_step, 3.5))
+    assert done.returncode == 0, done.stderr
+    outcome = done.outcome
+    assert outcome is not None
+    assert outcome.ok is False
+    assert outcome.error_kind == wire.ErrorKind.USER
+    assert outcome.error_type == f"{__name__}.TrainingDiverged"
+    assert outcome.error_message == "loss is 3.5"
+    assert outcome.traceback is not None
+    assert "train_step" in outcome.traceback
+    assert "TrainingDiverged: loss is 3.5" in outcome.traceback
+    assert "nodelet/worker.py" not in outcome.traceback  # the worker's own frames are trimmed
+    assert outcome.result is not None
+    error = cloudpickle.loads(outcome.result)
+    assert type(error).__name__ == "TrainingDiverged"
+    assert str(error) == "loss is 3.5"
+
+
+def test_builtin_exception_type_has_no_module_prefix(tmp_path: Path) -> None:
+    done = run_worker(tmp_path, call(int, "not a number"))
+    assert done.outcome is not None
+    assert done.outcome.error_type == "ValueError"
+    assert done.outcome.error_message == "invalid literal for int() with base 10: 'not a number'"
+
+
+def make_lock() -> object:
+    import threading
+
+    return threading.Lock()
+
+
+def test_unpicklable_return_value_is_a_user_error(tmp_path: Path) -> None:
+    done = run_worker(tmp_path, call(make_lock))
+    outcome = done.outcome
+    assert outcome is not None
+    assert outcome.ok is False
+    assert outcome.error_kind == wire.ErrorKind.USER
+    assert outcome.error_message is not None
+    assert "return value of make_lock" in outcome.error_message
+    assert "could not be pickled" in outcome.error_message
+    assert "lock" in outcome.error_message
+
+
+def test_missing_module_is_a_bad_payload_naming_it(tmp_path: Path) -> None:
+    module_dir = tmp_path / "only_on_the_notebook_side"
+    module_dir.mkdir()
+    (module_dir / "bulletin_test_helpers_xyz.py").write_text(
+        "class Batch:\n    def __init__(self, n):\n        self.n = n\n"
+    )
+    sys.path.insert(0, str(module_dir))
+    try:
+        import bulletin_test_helpers_xyz  # type: ignore[import-not-found]
+
+        payload = call(len, [bulletin_test_helpers_xyz.Batch(3)])
+    finally:
+        sys.path.remove(str(module_dir))
+        sys.modules.pop("bulletin_test_helpers_xyz", None)
+
+    done = run_worker(tmp_path, payload)
+    assert done.returncode == 0, done.stderr
+    outcome = done.outcome
+    assert outcome is not None
+    assert outcome.ok is False
+    assert outcome.error_kind == wire.ErrorKind.BAD_PAYLOAD
+    assert outcome.error_type == "ModuleNotFoundError"
+    assert outcome.error_message is not None
+    assert "'bulletin_test_helpers_xyz'" in outcome.error_message
+    assert "install it on the node" in outcome.error_message
+    assert outcome.traceback is not None
+    assert "No module named 'bulletin_test_helpers_xyz'" in outcome.traceback
+    assert outcome.result is None
+
+
+def test_payload_that_is_not_a_call_is_a_bad_payload(tmp_path: Path) -> None:
+    done = run_worker(tmp_path, cloudpickle.dumps({"not": "a call"}))
+    outcome = done.outcome
+    assert outcome is not None
+    assert outcome.error_kind == wire.ErrorKind.BAD_PAYLOAD
+    assert outcome.error_message == "the payload is a pickled dict, not a (fn, args, kwargs) tuple"
+
+
+def chatty() -> str:
+    import sys
+
+    print("epoch 1 done")
+    for step in (1, 2, 3):
+        sys.stderr.write(f"\rtraining {step}/3")
+    sys.stderr.write("\n")
+    print("epoch 2 done", flush=True)
+    return "trained"
+
+
+def test_output_goes_to_the_worker_pipes_with_carriage_returns(tmp_path: Path) -> None:
+    done = run_worker(tmp_path, call(chatty))
+    assert done.outcome is not None
+    assert done.outcome.ok is True
+    assert done.stdout == b"epoch 1 done\nepoch 2 done\n"
+    assert done.stderr == b"\rtraining 1/3\rtraining 2/3\rtraining 3/3\n"
+
+
+def visible_devices() -> str:
+    import os
+
+    return os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+def read_env(name: str) -> str | None:
+    import os
+
+    return os.environ.get(name)
+
+
+@pytest.mark.parametrize(("gpu_indices", "expected"), [([1, 3], "1,3"), ([], "")])
+def test_cuda_visible_devices_comes_from_gpu_indices(
+    tmp_path: Path, gpu_indices: list[int], expected: str
+) -> None:
+    done = run_worker(tmp_path, call(visible_devices), gpu_indices=gpu_indices)
+    assert done.outcome is not None
+    assert done.outcome.result is not None
+    assert cloudpickle.loads(done.outcome.result) == expected
+
+
+def test_task_env_is_applied(tmp_path: Path) -> None:
+    done = run_worker(
+        tmp_path, call(read_env, "BULLETIN_TEST_VAR"), env={"BULLETIN_TEST_VAR": "42"}
+    )
+    assert done.outcome is not None
+    assert done.outcome.result is not None
+    assert cloudpickle.loads(done.outcome.result) == "42"
+
+
+def test_closed_stdin_without_a_task_exits_quietly(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "nodelet.worker"],
+        input=b"",
+        capture_output=True,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0
+    assert done.stderr == b""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_worker_dies_with_its_parent(tmp_path: Path) -> None:
+    # A stand-in nodelet hands a worker a long call, prints the worker's pid and dies.
+    task = wire.WorkerTask(
+        invocation_id="inv-1",
+        payload=call(time.sleep, 60),
+        result_path=str(tmp_path / "outcome.msgpack"),
+    )
+    (tmp_path / "task.bin").write_bytes(b"".join(frame(task)))
+    parent = textwrap.dedent(
+        f"""
+        import subprocess, sys, time
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "nodelet.worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        worker.stdin.write(open({str(tmp_path / "task.bin")!r}, "rb").read())
+        worker.stdin.close()
+        time.sleep(1.0)  # the worker is now inside time.sleep(60)
+        print(worker.pid, flush=True)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", parent], capture_output=True, timeout=60, check=True
+    )
+    worker_pid = int(done.stdout)
+    deadline = time.monotonic() + 10
+    while _alive(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker_pid), "the worker outlived its parent"
+
+
+def _alive(pid: int) -> bool:
+    # A dead worker may linger as a zombie until init reaps it; that counts as dead.
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return status.rsplit(")", 1)[1].split()[0] != "Z"

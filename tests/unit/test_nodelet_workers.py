@@ -1,0 +1,108 @@
+"""WorkerPool and Worker with real worker processes (POSIX: process groups, SIGKILL)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import cloudpickle
+import msgspec
+
+from bulletin import wire
+from nodelet.workers import WorkerPool
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def spawn_grandchild_and_hang() -> None:
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(child.pid, flush=True)
+    time.sleep(600)
+
+
+def greet(name: str) -> str:
+    print(f"hello {name}")
+    return name.upper()
+
+
+def _task(tmp_path: Path, fn: object, *args: object) -> wire.WorkerTask:
+    return wire.WorkerTask(
+        invocation_id="inv",
+        payload=cloudpickle.dumps((fn, args, {})),
+        result_path=str(tmp_path / "outcome.msgpack"),
+    )
+
+
+def test_acquire_hands_out_a_spare_and_refills(tmp_path: Path) -> None:
+    asyncio.run(_acquire_hands_out_a_spare_and_refills(tmp_path))
+
+
+async def _acquire_hands_out_a_spare_and_refills(tmp_path: Path) -> None:
+    pool = WorkerPool(1, cwd=str(tmp_path))
+    maintainer = asyncio.create_task(pool.maintain())
+    try:
+        await _until(lambda: len(pool._idle) == 1)
+        spare = pool._idle[0]
+        worker = await pool.acquire()
+        assert worker is spare
+        await _until(lambda: len(pool._idle) == 1 and pool._idle[0] is not spare)
+        assert await worker.send(_task(tmp_path, greet, "ada"))
+        output = await worker.stdout.read()
+        assert await worker.wait() == 0
+        assert output == b"hello ada\n"
+        outcome = msgspec.msgpack.decode(
+            (tmp_path / "outcome.msgpack").read_bytes(), type=wire.WorkerOutcome
+        )
+        assert cloudpickle.loads(outcome.result or b"") == "ADA"
+    finally:
+        maintainer.cancel()
+        await pool.close()
+    assert not pool._idle
+
+
+def test_without_spares_acquire_starts_a_worker(tmp_path: Path) -> None:
+    asyncio.run(_without_spares_acquire_starts_a_worker(tmp_path))
+
+
+async def _without_spares_acquire_starts_a_worker(tmp_path: Path) -> None:
+    pool = WorkerPool(0, cwd=str(tmp_path))
+    worker = await pool.acquire()
+    assert worker.returncode is None
+    worker.kill()
+    assert await worker.wait() == -9
+
+
+def test_kill_takes_the_whole_process_group(tmp_path: Path) -> None:
+    asyncio.run(_kill_takes_the_whole_process_group(tmp_path))
+
+
+async def _kill_takes_the_whole_process_group(tmp_path: Path) -> None:
+    pool = WorkerPool(0, cwd=str(tmp_path))
+    worker = await pool.acquire()
+    await worker.send(_task(tmp_path, spawn_grandchild_and_hang))
+    grandchild = int(await asyncio.wait_for(worker.stdout.readline(), 30))
+    worker.kill()
+    assert await worker.wait() == -9
+    await _until(lambda: not _alive(grandchild))
+    worker.kill()  # killing again is harmless
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def _until(condition: object, timeout_s: float = 30.0) -> None:
+    assert callable(condition)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never became true"
+        await asyncio.sleep(0.02)
