@@ -1,0 +1,147 @@
+"""A handle on one remote invocation, and the submit/cancel steps every call goes through."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Generic, TypeVar
+
+from bulletin import wire
+from sdk import outcome
+from sdk.client import Client
+from sdk.config import default_client
+from sdk.errors import BulletinError, ResultTimeout
+from sdk.watcher import Watcher
+
+R = TypeVar("R")
+
+_log = logging.getLogger(__name__)
+
+#: How long best-effort cancellation (after Ctrl-C, or of an abandoned map) may take in all.
+CANCEL_DEADLINE_S = 3.0
+_CANCEL_THREADS = 8
+
+
+class Call(Generic[R]):
+    """A remote invocation: wait for its result, cancel it, or look at its state.
+
+    Made by ``Function.spawn``, or by ``Call.from_id`` to re-attach to an invocation made
+    earlier (for instance before a kernel restart).
+    """
+
+    def __init__(self, invocation_id: str, client: Client) -> None:
+        self._id = invocation_id
+        self._client = client
+        self._watcher = Watcher(client)
+        self._final: wire.Invocation | None = None
+
+    @classmethod
+    def from_id(cls, invocation_id: str, *, client: Client | None = None) -> Call[Any]:
+        """Re-attach to an invocation by id. Raises ``NotFoundError`` if there is none."""
+        client = client or default_client()
+        client.get(invocation_id)  # fail here, not at the first result()
+        return cls(invocation_id, client)
+
+    def __repr__(self) -> str:
+        return f"<sdk.Call {self._id}>"
+
+    @property
+    def id(self) -> str:
+        """The invocation id."""
+        return self._id
+
+    def result(self, timeout: float | None = None) -> R:
+        """Wait for the call and return its value, printing its output live meanwhile.
+
+        Re-raises the remote exception (see ``sdk.errors``). With ``timeout`` (seconds),
+        raises ``ResultTimeout`` when the wait runs out; the call keeps running. Ctrl-C
+        cancels the call and re-raises ``KeyboardInterrupt``.
+        """
+        try:
+            invocation = self._wait(timeout)
+        except KeyboardInterrupt:
+            cancel_quietly(self._client, [self._id])
+            raise
+        value: R = outcome.unwrap(invocation, self._client)
+        return value
+
+    def cancel(self) -> None:
+        """Ask the gateway to cancel the call; cancelling a finished call changes nothing."""
+        self._client.cancel(self._id)
+
+    def status(self) -> str:
+        """The current state: queued, assigned, running, succeeded, failed, timed_out, cancelled."""
+        return self.info().state.value
+
+    def info(self) -> wire.Invocation:
+        """Everything the gateway knows of the call (state, node, attempts, timeline...)."""
+        return self._client.get(self._id)
+
+    def _wait(self, timeout: float | None) -> wire.Invocation:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._final is None:
+            hold = self._client.watch_timeout_s
+            if deadline is not None:
+                hold = max(0.0, min(hold, deadline - time.monotonic()))
+            self._final = self._watcher.poll([self._id], hold).get(self._id)
+            if self._final is None and deadline is not None and time.monotonic() >= deadline:
+                raise ResultTimeout(
+                    f"Call {self._id} did not finish within {timeout:g} s; it keeps running. "
+                    "Call .result() again to keep waiting, or .cancel() to stop it.",
+                    invocation_id=self._id,
+                )
+        return self._final
+
+
+def submit(client: Client, specs: Sequence[wire.CallSpec]) -> list[str]:
+    """Submit calls; if Ctrl-C interrupts, cancel whatever the gateway may have created."""
+    try:
+        return client.submit(specs)
+    except KeyboardInterrupt:
+        _withdraw(client, specs)
+        raise
+
+
+def _withdraw(client: Client, specs: Sequence[wire.CallSpec]) -> None:
+    # Re-submitting with the same idempotency keys is the only way to learn the ids of the
+    # calls that were created; those that were not get created only to be cancelled at once.
+    try:
+        ids = client.submit(specs, deadline_s=CANCEL_DEADLINE_S)
+    except BulletinError as exc:
+        _log.warning(
+            "Could not cancel an interrupted submission of %d call(s): %s", len(specs), exc
+        )
+        return
+    cancel_quietly(client, ids)
+
+
+def cancel_quietly(client: Client, ids: Sequence[str]) -> None:
+    """Best-effort cancellation: bounded by ``CANCEL_DEADLINE_S`` in all, never raises."""
+    if not ids:
+        return
+    deadline = time.monotonic() + CANCEL_DEADLINE_S
+
+    def cancel(invocation_id: str) -> bool:
+        left = deadline - time.monotonic()
+        return left > 0 and _cancel(client, invocation_id, left)
+
+    if len(ids) == 1:
+        done = [cancel(ids[0])]
+    else:
+        with ThreadPoolExecutor(min(_CANCEL_THREADS, len(ids))) as pool:
+            done = list(pool.map(cancel, ids))
+    failed = [i for i, ok in zip(ids, done, strict=True) if not ok]
+    if failed:
+        _log.warning(
+            "Could not cancel %d call(s); they may keep running: %s", len(failed), failed[:10]
+        )
+
+
+def _cancel(client: Client, invocation_id: str, deadline_s: float) -> bool:
+    try:
+        client.cancel(invocation_id, deadline_s=deadline_s)
+    except BulletinError:
+        return False
+    return True

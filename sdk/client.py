@@ -1,0 +1,299 @@
+"""The HTTP client of the gateway's user routes (``docs/protocol.md``).
+
+Every request goes through ``Client._request``: it retries transport errors and 502/503/504
+with exponential backoff until a deadline (every user route is idempotent: submissions carry
+idempotency keys, the rest read or cancel), and ``error_for`` turns every other error answer
+into an sdk exception, so no httpx exception ever reaches the user.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar, cast
+from urllib.parse import quote
+
+import httpx
+import msgspec
+
+from bulletin import wire
+from sdk.errors import (
+    AuthError,
+    ConfigError,
+    GatewayError,
+    GatewayUnreachable,
+    InvalidRequest,
+    NotFoundError,
+)
+
+T = TypeVar("T")
+Body = bytes | Callable[[], Iterable[bytes]] | None
+
+_log = logging.getLogger(__name__)
+
+_ENCODER = msgspec.json.Encoder()
+_SUBMITTED = msgspec.json.Decoder(wire.SubmitResponse)
+_INVOCATION = msgspec.json.Decoder(wire.Invocation)
+_INVOCATIONS = msgspec.json.Decoder(list[wire.Invocation])
+_WATCHED = msgspec.json.Decoder(wire.WatchResponse)
+_BLOB = msgspec.json.Decoder(wire.BlobRef)
+_PROBLEM = msgspec.json.Decoder(wire.Problem)
+
+_JSON = {"Content-Type": "application/json"}
+#: Largest piece of a streamed upload: httpx's sync client sends one big bytes body in
+#: quadratic time, so blobs go as an iterator of slices of at most this size.
+UPLOAD_CHUNK = 4 * 1024 * 1024
+_RETRY_STATUS = frozenset({502, 503, 504})
+# Worth retrying: the gateway may be restarting or a replica going away. Not retried: errors
+# that will not heal by themselves (bad URL scheme, local protocol misuse).
+_TRANSIENT = (
+    httpx.TimeoutException,
+    httpx.NetworkError,
+    httpx.RemoteProtocolError,
+    httpx.ProxyError,
+)
+# Headroom of the HTTP read timeout over the gateway's long-poll hold.
+_LONG_POLL_MARGIN_S = 15.0
+
+
+class _Retry(Exception):
+    """A transient failure of one attempt (internal to ``Client._request``)."""
+
+
+class Client:
+    """A connection to one gateway, authenticated by a user token. Thread-safe.
+
+    Attributes that tune behaviour (class defaults, set them on an instance to change):
+    ``inline_limit`` (bytes; larger payloads are uploaded as blobs first),
+    ``watch_timeout_s`` (long-poll hold asked of the gateway), ``retry_deadline_s``,
+    ``backoff_initial_s`` and ``backoff_max_s`` (retrying transient failures).
+    """
+
+    inline_limit: int = 1024 * 1024
+    watch_timeout_s: float = 10.0
+    retry_deadline_s: float = 30.0
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 2.0
+
+    def __init__(self, url: str, token: str, *, timeout: float = 30.0) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"The gateway URL must start with http:// or https://, got {url!r}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}", "User-Agent": "bulletin-sdk"},
+            timeout=httpx.Timeout(timeout),
+        )
+
+    def __repr__(self) -> str:
+        return f"<sdk.Client {self.url}>"
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection pool. The client cannot be used afterwards."""
+        self._http.close()
+
+    # ------------------------------------------------------------------ routes
+
+    def submit(
+        self, calls: Sequence[wire.CallSpec], *, deadline_s: float | None = None
+    ) -> list[str]:
+        """Submit calls (at most ``wire.MAX_SUBMIT``); returns their ids in input order."""
+        body = _ENCODER.encode(wire.SubmitRequest(calls=list(calls)))
+        answer = self._request(
+            "POST",
+            "/v1/invocations",
+            body=body,
+            headers=_JSON,
+            read=_json(_SUBMITTED),
+            deadline_s=deadline_s,
+        )
+        if len(answer.ids) != len(calls):
+            raise GatewayError(f"The gateway returned {len(answer.ids)} ids for {len(calls)} calls")
+        return answer.ids
+
+    def get(self, invocation_id: str) -> wire.Invocation:
+        """The current state of one invocation."""
+        return self._request("GET", _path(invocation_id), read=_json(_INVOCATION))
+
+    def invocations(self, *, limit: int = 100) -> list[wire.Invocation]:
+        """The caller's invocations, newest first."""
+        params = {"limit": str(limit)}
+        return self._request("GET", "/v1/invocations", params=params, read=_json(_INVOCATIONS))
+
+    def cancel(self, invocation_id: str, *, deadline_s: float | None = None) -> wire.Invocation:
+        """Cancel one invocation; a finished one is returned unchanged."""
+        path = _path(invocation_id) + "/cancel"
+        return self._request("POST", path, read=_json(_INVOCATION), deadline_s=deadline_s)
+
+    def watch(
+        self, items: Sequence[wire.WatchItem], *, timeout_s: float | None = None
+    ) -> wire.WatchResponse:
+        """Long-poll for news (state changes, log chunks) on at most ``wire.MAX_WATCH`` items."""
+        hold = self.watch_timeout_s if timeout_s is None else timeout_s
+        body = _ENCODER.encode(wire.WatchRequest(items=list(items), timeout_s=hold))
+        return self._request(
+            "POST",
+            "/v1/invocations/watch",
+            body=body,
+            headers=_JSON,
+            read=_json(_WATCHED),
+            timeout=max(self.timeout, hold + _LONG_POLL_MARGIN_S),
+        )
+
+    def put_blob(self, data: bytes | bytearray | memoryview) -> wire.BlobRef:
+        """Upload raw bytes as a blob, streamed in slices of at most ``UPLOAD_CHUNK``."""
+        view = memoryview(data).cast("B")
+        headers = {"Content-Type": wire.OCTET_STREAM, "Content-Length": str(view.nbytes)}
+        return self._request(
+            "PUT", "/v1/blobs", body=lambda: _slices(view), headers=headers, read=_json(_BLOB)
+        )
+
+    def get_blob(self, blob_id: str) -> bytearray:
+        """Download a blob, streamed into one buffer."""
+        return self._request("GET", "/v1/blobs/" + quote(blob_id, safe=""), read=_collect)
+
+    # ------------------------------------------------------------------ transport
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        read: Callable[[httpx.Response], T],
+        body: Body = None,
+        headers: dict[str, str] | None = None,
+        params: dict[str, str] | None = None,
+        timeout: float | None = None,
+        deadline_s: float | None = None,
+    ) -> T:
+        """Send one request, retrying transient failures with backoff until the deadline."""
+        budget = self.retry_deadline_s if deadline_s is None else deadline_s
+        start = time.monotonic()
+        delay = self.backoff_initial_s
+        if deadline_s is not None:
+            timeout = min(timeout or self.timeout, deadline_s)
+        while True:
+            try:
+                return self._attempt(method, path, read, body, headers, params, timeout)
+            except _Retry as failure:
+                reason = str(failure)
+            if time.monotonic() - start + delay > budget:
+                raise GatewayUnreachable(_unreachable(self.url, reason, budget)) from None
+            _log.debug("%s %s failed (%s); retrying in %.2f s", method, path, reason, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, self.backoff_max_s)
+
+    def _attempt(
+        self,
+        method: str,
+        path: str,
+        read: Callable[[httpx.Response], T],
+        body: Body,
+        headers: dict[str, str] | None,
+        params: dict[str, str] | None,
+        timeout: float | None,
+    ) -> T:
+        """One try. Raises ``_Retry`` for a transient failure, an sdk exception otherwise."""
+        if self._http.is_closed:
+            raise GatewayError(f"{self!r} is closed")
+        content = body() if callable(body) else body
+        request = self._http.build_request(
+            method,
+            path,
+            content=content,
+            headers=headers,
+            params=params,
+            timeout=self.timeout if timeout is None else timeout,
+        )
+        try:
+            return self._exchange(request, read)
+        except _TRANSIENT as exc:
+            raise _Retry(f"{type(exc).__name__}: {exc}") from None
+        except httpx.HTTPError as exc:
+            raise GatewayError(f"{method} {self.url}{path} failed: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise GatewayError(f"Unexpected answer to {method} {path}: {exc}") from None
+
+    def _exchange(self, request: httpx.Request, read: Callable[[httpx.Response], T]) -> T:
+        response = self._http.send(request, stream=True)
+        try:
+            if response.status_code in _RETRY_STATUS:
+                raise _Retry(f"HTTP {response.status_code}")
+            if response.is_error:
+                response.read()
+                raise error_for(response)
+            return read(response)
+        finally:
+            response.close()
+
+
+def error_for(response: httpx.Response) -> GatewayError:
+    """The sdk exception for an error answer of the gateway (the one place they are mapped)."""
+    status = response.status_code
+    detail = _detail(response)
+    if status in (401, 403):
+        message = (
+            f"The gateway refused the token ({status}: {detail}). Check BULLETIN_TOKEN, or the "
+            "token in the client.toml that `bulletin up` wrote (BULLETIN_CONFIG)."
+        )
+        return AuthError(message, status=status, detail=detail)
+    if status == 404:
+        return NotFoundError(f"Not found: {detail}", status=status, detail=detail)
+    if status in (400, 413, 422):
+        return InvalidRequest(detail, status=status, detail=detail)
+    if status in _RETRY_STATUS:
+        return GatewayUnreachable(f"Gateway unavailable ({status}): {detail}", status=status)
+    return GatewayError(f"The gateway answered {status}: {detail}", status=status, detail=detail)
+
+
+def _detail(response: httpx.Response) -> str:
+    """The problem+json ``detail`` (or title) of an error answer, else its text."""
+    try:
+        problem = _PROBLEM.decode(response.content)
+    except msgspec.DecodeError:
+        return response.text[:500] or response.reason_phrase
+    return problem.detail or problem.title
+
+
+def _unreachable(url: str, reason: str, budget: float) -> str:
+    return (
+        f"Cannot reach the Bulletin gateway at {url} ({reason}; gave up after {budget:g} s). "
+        "Check that the cluster is up (`bulletin up`) and that BULLETIN_URL or the client.toml "
+        "in BULLETIN_CONFIG points at it."
+    )
+
+
+def _path(invocation_id: str) -> str:
+    return "/v1/invocations/" + quote(invocation_id, safe="")
+
+
+def _json(decoder: msgspec.json.Decoder[T]) -> Callable[[httpx.Response], T]:
+    def read(response: httpx.Response) -> T:
+        return decoder.decode(response.read())
+
+    return read
+
+
+def _collect(response: httpx.Response) -> bytearray:
+    buffer = bytearray()
+    for piece in response.iter_bytes():
+        buffer += piece
+    return buffer
+
+
+def _slices(view: memoryview) -> Iterable[bytes]:
+    # memoryview slices are zero-copy; the transport accepts any bytes-like chunk.
+    pieces: Iterator[Any] = (
+        view[start : start + UPLOAD_CHUNK] for start in range(0, view.nbytes, UPLOAD_CHUNK)
+    )
+    return cast(Iterator[bytes], pieces)

@@ -1,0 +1,117 @@
+"""Every exception the sdk raises on purpose.
+
+The tree::
+
+    BulletinError                       base of everything below
+    ├── ConfigError                     no cluster configured, or a malformed client.toml
+    ├── SerializationError              the call (or its result) cannot be (un)pickled
+    ├── ResultTimeout                   Call.result(timeout=...) ran out; the call keeps running
+    │                                   (also a builtin TimeoutError)
+    ├── GatewayError                    the gateway answered with an error   .status, .detail
+    │   ├── AuthError                   401/403: wrong or expired token
+    │   ├── NotFoundError               404: no such invocation or blob (or not yours)
+    │   ├── InvalidRequest              400/413/422: the gateway refused the request
+    │   └── GatewayUnreachable          transport errors or 502/503/504 after retrying
+    ├── RemoteError                     the remote call failed   .error_type, .remote_traceback
+    │   ├── NodeLostError               its node died and no retries were left
+    │   └── WorkerDiedError             the worker process exited without a result
+    ├── CallCancelled                   the call was cancelled
+    └── CallTimedOut                    the call ran past its ``timeout``
+
+Errors about one invocation carry ``.invocation_id``. An exception raised by the user's own
+function is re-raised with its original type, not wrapped; it gets ``.remote_traceback`` and a
+note with the remote traceback. Only when it cannot be unpickled here does it become a
+``RemoteError``.
+"""
+
+from __future__ import annotations
+
+
+class BulletinError(Exception):
+    """Base class of every error the sdk raises."""
+
+
+class ConfigError(BulletinError):
+    """No cluster is configured, or the configuration is malformed."""
+
+
+class SerializationError(BulletinError):
+    """A call could not be pickled here, or its result could not be unpickled here."""
+
+    def __init__(self, message: str, *, invocation_id: str | None = None) -> None:
+        super().__init__(message)
+        self.invocation_id = invocation_id
+
+
+class ResultTimeout(BulletinError, TimeoutError):
+    """``Call.result(timeout=...)`` gave up waiting. The remote call keeps running."""
+
+    def __init__(self, message: str, *, invocation_id: str | None = None) -> None:
+        super().__init__(message)
+        self.invocation_id = invocation_id
+
+
+class GatewayError(BulletinError):
+    """The gateway answered with an error status."""
+
+    def __init__(self, message: str, *, status: int | None = None, detail: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = detail
+
+
+class AuthError(GatewayError):
+    """The gateway rejected the token (401/403)."""
+
+
+class NotFoundError(GatewayError):
+    """The object does not exist, or belongs to another user (404)."""
+
+
+class InvalidRequest(GatewayError):
+    """The gateway refused the request as malformed or too large (400/413/422)."""
+
+
+class GatewayUnreachable(GatewayError):
+    """The gateway could not be reached, or stayed unavailable, until the retry deadline."""
+
+
+class RemoteError(BulletinError):
+    """A remote call failed and its exception cannot be re-raised as itself."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        invocation_id: str | None = None,
+        error_type: str | None = None,
+        remote_traceback: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.invocation_id = invocation_id
+        self.error_type = error_type
+        self.remote_traceback = remote_traceback
+
+
+class NodeLostError(RemoteError):
+    """The node running the call was lost and no retries were left."""
+
+
+class WorkerDiedError(RemoteError):
+    """The worker process exited without leaving a result (killed, out of memory, crashed)."""
+
+
+class CallCancelled(BulletinError):
+    """The call was cancelled before it finished."""
+
+    def __init__(self, message: str, *, invocation_id: str | None = None) -> None:
+        super().__init__(message)
+        self.invocation_id = invocation_id
+
+
+class CallTimedOut(BulletinError):
+    """The call ran longer than the ``timeout`` it was submitted with."""
+
+    def __init__(self, message: str, *, invocation_id: str | None = None) -> None:
+        super().__init__(message)
+        self.invocation_id = invocation_id

@@ -1,0 +1,96 @@
+"""``Function.map``: many calls, submitted and watched in batches, results in input order.
+
+Call specs are pulled lazily from an iterator, so an item is pickled only when its batch is
+about to be submitted and its payload is dropped once the batch is sent. At most ``WINDOW``
+calls are outstanding (submitted, result not yet yielded), which bounds memory and keeps the
+unfinished ones within one watch request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from bulletin import wire
+from sdk import outcome
+from sdk.call import cancel_quietly, submit
+from sdk.client import Client
+from sdk.watcher import Watcher
+
+#: Calls per POST /v1/invocations (the gateway takes up to wire.MAX_SUBMIT).
+SUBMIT_BATCH = 500
+#: A batch is also cut once its inline payloads reach this many bytes, so that one request
+#: body stays a reasonable size however big the items are.
+BATCH_BYTES = 16 * 1024 * 1024
+WINDOW = 2 * SUBMIT_BATCH
+
+
+def run(
+    client: Client, specs: Iterator[wire.CallSpec], *, return_exceptions: bool
+) -> Iterator[Any]:
+    """Submit ``specs`` and yield their results in order. See ``Function.map``."""
+    fanout = _Fanout(client, specs)
+    try:
+        yield from fanout.results(return_exceptions)
+    finally:
+        # Ctrl-C, an item's exception or an abandoned generator: nobody will read the rest.
+        fanout.cancel_unfinished()
+
+
+class _Fanout:
+    def __init__(self, client: Client, specs: Iterator[wire.CallSpec]) -> None:
+        self._client = client
+        self._specs = specs
+        self._exhausted = False
+        self._watcher = Watcher(client)
+        self._order: deque[str] = deque()  # submitted, not yet yielded, input order
+        self._finished: dict[str, wire.Invocation] = {}
+
+    def results(self, return_exceptions: bool) -> Iterator[Any]:
+        self._top_up()
+        while self._order:
+            head = self._order[0]
+            if head not in self._finished:
+                self._watch()
+                continue
+            self._order.popleft()
+            yield self._outcome(self._finished.pop(head), return_exceptions)
+            self._top_up()
+
+    def cancel_unfinished(self) -> None:
+        cancel_quietly(self._client, self._unfinished())
+
+    def _top_up(self) -> None:
+        # Only whole batches (or the last one): topping up after every yield would send one
+        # request per item.
+        while not self._exhausted and WINDOW - len(self._order) >= SUBMIT_BATCH:
+            batch = self._next_batch()
+            if batch:
+                self._order.extend(submit(self._client, batch))
+
+    def _next_batch(self) -> list[wire.CallSpec]:
+        batch: list[wire.CallSpec] = []
+        size = 0
+        for spec in self._specs:
+            batch.append(spec)
+            size += len(spec.payload or b"")
+            if len(batch) >= SUBMIT_BATCH or size >= BATCH_BYTES:
+                return batch
+        self._exhausted = True
+        return batch
+
+    def _watch(self) -> None:
+        ids = self._unfinished()
+        self._finished.update(self._watcher.poll(ids, self._client.watch_timeout_s))
+
+    def _unfinished(self) -> list[str]:
+        return [i for i in self._order if i not in self._finished]
+
+    def _outcome(self, invocation: wire.Invocation, return_exceptions: bool) -> Any:
+        error = outcome.failure(invocation, self._client)
+        if error is None:
+            return outcome.value(invocation, self._client)
+        if return_exceptions:
+            return error
+        raise error

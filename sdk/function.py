@@ -1,0 +1,247 @@
+"""``@sdk.function()``: turning a notebook function into one that runs on the cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import inspect
+import math
+import numbers
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Generic, NoReturn, ParamSpec, TypeVar, overload
+
+import msgspec
+
+from bulletin import wire
+from sdk import fanout, serialize
+from sdk.call import Call, submit
+from sdk.client import Client
+from sdk.config import default_client
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_VALID = ("gpus", "max_retries", "timeout", "name")
+MAX_RETRIES = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a function's calls are submitted (validated by ``sdk.function``)."""
+
+    gpus: int = 0
+    max_retries: int = 2
+    timeout: float | None = None
+    name: str | None = None
+
+
+class Function(Generic[P, R]):
+    """A function that runs on the cluster when called. Made by ``@sdk.function()``.
+
+    Calling it runs the function remotely and blocks until the result is back, printing
+    the remote output live. ``.local()`` runs it here, ``.spawn()`` starts it without waiting,
+    ``.map()`` runs it once per item.
+    """
+
+    # Set by functools.update_wrapper; declared for type checkers.
+    __name__: str
+    __qualname__: str
+    __wrapped__: Callable[P, R]
+
+    def __init__(self, fn: Callable[P, R], options: Options) -> None:
+        self._fn = fn
+        self._options = options
+        functools.update_wrapper(self, fn)
+
+    def __repr__(self) -> str:
+        return f"<sdk.Function {self._fn.__qualname__} gpus={self._options.gpus}>"
+
+    def __reduce__(self) -> tuple[Callable[..., Function[P, R]], tuple[Any, ...]]:
+        # Pickled as the original function plus options, so that a function referencing
+        # another decorated function pickles too (the wrapper holds nothing else).
+        return Function, (self._fn, self._options)
+
+    @property
+    def options(self) -> Options:
+        """The options this function's calls are submitted with."""
+        return self._options
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run remotely and return the result; Ctrl-C cancels the remote call."""
+        return self.spawn(*args, **kwargs).result()
+
+    def local(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Call the original function in this process."""
+        return self._fn(*args, **kwargs)
+
+    def spawn(self, *args: P.args, **kwargs: P.kwargs) -> Call[R]:
+        """Start a remote call and return at once; ``Call.result()`` waits for it."""
+        client = default_client()
+        [invocation_id] = submit(client, [self._spec(client, args, kwargs)])
+        return Call(invocation_id, client)
+
+    def map(self, *iterables: Iterable[Any], return_exceptions: bool = False) -> Iterator[Any]:
+        """Call the function once per item of ``zip(*iterables)``; yield results in order.
+
+        Lazy like the builtin ``map``: calls are submitted (in batches) as the results are
+        consumed. A failed item raises its exception when reached, unless
+        ``return_exceptions`` is true, in which case the exception object is yielded.
+        Unfinished calls are cancelled when the iteration stops early (an exception, Ctrl-C,
+        or a ``break``).
+        """
+        if not iterables:
+            raise TypeError("map() needs at least one iterable")
+        client = default_client()
+        specs = (self._spec(client, items, {}) for items in zip(*iterables, strict=False))
+        return fanout.run(client, specs, return_exceptions=return_exceptions)
+
+    def _spec(
+        self, client: Client, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> wire.CallSpec:
+        payload = serialize.dumps_call(self._fn, args, kwargs)
+        options = self._options
+        spec = wire.CallSpec(
+            idempotency_key=uuid.uuid4().hex,
+            function_name=options.name or self._fn.__qualname__,
+            gpus=options.gpus,
+            max_retries=options.max_retries,
+            timeout_s=options.timeout,
+        )
+        if len(payload) > client.inline_limit:
+            return _replace(spec, payload_blob=client.put_blob(payload).id)
+        return _replace(spec, payload=payload)
+
+
+def _replace(spec: wire.CallSpec, **changes: Any) -> wire.CallSpec:
+    return msgspec.structs.replace(spec, **changes)
+
+
+@overload
+def function(
+    *,
+    gpus: int = 0,
+    max_retries: int = 2,
+    timeout: float | None = None,
+    name: str | None = None,
+) -> Callable[[Callable[P, R]], Function[P, R]]: ...
+
+
+@overload
+def function(fn: Callable[..., Any], /) -> NoReturn: ...
+
+
+def function(*args: Any, **kwargs: Any) -> Any:
+    """Make a function run on the cluster when called.
+
+    ``gpus``: GPUs per call (0: CPU only). ``max_retries``: re-runs after infrastructure
+    failures (node lost, worker died), 0 to 10; an exception raised by the function itself
+    is never retried. ``timeout``: seconds a call may run, or None. ``name``: the name shown
+    in listings and the dashboard (default: the function's qualified name).
+
+    Arguments are checked here, when the decorator is applied::
+
+        @sdk.function(gpus=1)
+        def train_step(x): ...
+    """
+    if args:
+        raise TypeError(_positional_message(args))
+    options = _options(kwargs)
+
+    def decorate(fn: Callable[P, R]) -> Function[P, R]:
+        return Function(_checked_target(fn), options)
+
+    return decorate
+
+
+def _positional_message(args: tuple[Any, ...]) -> str:
+    if len(args) == 1 and callable(args[0]):
+        return (
+            "@sdk.function needs parentheses: use @sdk.function() with parentheses, "
+            "e.g. @sdk.function(gpus=1)."
+        )
+    return (
+        f"sdk.function() takes keyword-only arguments ({', '.join(_VALID)}), "
+        f"but {len(args)} positional argument(s) were given."
+    )
+
+
+def _options(kwargs: Mapping[str, Any]) -> Options:
+    for key in kwargs:
+        if key not in _VALID:
+            raise TypeError(_unknown_message(key))
+    return Options(
+        gpus=_gpus(kwargs.get("gpus", 0)),
+        max_retries=_max_retries(kwargs.get("max_retries", 2)),
+        timeout=_timeout(kwargs.get("timeout")),
+        name=_name(kwargs.get("name")),
+    )
+
+
+def _unknown_message(key: str) -> str:
+    close = difflib.get_close_matches(key, _VALID, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return (
+        f"sdk.function() got an unexpected keyword argument {key!r}.{hint} "
+        f"Valid arguments: {', '.join(_VALID)}."
+    )
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _gpus(value: Any) -> int:
+    if not _whole(value):
+        raise TypeError(f"gpus must be an int (a number of GPUs), got {value!r}")
+    if value < 0:
+        raise ValueError(f"gpus must be 0 (CPU only) or more, got {value}")
+    return int(value)
+
+
+def _max_retries(value: Any) -> int:
+    if not _whole(value):
+        raise TypeError(f"max_retries must be an int, got {value!r}")
+    if not 0 <= value <= MAX_RETRIES:
+        raise ValueError(f"max_retries must be between 0 and {MAX_RETRIES}, got {value}")
+    return int(value)
+
+
+def _timeout(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds or None, got {value!r}")
+    seconds = float(value)
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {value}")
+    return seconds
+
+
+def _name(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"name must be a string or None, got {value!r}")
+    if not value.strip():
+        raise ValueError("name must be a non-empty string or None")
+    return value
+
+
+def _checked_target(fn: Any) -> Any:
+    """Only plain synchronous functions can be shipped and called remotely."""
+    if isinstance(fn, Function):
+        raise TypeError(f"{fn!r} is already decorated with @sdk.function()")
+    if not inspect.isfunction(fn):
+        raise TypeError(
+            f"@sdk.function() decorates functions (def or lambda), not {type(fn).__name__} {fn!r}"
+        )
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(f"@sdk.function() does not support async functions yet: {fn.__qualname__}")
+    if inspect.isgeneratorfunction(fn):
+        raise TypeError(
+            f"@sdk.function() does not support generator functions: {fn.__qualname__} "
+            "yields; return a list instead."
+        )
+    return fn

@@ -1,0 +1,105 @@
+"""Waiting for invocations: long-polling the gateway and printing remote logs live.
+
+The watcher remembers, per invocation, how many log chunks it has printed and passes that as
+``log_after``, so a chunk is printed once and in order however the long-polls fall. An
+invocation counts as finished only once it is terminal *and* its log is drained
+(``log_count`` reached), so the last lines a function prints are never lost.
+"""
+
+from __future__ import annotations
+
+import codecs
+import sys
+from collections.abc import Iterable, Sequence
+
+from bulletin import wire
+from sdk.client import Client
+
+
+class LogPrinter:
+    """Writes remote log chunks to this process's stdout and stderr as they arrive.
+
+    Each invocation's stream has its own incremental UTF-8 decoder, so a character split
+    across chunks is written whole. ``sys.stdout`` is looked up at each write because
+    Jupyter swaps it per cell. The text is written exactly as it came (``\\r`` progress
+    bars included) and flushed at once.
+    """
+
+    def __init__(self) -> None:
+        self._decoders: dict[tuple[str, wire.Stream], codecs.IncrementalDecoder] = {}
+        self._printed: dict[str, int] = {}
+
+    def printed(self, invocation_id: str) -> int:
+        """The number of the last chunk printed for an invocation (0 for none)."""
+        return self._printed.get(invocation_id, 0)
+
+    def write(self, chunks: Iterable[wire.LogChunk]) -> set[str]:
+        """Print the chunks not printed yet, in order; returns the invocations that had any."""
+        fresh: set[str] = set()
+        for chunk in sorted(chunks, key=lambda c: (c.invocation_id, c.n)):
+            if chunk.n <= self.printed(chunk.invocation_id):
+                continue  # an overlapping answer: already printed
+            self._printed[chunk.invocation_id] = chunk.n
+            _emit(chunk.stream, self._decoder(chunk.invocation_id, chunk.stream).decode(chunk.data))
+            fresh.add(chunk.invocation_id)
+        return fresh
+
+    def close(self, invocation_id: str) -> None:
+        """Flush what the decoders of a finished invocation still hold."""
+        for stream in wire.Stream:
+            decoder = self._decoders.pop((invocation_id, stream), None)
+            if decoder is not None:
+                _emit(stream, decoder.decode(b"", final=True))
+
+    def _decoder(self, invocation_id: str, stream: wire.Stream) -> codecs.IncrementalDecoder:
+        key = (invocation_id, stream)
+        if key not in self._decoders:
+            self._decoders[key] = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return self._decoders[key]
+
+
+def _emit(stream: wire.Stream, text: str) -> None:
+    target = sys.stdout if stream == wire.Stream.STDOUT else sys.stderr
+    if text and target is not None:
+        target.write(text)
+        target.flush()
+
+
+class Watcher:
+    """Long-polls for a set of invocations, printing their logs, until they finish."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self.printer = LogPrinter()
+        # Terminal invocations whose log may not be drained yet, and whether they already
+        # had one round to deliver it.
+        self._terminal: dict[str, wire.Invocation] = {}
+        self._waited: set[str] = set()
+
+    def poll(self, ids: Sequence[str], timeout_s: float) -> dict[str, wire.Invocation]:
+        """One round of long-polls over ``ids``; returns those that finished, by id."""
+        batches = [ids[i : i + wire.MAX_WATCH] for i in range(0, len(ids), wire.MAX_WATCH)]
+        fresh: set[str] = set()
+        for batch in batches:
+            # Several batches share the hold so that news in a later one is not held back.
+            answer = self._client.watch(self._items(batch), timeout_s=timeout_s / len(batches))
+            fresh |= self.printer.write(answer.logs)
+            self._terminal.update((i.id, i) for i in answer.invocations if i.state.terminal)
+        return {i: self._terminal.pop(i) for i in ids if self._drained(i, fresh)}
+
+    def _items(self, ids: Sequence[str]) -> list[wire.WatchItem]:
+        return [wire.WatchItem(id=i, log_after=self.printer.printed(i)) for i in ids]
+
+    def _drained(self, invocation_id: str, fresh: set[str]) -> bool:
+        invocation = self._terminal.get(invocation_id)
+        if invocation is None:
+            return False
+        # A round that brought no new chunk after the terminal state means the gateway has
+        # no more to give, whatever log_count says.
+        stalled = invocation_id in self._waited and invocation_id not in fresh
+        if self.printer.printed(invocation_id) < invocation.log_count and not stalled:
+            self._waited.add(invocation_id)
+            return False
+        self._waited.discard(invocation_id)
+        self.printer.close(invocation_id)
+        return True

@@ -1,0 +1,27 @@
+"""The sdk's public surface is pinned: changing it is a deliberate act."""
+
+import sdk
+
+
+def test_all_is_pinned() -> None:
+    assert sdk.__all__ == [
+        "AuthError",
+        "BulletinError",
+        "Call",
+        "CallCancelled",
+        "CallTimedOut",
+        "Client",
+        "ConfigError",
+        "Function",
+        "GatewayError",
+        "GatewayUnreachable",
+        "InvalidRequest",
+        "NodeLostError",
+        "NotFoundError",
+        "RemoteError",
+        "ResultTimeout",
+        "SerializationError",
+        "WorkerDiedError",
+        "connect",
+        "function",
+    ]

@@ -1,0 +1,184 @@
+"""The sdk's HTTP layer, faked with respx only where a real gateway cannot be made to answer
+that way: 503s and refused connections (retries, GatewayUnreachable), and the chunks a big
+payload is streamed in. Status mapping is checked on plain ``httpx.Response`` objects."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import cloudpickle
+import httpx
+import msgspec
+import pytest
+import respx
+
+import sdk
+from bulletin import wire
+from sdk import config
+from sdk.client import UPLOAD_CHUNK, error_for
+
+URL = "http://gateway.test"
+SUBMIT = msgspec.json.Decoder(wire.SubmitRequest)
+
+
+def double(x: object) -> object:
+    return x
+
+
+@pytest.fixture
+def client(monkeypatch: pytest.MonkeyPatch) -> Iterator[sdk.Client]:
+    monkeypatch.setattr(config, "_default", None)
+    client = sdk.connect(URL, "bu_test")
+    client.backoff_initial_s = 0.001
+    client.backoff_max_s = 0.01
+    client.retry_deadline_s = 0.3
+    yield client
+    client.close()
+
+
+def problem(status: int) -> httpx.Response:
+    body = wire.Problem(title="Service Unavailable", status=status, detail="restarting")
+    return httpx.Response(status, content=msgspec.json.encode(body))
+
+
+def test_submit_retries_503_with_the_same_idempotency_keys(client: sdk.Client) -> None:
+    sent: list[wire.SubmitRequest] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        assert request.headers["Authorization"] == "Bearer bu_test"
+        sent.append(SUBMIT.decode(request.content))
+        if len(sent) <= 2:
+            return problem(503)
+        return httpx.Response(201, content=msgspec.json.encode(wire.SubmitResponse(ids=["i-1"])))
+
+    with respx.mock(base_url=URL) as router:
+        router.post("/v1/invocations").mock(side_effect=answer)
+        call = sdk.function(gpus=1, timeout=9)(double).spawn(21)
+
+    assert call.id == "i-1"
+    assert len(sent) == 3
+    keys = {request.calls[0].idempotency_key for request in sent}
+    assert len(keys) == 1
+    assert len(keys.pop()) == 32
+    spec = sent[-1].calls[0]
+    assert (spec.gpus, spec.timeout_s, spec.function_name) == (1, 9.0, "double")
+    assert spec.payload is not None
+    assert spec.payload_blob is None
+    fn, args, kwargs = cloudpickle.loads(spec.payload)
+    assert fn is double  # the original function, not the sdk.Function wrapper
+    assert (args, kwargs) == ((21,), {})
+
+
+def test_persistent_connect_error_is_gateway_unreachable(client: sdk.Client) -> None:
+    with respx.mock(base_url=URL) as router:
+        route = router.post("/v1/invocations").mock(side_effect=httpx.ConnectError("refused"))
+        start = time.monotonic()
+        with pytest.raises(sdk.GatewayUnreachable) as info:
+            sdk.function()(double).spawn(1)
+    assert time.monotonic() - start < 2
+    assert route.call_count > 2
+    error = info.value
+    assert not isinstance(error, httpx.HTTPError)
+    assert error.__cause__ is None
+    assert error.__suppress_context__
+    assert URL in str(error)
+    assert "ConnectError: refused" in str(error)
+
+
+def test_persistent_503_on_a_read_is_gateway_unreachable(client: sdk.Client) -> None:
+    with respx.mock(base_url=URL) as router:
+        route = router.get("/v1/invocations/i-9").mock(return_value=problem(503))
+        with pytest.raises(sdk.GatewayUnreachable, match="HTTP 503"):
+            sdk.Call.from_id("i-9")
+    assert route.call_count > 2
+
+
+def test_big_payload_is_uploaded_first_in_chunks(client: sdk.Client) -> None:
+    client.inline_limit = 1024
+    chunks: list[int] = []
+    uploaded: dict[str, bytes] = {}
+    specs: list[wire.CallSpec] = []
+
+    def count_chunks(request: httpx.Request) -> None:
+        # Runs before respx reads the body: record the pieces httpx is handed.
+        if request.url.path == "/v1/blobs":
+            pieces = request.stream
+
+            def counted() -> Iterator[bytes]:
+                for piece in pieces:  # type: ignore[union-attr]
+                    chunks.append(len(piece))
+                    yield piece
+
+            request.stream = _Stream(counted())
+
+    client._http.event_hooks["request"].append(count_chunks)
+
+    def store(request: httpx.Request) -> httpx.Response:
+        uploaded["body"] = request.content
+        uploaded["length"] = request.headers["Content-Length"].encode()
+        ref = wire.BlobRef(id="blob-1", size=len(request.content))
+        return httpx.Response(201, content=msgspec.json.encode(ref))
+
+    def submit(request: httpx.Request) -> httpx.Response:
+        specs.extend(SUBMIT.decode(request.content).calls)
+        return httpx.Response(201, content=msgspec.json.encode(wire.SubmitResponse(ids=["i-2"])))
+
+    big = bytes(9 * 1024 * 1024)
+    with respx.mock(base_url=URL) as router:
+        router.put("/v1/blobs").mock(side_effect=store)
+        router.post("/v1/invocations").mock(side_effect=submit)
+        sdk.function()(double).spawn(big)
+
+    body = uploaded["body"]
+    assert len(chunks) >= 3
+    assert max(chunks) <= UPLOAD_CHUNK
+    assert sum(chunks) == len(body) == int(uploaded["length"])
+    assert specs[0].payload is None
+    assert specs[0].payload_blob == "blob-1"
+    fn, args, _ = cloudpickle.loads(body)
+    assert fn is double
+    assert args == (big,)
+
+
+class _Stream(httpx.SyncByteStream):
+    def __init__(self, pieces: Iterator[bytes]) -> None:
+        self._pieces = pieces
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._pieces
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (401, sdk.AuthError),
+        (403, sdk.AuthError),
+        (404, sdk.NotFoundError),
+        (400, sdk.InvalidRequest),
+        (413, sdk.InvalidRequest),
+        (422, sdk.InvalidRequest),
+        (409, sdk.GatewayError),
+        (500, sdk.GatewayError),
+    ],
+)
+def test_error_statuses_map_to_sdk_exceptions(status: int, kind: type[Exception]) -> None:
+    body = wire.Problem(title="Nope", status=status, detail="gpus=9 can never fit")
+    error = error_for(httpx.Response(status, content=msgspec.json.encode(body)))
+    assert type(error) is kind
+    assert error.status == status
+    assert error.detail == "gpus=9 can never fit"
+    assert "gpus=9 can never fit" in str(error)
+
+
+def test_auth_error_says_to_check_the_token() -> None:
+    error = error_for(httpx.Response(401, content=b'{"title": "Unauthorized", "status": 401}'))
+    assert "Unauthorized" in str(error)
+    assert "BULLETIN_TOKEN" in str(error)
+    assert "client.toml" in str(error)
+
+
+def test_an_answer_that_is_not_problem_json_keeps_its_text() -> None:
+    error = error_for(httpx.Response(500, text="<html>proxy error</html>"))
+    assert type(error) is sdk.GatewayError
+    assert "<html>proxy error</html>" in str(error)
