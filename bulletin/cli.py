@@ -69,27 +69,55 @@ def _logging(level: str) -> None:
 
 
 @click.group()
-@click.option("--log-level", envvar="BULLETIN_LOG_LEVEL", default="info", show_envvar=True,
-              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
+@click.option(
+    "--log-level",
+    envvar="BULLETIN_LOG_LEVEL",
+    default="info",
+    show_envvar=True,
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+)
 def cli(log_level: str) -> None:
     """Bulletin: run notebook functions on the lab's GPUs."""
     _logging(log_level)
 
 
 @cli.command()
-@click.option("--state-dir", envvar="BULLETIN_STATE_DIR", show_envvar=True, type=click.Path(
-    path_type=Path), default=lambda: Path(platformdirs.user_data_dir("bulletin")),
-    show_default="a per-user data dir", help="Database, tokens and client.toml live here.")
+@click.option(
+    "--state-dir",
+    envvar="BULLETIN_STATE_DIR",
+    show_envvar=True,
+    type=click.Path(path_type=Path),
+    default=lambda: Path(platformdirs.user_data_dir("bulletin")),
+    show_default="a per-user data dir",
+    help="Database, tokens and client.toml live here.",
+)
 @click.option("--host", envvar="BULLETIN_HOST", default="127.0.0.1", show_default=True)
-@click.option("--port", envvar="BULLETIN_PORT", type=int, default=8420, show_default=True,
-              help="Gateway port; 0 picks a free one.")
-@click.option("--fake-gpus", envvar="BULLETIN_FAKE_GPUS", type=click.IntRange(0), default=None,
-              help="Offer N CPU-backed fake GPUs [default: the NVIDIA GPUs found, else 2 fakes]")
-@click.option("--cpu-slots", envvar="BULLETIN_CPU_SLOTS", type=click.IntRange(0), default=0,
-              help="CPU-only call slots [default: the number of cores]")
+@click.option(
+    "--port",
+    envvar="BULLETIN_PORT",
+    type=int,
+    default=8420,
+    show_default=True,
+    help="Gateway port; 0 picks a free one.",
+)
+@click.option(
+    "--fake-gpus",
+    envvar="BULLETIN_FAKE_GPUS",
+    type=click.IntRange(0),
+    default=None,
+    help="Offer N CPU-backed fake GPUs [default: the NVIDIA GPUs found, else 2 fakes]",
+)
+@click.option(
+    "--cpu-slots",
+    envvar="BULLETIN_CPU_SLOTS",
+    type=click.IntRange(0),
+    default=0,
+    help="CPU-only call slots [default: the number of cores]",
+)
 @click.pass_context
-def up(ctx: click.Context, state_dir: Path, host: str, port: int, fake_gpus: int | None,
-       cpu_slots: int) -> None:
+def up(
+    ctx: click.Context, state_dir: Path, host: str, port: int, fake_gpus: int | None, cpu_slots: int
+) -> None:
     """Start a single-machine cluster: PostgreSQL, gateway, scheduler and one nodelet."""
     from bulletin.up import UpError, UpSettings, run
 
@@ -123,11 +151,22 @@ def gateway(**options: Any) -> None:
 
 
 @cli.command()
-@click.option("--gateway", "gateway_url", envvar="BULLETIN_GATEWAY", required=True,
-              show_envvar=True, help="The gateway's URL, e.g. http://head:8420")
-@click.option("--token-file", envvar="BULLETIN_TOKEN_FILE", required=True, show_envvar=True,
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="File holding this node's token (see 'bulletin node add').")
+@click.option(
+    "--gateway",
+    "gateway_url",
+    envvar="BULLETIN_GATEWAY",
+    required=True,
+    show_envvar=True,
+    help="The gateway's URL, e.g. http://head:8420",
+)
+@click.option(
+    "--token-file",
+    envvar="BULLETIN_TOKEN_FILE",
+    required=True,
+    show_envvar=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="File holding this node's token (see 'bulletin node add').",
+)
 @struct_options(_nodelet_config(), skip=("gateway_url", "token"))
 def nodelet(gateway_url: str, token_file: Path, **options: Any) -> None:
     """Run the node agent: offer this machine's GPUs and run the work leased to it."""
@@ -137,8 +176,13 @@ def nodelet(gateway_url: str, token_file: Path, **options: Any) -> None:
     run(build(_nodelet_config(), {**options, "gateway_url": gateway_url, "token": token}))
 
 
-database_option = click.option("--database-url", envvar="BULLETIN_DATABASE_URL", required=True,
-                               show_envvar=True, help="postgresql://user:password@host/db")
+database_option = click.option(
+    "--database-url",
+    envvar="BULLETIN_DATABASE_URL",
+    required=True,
+    show_envvar=True,
+    help="postgresql://user:password@host/db",
+)
 
 
 @cli.command()

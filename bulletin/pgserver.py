@@ -62,8 +62,17 @@ class EmbeddedPostgres:
             pwfile.write(password + "\n")
         os.chmod(pwfile.name, 0o644)  # initdb runs as the system user; gone right after
         try:
-            self._run("initdb", ["--auth-local=trust", "--auth-host=scram-sha-256",
-                                 "--encoding=utf8", "-U", "postgres", f"--pwfile={pwfile.name}"])
+            self._run(
+                "initdb",
+                [
+                    "--auth-local=trust",
+                    "--auth-host=scram-sha-256",
+                    "--encoding=utf8",
+                    "-U",
+                    "postgres",
+                    f"--pwfile={pwfile.name}",
+                ],
+            )
         finally:
             os.unlink(pwfile.name)
         self.password_file.write_text(password)
@@ -90,8 +99,9 @@ class EmbeddedPostgres:
                 "'bulletin up' using this state dir? Stop it first."
             )
         options = f"-h 127.0.0.1 -p {self.port} -k '' -c max_connections=200"
-        self._run("pg_ctl", ["-w", "-t", "60", "-o", options, "-l", str(self.pgdata / "log"),
-                             "start"])
+        self._run(
+            "pg_ctl", ["-w", "-t", "60", "-o", options, "-l", str(self.pgdata / "log"), "start"]
+        )
         return self.url()
 
     def url(self, database: str = "postgres") -> str:

@@ -146,8 +146,11 @@ def _run(
     database_url = pg.url(DATABASE)
     asyncio.run(admin.migrate(database_url))
     node_name = socket.gethostname()
-    user_token = _token(state / "admin.token", lambda: admin.add_user(database_url, "admin",
-                        is_admin=True), database_url)
+    user_token = _token(
+        state / "admin.token",
+        lambda: admin.add_user(database_url, "admin", is_admin=True),
+        database_url,
+    )
     _token(state / "node.token", lambda: admin.add_node(database_url, node_name), database_url)
     port = settings.port or free_port()
     url = f"http://{settings.host}:{port}"
@@ -155,8 +158,18 @@ def _run(
     children.append(_spawn(["-m", "gateway", "--host", settings.host, "--port", str(port)], env))
     _wait_healthy(url, children[0])
     write_client_config(state / "client.toml", url, user_token)
-    nodelet = ["-m", "nodelet", "--gateway", url, "--token-file", str(state / "node.token"),
-               "--name", node_name, "--cpu-slots", str(settings.cpu_slots)]
+    nodelet = [
+        "-m",
+        "nodelet",
+        "--gateway",
+        url,
+        "--token-file",
+        str(state / "node.token"),
+        "--name",
+        node_name,
+        "--cpu-slots",
+        str(settings.cpu_slots),
+    ]
     if settings.fake_gpus is not None:
         nodelet += ["--fake-gpus", str(settings.fake_gpus)]
     children.append(_spawn(nodelet, {"BULLETIN_LOG_LEVEL": settings.log_level}))

@@ -63,7 +63,7 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fals
 # ---------------------------------------------------------------- user side (sdk <-> gateway)
 
 
-class CallSpec(_Msg, kw_only=True):
+class CallSpec(_Msg, frozen=True, kw_only=True):
     """One call to submit. ``payload`` xor ``payload_blob`` carries the pickled call."""
 
     idempotency_key: str = msgspec.field(default="")
@@ -75,15 +75,15 @@ class CallSpec(_Msg, kw_only=True):
     payload_blob: str | None = None
 
 
-class SubmitRequest(_Msg, kw_only=True):
+class SubmitRequest(_Msg, frozen=True, kw_only=True):
     calls: list[CallSpec]
 
 
-class SubmitResponse(_Msg, kw_only=True):
+class SubmitResponse(_Msg, frozen=True, kw_only=True):
     ids: list[str]
 
 
-class Timeline(_Msg, kw_only=True):
+class Timeline(_Msg, frozen=True, kw_only=True):
     """When each step of an invocation happened (seconds since the epoch, DB clock)."""
 
     submitted: float | None = None
@@ -93,7 +93,7 @@ class Timeline(_Msg, kw_only=True):
     finished: float | None = None
 
 
-class Invocation(_Msg, kw_only=True):
+class Invocation(_Msg, frozen=True, kw_only=True):
     """What a user may know of one invocation."""
 
     id: str
@@ -114,12 +114,12 @@ class Invocation(_Msg, kw_only=True):
     timeline: Timeline = msgspec.field(default_factory=Timeline)
 
 
-class WatchItem(_Msg, kw_only=True):
+class WatchItem(_Msg, frozen=True, kw_only=True):
     id: str
     log_after: int = 0  # number of log chunks the caller has already seen
 
 
-class WatchRequest(_Msg, kw_only=True):
+class WatchRequest(_Msg, frozen=True, kw_only=True):
     """Long-poll for news on up to ``MAX_WATCH`` invocations.
 
     Returns at once when any item has new log chunks or is terminal, else waits up to
@@ -130,25 +130,25 @@ class WatchRequest(_Msg, kw_only=True):
     timeout_s: float = 10.0
 
 
-class LogChunk(_Msg, kw_only=True):
+class LogChunk(_Msg, frozen=True, kw_only=True):
     invocation_id: str
     n: int  # 1-based position in the invocation's log
     stream: Stream
     data: bytes
 
 
-class WatchResponse(_Msg, kw_only=True):
+class WatchResponse(_Msg, frozen=True, kw_only=True):
     # Invocations that changed: terminal ones carry their result.
     invocations: list[Invocation]
     logs: list[LogChunk]
 
 
-class BlobRef(_Msg, kw_only=True):
+class BlobRef(_Msg, frozen=True, kw_only=True):
     id: str
     size: int
 
 
-class Problem(_Msg, kw_only=True):
+class Problem(_Msg, frozen=True, kw_only=True):
     """RFC 9457 problem details, the one error shape of every 4xx/5xx answer."""
 
     type: str = "about:blank"
@@ -161,7 +161,7 @@ class Problem(_Msg, kw_only=True):
 # ---------------------------------------------------------------- node side (nodelet <-> gateway)
 
 
-class GpuInfo(_Msg, kw_only=True):
+class GpuInfo(_Msg, frozen=True, kw_only=True):
     index: int
     uuid: str
     name: str
@@ -169,14 +169,14 @@ class GpuInfo(_Msg, kw_only=True):
     fake: bool = False
 
 
-class RegisterRequest(_Msg, kw_only=True):
+class RegisterRequest(_Msg, frozen=True, kw_only=True):
     name: str
     gpus: list[GpuInfo]
     cpu_slots: int
     protocol_version: int = PROTOCOL_VERSION
 
 
-class RegisterResponse(_Msg, kw_only=True):
+class RegisterResponse(_Msg, frozen=True, kw_only=True):
     node_id: int
     lease_s: float
     heartbeat_s: float
@@ -184,14 +184,14 @@ class RegisterResponse(_Msg, kw_only=True):
     inline_limit: int
 
 
-class Attempt(_Msg, kw_only=True):
+class Attempt(_Msg, frozen=True, kw_only=True):
     """An invocation attempt the node holds: fenced by ``epoch``."""
 
     invocation_id: str
     epoch: int
 
 
-class Assignment(_Msg, kw_only=True):
+class Assignment(_Msg, frozen=True, kw_only=True):
     """Work leased to a node. The payload is inline or fetched from the payload route."""
 
     invocation_id: str
@@ -203,38 +203,38 @@ class Assignment(_Msg, kw_only=True):
     function_name: str = ""
 
 
-class HeartbeatRequest(_Msg, kw_only=True):
+class HeartbeatRequest(_Msg, frozen=True, kw_only=True):
     """Renews the node's liveness and the leases of the attempts it still runs."""
 
     running: list[Attempt]
 
 
-class HeartbeatResponse(_Msg, kw_only=True):
+class HeartbeatResponse(_Msg, frozen=True, kw_only=True):
     # Attempts the node must stop: cancelled, reassigned or no longer leased to it.
     revoked: list[Attempt]
     lease_s: float
 
 
-class PollRequest(_Msg, kw_only=True):
+class PollRequest(_Msg, frozen=True, kw_only=True):
     running: list[Attempt]
     timeout_s: float = 20.0
 
 
-class PollResponse(_Msg, kw_only=True):
+class PollResponse(_Msg, frozen=True, kw_only=True):
     assignments: list[Assignment]
     revoked: list[Attempt]
 
 
-class StartRequest(_Msg, kw_only=True):
+class StartRequest(_Msg, frozen=True, kw_only=True):
     epoch: int
 
 
-class NodeLogChunk(_Msg, kw_only=True):
+class NodeLogChunk(_Msg, frozen=True, kw_only=True):
     stream: Stream
     data: bytes
 
 
-class LogsRequest(_Msg, kw_only=True):
+class LogsRequest(_Msg, frozen=True, kw_only=True):
     """Log chunks of one attempt. ``first_seq`` numbers the first chunk of this batch within
     the attempt (from 0), so a retried request never appends a chunk twice."""
 
@@ -243,7 +243,7 @@ class LogsRequest(_Msg, kw_only=True):
     chunks: list[NodeLogChunk]
 
 
-class CompleteRequest(_Msg, kw_only=True):
+class CompleteRequest(_Msg, frozen=True, kw_only=True):
     epoch: int
     state: Literal["succeeded", "failed", "timed_out", "cancelled"]
     error_kind: ErrorKind | None = None
@@ -254,10 +254,10 @@ class CompleteRequest(_Msg, kw_only=True):
     result_blob: str | None = None
 
 
-# ---------------------------------------------------------------- worker process (nodelet <-> worker)
+# ------------------------------------------------------------- worker process (nodelet <-> worker)
 
 
-class WorkerTask(_Msg, kw_only=True):
+class WorkerTask(_Msg, frozen=True, kw_only=True):
     """What the nodelet hands a worker process on its stdin (msgpack, length-prefixed)."""
 
     invocation_id: str
@@ -267,7 +267,7 @@ class WorkerTask(_Msg, kw_only=True):
     env: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-class WorkerOutcome(_Msg, kw_only=True):
+class WorkerOutcome(_Msg, frozen=True, kw_only=True):
     """What the worker leaves at ``result_path`` (msgpack). ``result`` is the pickled return
     value on success and the pickled exception on failure (None when it could not be pickled)."""
 
@@ -279,7 +279,7 @@ class WorkerOutcome(_Msg, kw_only=True):
     traceback: str | None = None
 
 
-class ClientConfig(_Msg, kw_only=True):
+class ClientConfig(_Msg, frozen=True, kw_only=True):
     """The client config file (``client.toml``) that ``bulletin up`` writes."""
 
     url: str

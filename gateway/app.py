@@ -64,7 +64,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         *invocations.ROUTES,
         *nodes.ROUTES,
     ]
-    app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)  # type: ignore[arg-type]
+    app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)
     app.state.config = config
     return app
 

@@ -30,8 +30,14 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     pool_size: int = 10
 
     def __post_init__(self) -> None:
-        for name in ("lease_s", "heartbeat_s", "node_timeout_s", "long_poll_s", "recheck_s",
-                     "schedule_interval_s"):
+        for name in (
+            "lease_s",
+            "heartbeat_s",
+            "node_timeout_s",
+            "long_poll_s",
+            "recheck_s",
+            "schedule_interval_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"gateway setting {name} must be a positive number of seconds")
         if self.heartbeat_s >= self.lease_s:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, TypeAlias
 
 import asyncpg
 import msgspec
@@ -25,7 +25,7 @@ from bulletin import wire
 CHANNEL = "bulletin_events"
 _LEASED = ("assigned", "running")
 
-Conn = asyncpg.Connection | asyncpg.Pool
+Conn: TypeAlias = asyncpg.Connection | asyncpg.Pool
 
 
 # ------------------------------------------------------------------------------ migrations
@@ -52,7 +52,7 @@ async def migrate(conn: asyncpg.Connection) -> list[str]:
         await conn.execute(
             "CREATE TABLE IF NOT EXISTS schema_migrations ("
             " version integer PRIMARY KEY, name text NOT NULL,"
-            " applied_at timestamptz NOT NULL DEFAULT now())"
+            " applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"
         )
         done = {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
         for version, name, sql in migration_files():
@@ -76,7 +76,7 @@ async def ensure_database(conn: asyncpg.Connection, name: str, template: str | N
     await conn.execute(f'CREATE DATABASE "{name}"{suffix}')
 
 
-# ------------------------------------------------------------------------------ users, nodes, tokens
+# -------------------------------------------------------------------------- users, nodes, tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +141,7 @@ async def register_node(
 ) -> None:
     await conn.execute(
         "UPDATE nodes SET gpus = $2::jsonb, cpu_slots = $3, protocol_version = $4,"
-        " registered_at = now(), last_heartbeat = now() WHERE id = $1",
+        " registered_at = clock_timestamp(), last_heartbeat = clock_timestamp() WHERE id = $1",
         node_id,
         msgspec.json.encode(gpus).decode(),
         cpu_slots,
@@ -194,7 +194,9 @@ async def blob_chunk(conn: Conn, blob_id: str, seq: int) -> bytes | None:
 # ------------------------------------------------------------------------------ submission
 
 
-async def submit(conn: asyncpg.Connection, owner_id: int, calls: Sequence[wire.CallSpec]) -> list[str]:
+async def submit(
+    conn: asyncpg.Connection, owner_id: int, calls: Sequence[wire.CallSpec]
+) -> list[str]:
     """Insert the calls (exactly once per idempotency key) and return their ids in order.
 
     A retried batch finds its earlier rows through ``(owner_id, idempotency_key)``."""
@@ -306,7 +308,9 @@ async def list_invocations(conn: Conn, owner_id: int, limit: int) -> list[wire.I
     return [to_invocation(r) for r in rows]
 
 
-async def logs_after(conn: Conn, cursors: Sequence[tuple[str, int]], limit: int) -> list[wire.LogChunk]:
+async def logs_after(
+    conn: Conn, cursors: Sequence[tuple[str, int]], limit: int
+) -> list[wire.LogChunk]:
     """Log chunks past each cursor ``(invocation_id, seen)``; callers pass only owned ids."""
     rows = await conn.fetch(
         "SELECT l.invocation_id, l.n, l.stream, l.data"
@@ -344,7 +348,7 @@ async def cancel(conn: asyncpg.Connection, owner_id: int, invocation_id: str) ->
         if row["state"] not in ("queued", *_LEASED):
             return str(row["state"])
         await conn.execute(
-            "UPDATE invocations SET state = 'cancelled', finished_at = now(),"
+            "UPDATE invocations SET state = 'cancelled', finished_at = clock_timestamp(),"
             " lease_expires_at = NULL WHERE id = $1",
             uuid.UUID(invocation_id),
         )
@@ -390,7 +394,7 @@ _GPU_LIST = msgspec.json.Decoder(list[wire.GpuInfo])
 async def live_nodes(conn: Conn, heartbeat_timeout_s: float) -> list[NodeRow]:
     rows = await conn.fetch(
         "SELECT id, name, gpus::text AS gpus, cpu_slots FROM nodes"
-        " WHERE last_heartbeat > now() - make_interval(secs => $1) ORDER BY id",
+        " WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) ORDER BY id",
         heartbeat_timeout_s,
     )
     return [NodeRow(r["id"], r["name"], _GPU_LIST.decode(r["gpus"]), r["cpu_slots"]) for r in rows]
@@ -428,8 +432,8 @@ async def assign(
     rows = await conn.fetch(
         "UPDATE invocations i SET state = 'assigned', node_id = d.node_id,"
         " gpu_indices = d.gpus::int[], attempts = i.attempts + 1, epoch = i.epoch + 1,"
-        " log_ack = -1, scheduled_at = now(), delivered_at = NULL, started_at = NULL,"
-        " lease_expires_at = now() + make_interval(secs => $4)"
+        " log_ack = -1, scheduled_at = clock_timestamp(), delivered_at = NULL, started_at = NULL,"
+        " lease_expires_at = clock_timestamp() + make_interval(secs => $4)"
         " FROM unnest($1::uuid[], $2::bigint[], $3::text[]) AS d(id, node_id, gpus)"
         " WHERE i.id = d.id AND i.state = 'queued' RETURNING i.id, i.node_id",
         [uuid.UUID(d[0]) for d in decisions],
@@ -457,7 +461,7 @@ async def expire_leases(conn: asyncpg.Connection) -> list[tuple[str, str]]:
     async with conn.transaction():
         rows = await conn.fetch(
             "WITH expired AS (SELECT id FROM invocations"
-            "  WHERE state IN ('assigned', 'running') AND lease_expires_at < now()"
+            "  WHERE state IN ('assigned', 'running') AND lease_expires_at < clock_timestamp()"
             "  FOR UPDATE SKIP LOCKED)"
             " UPDATE invocations i SET"
             "  state = CASE WHEN i.attempts <= i.max_retries THEN 'queued' ELSE 'failed' END,"
@@ -465,7 +469,7 @@ async def expire_leases(conn: asyncpg.Connection) -> list[tuple[str, str]]:
             "  error_message = CASE WHEN i.attempts <= i.max_retries THEN NULL ELSE"
             "   'the node running this call stopped renewing its lease (node lost) after '"
             "   || i.attempts || ' attempt(s); raise max_retries to retry more' END,"
-            "  finished_at = CASE WHEN i.attempts <= i.max_retries THEN NULL ELSE now() END,"
+            "  finished_at = CASE WHEN i.attempts <= i.max_retries THEN NULL ELSE clock_timestamp() END,"
             "  node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL"
             " FROM expired WHERE i.id = expired.id RETURNING i.id, i.state"
         )
@@ -484,9 +488,9 @@ async def heartbeat(
 ) -> list[wire.Attempt]:
     """Mark the node alive, renew the leases it still holds, return the attempts it must stop."""
     async with conn.transaction():
-        await conn.execute("UPDATE nodes SET last_heartbeat = now() WHERE id = $1", node_id)
+        await conn.execute("UPDATE nodes SET last_heartbeat = clock_timestamp() WHERE id = $1", node_id)
         held = await conn.fetch(
-            "UPDATE invocations i SET lease_expires_at = now() + make_interval(secs => $4)"
+            "UPDATE invocations i SET lease_expires_at = clock_timestamp() + make_interval(secs => $4)"
             " FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
             " WHERE i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1"
             "  AND i.state IN ('assigned', 'running') RETURNING i.id",
@@ -521,7 +525,7 @@ async def deliver(
     """Assigned work of this node that it does not already run. Redelivered until the node
     starts it, so a lost poll answer loses nothing."""
     rows = await conn.fetch(
-        "UPDATE invocations i SET delivered_at = coalesce(i.delivered_at, now())"
+        "UPDATE invocations i SET delivered_at = coalesce(i.delivered_at, clock_timestamp())"
         " WHERE i.node_id = $1 AND i.state = 'assigned'"
         "  AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
         "   WHERE a.id = i.id AND a.epoch = i.epoch)"
@@ -551,7 +555,7 @@ _FENCE = "i.id = $1 AND i.node_id = $2 AND i.epoch = $3 AND i.state IN ('assigne
 
 async def start(conn: Conn, node_id: int, invocation_id: str, epoch: int) -> bool:
     status = await conn.execute(
-        "UPDATE invocations i SET state = 'running', started_at = coalesce(started_at, now())"
+        "UPDATE invocations i SET state = 'running', started_at = coalesce(started_at, clock_timestamp())"
         f" WHERE {_FENCE}",
         uuid.UUID(invocation_id),
         node_id,
@@ -640,7 +644,7 @@ async def complete(
         status = await conn.execute(
             "UPDATE invocations i SET state = $4, error_kind = $5, error_type = $6,"
             " error_message = $7, traceback = $8, result = $9, result_blob = $10,"
-            " finished_at = now(), lease_expires_at = NULL"
+            " finished_at = clock_timestamp(), lease_expires_at = NULL"
             f" WHERE {_FENCE} AND ($10::uuid IS NULL OR EXISTS (SELECT 1 FROM blobs b"
             "  WHERE b.id = $10 AND b.owner_id = i.owner_id AND b.complete))",
             uuid.UUID(invocation_id),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -38,12 +39,8 @@ def _check_call(spec: wire.CallSpec, index: int, inline_limit: int) -> wire.Call
         raise Unprocessable(f"{where}.idempotency_key is longer than 200 characters")
     if not spec.idempotency_key:
         # Without a key a retried request cannot be recognised; each call stands alone.
-        spec = wire.CallSpec(**{**_fields(spec), "idempotency_key": uuid.uuid4().hex})
+        spec = msgspec.structs.replace(spec, idempotency_key=uuid.uuid4().hex)
     return spec
-
-
-def _fields(spec: wire.CallSpec) -> dict[str, object]:
-    return {f: getattr(spec, f) for f in spec.__struct_fields__}
 
 
 async def submit(request: Request) -> Response:
@@ -60,7 +57,9 @@ async def submit(request: Request) -> Response:
     if blobs:
         missing = blobs - await db.owned_blobs(request.app.state.pool, owner, _uuids(blobs))
         if missing:
-            raise Unprocessable(f"payload_blob {sorted(missing)[0]} is not a complete blob of yours")
+            raise Unprocessable(
+                f"payload_blob {sorted(missing)[0]} is not a complete blob of yours"
+            )
     async with request.app.state.pool.acquire() as conn:
         ids = await db.submit(conn, owner, calls)
     return reply(wire.SubmitResponse(ids=ids), 201)

@@ -119,11 +119,23 @@ class Cluster:
         path.write_text(asyncio.run(admin.add_node(self.database_url, name)))
         return path
 
-    def start_nodelet(self, name: str = "node-a", fake_gpus: int = 2, cpu_slots: int = 2,
-                      **options: str) -> subprocess.Popen[bytes]:
-        args = ["-m", "nodelet", "--gateway", self.url, "--token-file",
-                str(self.node_token(name)), "--name", name, "--fake-gpus", str(fake_gpus),
-                "--cpu-slots", str(cpu_slots)]
+    def start_nodelet(
+        self, name: str = "node-a", fake_gpus: int = 2, cpu_slots: int = 2, **options: str
+    ) -> subprocess.Popen[bytes]:
+        args = [
+            "-m",
+            "nodelet",
+            "--gateway",
+            self.url,
+            "--token-file",
+            str(self.node_token(name)),
+            "--name",
+            name,
+            "--fake-gpus",
+            str(fake_gpus),
+            "--cpu-slots",
+            str(cpu_slots),
+        ]
         for key, value in options.items():
             args += [f"--{key}", value]
         proc = self._spawn(name, args, {})
@@ -131,8 +143,10 @@ class Cluster:
         return proc
 
     def logs(self) -> str:
-        return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-4000:]}"
-                         for p in sorted(self.dir.glob("*.log")))
+        return "\n".join(
+            f"== {p.name}\n{p.read_text(errors='replace')[-4000:]}"
+            for p in sorted(self.dir.glob("*.log"))
+        )
 
     def stop(self) -> None:
         for proc in self.nodelets:

@@ -16,8 +16,9 @@ from tests.conftest import Cluster, wait_until
 
 class Http:
     def __init__(self, url: str, token: str) -> None:
-        self.client = httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"},
-                                   timeout=30)
+        self.client = httpx.Client(
+            base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=30
+        )
 
     def post(self, path: str, msg: object, **kw: object) -> httpx.Response:
         return self.client.post(path, content=msgspec.json.encode(msg), **kw)  # type: ignore[arg-type]
@@ -32,8 +33,10 @@ def call(payload: bytes = b"opaque", **kw: object) -> wire.CallSpec:
 
 def register(cluster: Cluster, name: str = "n1", gpus: int = 1) -> Http:
     node = Http(cluster.url, cluster.node_token(name).read_text())
-    info = [wire.GpuInfo(index=i, uuid=f"g{i}", name="Fake", memory_mb=1, fake=True)
-            for i in range(gpus)]
+    info = [
+        wire.GpuInfo(index=i, uuid=f"g{i}", name="Fake", memory_mb=1, fake=True)
+        for i in range(gpus)
+    ]
     r = node.post("/v1/node/register", wire.RegisterRequest(name=name, gpus=info, cpu_slots=1))
     assert r.status_code == 200, r.text
     return node
@@ -105,7 +108,9 @@ def test_users_see_only_their_own_invocations(gateway: Cluster) -> None:
     [invocation_id] = submit(alice, call())
     assert bob.get(f"/v1/invocations/{invocation_id}").status_code == 404
     assert bob.client.post(f"/v1/invocations/{invocation_id}/cancel").status_code == 404
-    r = bob.post("/v1/invocations/watch", wire.WatchRequest(items=[wire.WatchItem(id=invocation_id)]))
+    r = bob.post(
+        "/v1/invocations/watch", wire.WatchRequest(items=[wire.WatchItem(id=invocation_id)])
+    )
     assert r.status_code == 404
     assert bob.get("/v1/invocations").json() == []
 
@@ -117,20 +122,30 @@ def test_a_call_runs_through_the_node_routes_and_the_user_sees_logs_and_result(
     node = register(gateway)
     [invocation_id] = submit(user, call(payload=b"pickled-call", gpus=1))
     [work] = poll(node).assignments
-    assert (work.invocation_id, work.payload, work.gpu_indices) == (invocation_id, b"pickled-call", [0])
+    assert (work.invocation_id, work.payload, work.gpu_indices) == (
+        invocation_id,
+        b"pickled-call",
+        [0],
+    )
     base = f"/v1/node/invocations/{invocation_id}"
     assert node.post(f"{base}/start", wire.StartRequest(epoch=work.epoch)).status_code == 204
-    chunks = [wire.NodeLogChunk(stream=wire.Stream.STDOUT, data=b"step 1\r"),
-              wire.NodeLogChunk(stream=wire.Stream.STDERR, data=b"warn\n")]
+    chunks = [
+        wire.NodeLogChunk(stream=wire.Stream.STDOUT, data=b"step 1\r"),
+        wire.NodeLogChunk(stream=wire.Stream.STDERR, data=b"warn\n"),
+    ]
     logs = wire.LogsRequest(epoch=work.epoch, first_seq=0, chunks=chunks)
     assert node.post(f"{base}/logs", logs).status_code == 204
     assert node.post(f"{base}/logs", logs).status_code == 204  # a retry appends nothing
     done = wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"pickled-result")
     assert node.post(f"{base}/complete", done).status_code == 204
-    r = user.post("/v1/invocations/watch", wire.WatchRequest(items=[wire.WatchItem(id=invocation_id)]))
+    r = user.post(
+        "/v1/invocations/watch", wire.WatchRequest(items=[wire.WatchItem(id=invocation_id)])
+    )
     news = msgspec.json.decode(r.content, type=wire.WatchResponse)
     assert [(c.n, c.stream, c.data) for c in news.logs] == [
-        (1, wire.Stream.STDOUT, b"step 1\r"), (2, wire.Stream.STDERR, b"warn\n")]
+        (1, wire.Stream.STDOUT, b"step 1\r"),
+        (2, wire.Stream.STDERR, b"warn\n"),
+    ]
     [inv] = news.invocations
     assert inv.state == wire.State.SUCCEEDED and inv.result == b"pickled-result"
     t = inv.timeline
@@ -149,13 +164,17 @@ def test_watch_wakes_on_completion_without_waiting_for_the_recheck_timer(gateway
 
     def finish() -> None:
         time.sleep(0.3)
-        node.post(f"/v1/node/invocations/{invocation_id}/complete",
-                  wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"r"))
+        node.post(
+            f"/v1/node/invocations/{invocation_id}/complete",
+            wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"r"),
+        )
 
     threading.Thread(target=finish).start()
     started = time.monotonic()
-    r = user.post("/v1/invocations/watch",
-                  wire.WatchRequest(items=[wire.WatchItem(id=invocation_id)], timeout_s=5))
+    r = user.post(
+        "/v1/invocations/watch",
+        wire.WatchRequest(items=[wire.WatchItem(id=invocation_id)], timeout_s=5),
+    )
     elapsed = time.monotonic() - started
     assert r.json()["invocations"][0]["state"] == "succeeded"
     # Woken by NOTIFY: well before the 1 s re-check timer would have fired after completion.
@@ -169,6 +188,7 @@ def test_lost_lease_requeues_with_a_new_epoch_and_fences_the_old_attempt(gateway
     [first] = poll(node).assignments
     base = f"/v1/node/invocations/{invocation_id}"
     assert node.post(f"{base}/start", wire.StartRequest(epoch=first.epoch)).status_code == 204
+
     # Heartbeats keep the node alive but do not name the attempt, so its lease (3 s) runs out:
     # the scheduler returns the call to the queue and leases it again with the next epoch.
     def re_leased() -> bool:
@@ -176,8 +196,12 @@ def test_lost_lease_requeues_with_a_new_epoch_and_fences_the_old_attempt(gateway
         return status(user, invocation_id).attempts == 2
 
     wait_until(re_leased, 15, "the call to be re-leased")
-    hb = node.post("/v1/node/heartbeat", wire.HeartbeatRequest(
-        running=[wire.Attempt(invocation_id=invocation_id, epoch=first.epoch)]))
+    hb = node.post(
+        "/v1/node/heartbeat",
+        wire.HeartbeatRequest(
+            running=[wire.Attempt(invocation_id=invocation_id, epoch=first.epoch)]
+        ),
+    )
     assert hb.json()["revoked"] == [{"invocation_id": invocation_id, "epoch": first.epoch}]
     late = wire.CompleteRequest(epoch=first.epoch, state="succeeded", result=b"stale")
     r = node.post(f"{base}/complete", late)
@@ -195,7 +219,9 @@ def test_lease_expiry_without_retries_fails_the_call_as_node_lost(gateway: Clust
     wait_until(lambda: status(user, invocation_id).state == "failed", 15, "node-lost failure")
     inv = status(user, invocation_id)
     assert inv.error_kind == wire.ErrorKind.NODE_LOST and "node lost" in (inv.error_message or "")
-    r = node.post(f"/v1/node/invocations/{invocation_id}/start", wire.StartRequest(epoch=work.epoch))
+    r = node.post(
+        f"/v1/node/invocations/{invocation_id}/start", wire.StartRequest(epoch=work.epoch)
+    )
     assert r.status_code == 409
 
 
@@ -209,7 +235,9 @@ def test_cancel_of_a_leased_call_revokes_it_on_the_node(gateway: Cluster) -> Non
     assert r.json()["state"] == "cancelled"
     assert poll(node, [attempt]).revoked == [attempt]
     # Terminal states absorb: cancelling again leaves it as it is.
-    assert user.client.post(f"/v1/invocations/{invocation_id}/cancel").json()["state"] == "cancelled"
+    assert (
+        user.client.post(f"/v1/invocations/{invocation_id}/cancel").json()["state"] == "cancelled"
+    )
 
 
 @pytest.mark.parametrize("size", [0, 5 << 20])
