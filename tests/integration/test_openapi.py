@@ -1,0 +1,353 @@
+"""The hand-written OpenAPI contract (``openapi.yaml``) held against the gateway: every route is
+described and every description is routed, the message schemas are exactly the wire Structs,
+the gateway serves the file, and a property-based run of the user routes against a real gateway
+and PostgreSQL gets only answers the contract documents."""
+
+from __future__ import annotations
+
+import base64
+from collections import Counter
+from typing import Any
+
+import httpx
+import hypothesis
+import msgspec
+import schemathesis
+import yaml
+from hypothesis import strategies as st
+from schemathesis import GenerationMode, checks
+from starlette.routing import Route
+
+from bulletin import wire
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from tests.conftest import ROOT, Cluster
+
+SPEC_PATH = ROOT / "openapi.yaml"
+HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
+PROBLEM_REF = "#/components/schemas/Problem"
+
+#: The Structs that travel over HTTP: the spec's components/schemas are generated from these.
+HTTP_STRUCTS = [
+    wire.SubmitRequest,
+    wire.SubmitResponse,
+    wire.CallSpec,
+    wire.Invocation,
+    wire.Timeline,
+    wire.WatchRequest,
+    wire.WatchItem,
+    wire.WatchResponse,
+    wire.LogChunk,
+    wire.BlobRef,
+    wire.Problem,
+    wire.RegisterRequest,
+    wire.RegisterResponse,
+    wire.GpuInfo,
+    wire.HeartbeatRequest,
+    wire.HeartbeatResponse,
+    wire.Attempt,
+    wire.PollRequest,
+    wire.PollResponse,
+    wire.Assignment,
+    wire.StartRequest,
+    wire.LogsRequest,
+    wire.NodeLogChunk,
+    wire.CompleteRequest,
+]
+#: Structs that never cross HTTP (worker stdin/stdout, the client config file).
+NOT_HTTP = {wire.WorkerTask, wire.WorkerOutcome, wire.ClientConfig}
+
+#: What the property-based run checks of every answer.
+CONFORMANCE = [
+    checks.not_a_server_error,
+    checks.status_code_conformance,
+    checks.content_type_conformance,
+    checks.response_schema_conformance,
+    checks.response_headers_conformance,
+]
+EXAMPLES_PER_OPERATION = 20
+AWKWARD = "\x00\x01\t\n\"\\'%_aé€\u2028\U0001f600"
+
+
+def load_spec() -> dict[str, Any]:
+    spec: dict[str, Any] = yaml.safe_load(SPEC_PATH.read_text())
+    return spec
+
+
+def operations(spec: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {
+        (method.upper(), path): op
+        for path, item in spec["paths"].items()
+        for method, op in item.items()
+        if method in HTTP_METHODS
+    }
+
+
+def resolve(spec: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in node:
+        found: Any = spec
+        for part in node["$ref"].removeprefix("#/").split("/"):
+            found = found[part]
+        node = found
+    return node
+
+
+def test_the_spec_is_a_valid_openapi_3_1_document() -> None:
+    from openapi_spec_validator import validate
+
+    # ASCII only: the gateway reads the file in the locale's encoding.
+    SPEC_PATH.read_bytes().decode("ascii")
+    spec = load_spec()
+    assert spec["openapi"] == "3.1.0"
+    validate(spec)
+
+
+def test_every_route_is_in_the_spec_and_every_operation_is_routed() -> None:
+    app = create_app(GatewayConfig(database_url="postgresql://unused"))
+    routed = {
+        (method, route.path)
+        for route in app.routes
+        if isinstance(route, Route)
+        for method in route.methods or ()
+        if method != "HEAD"
+    }
+    assert all(isinstance(route, Route) for route in app.routes)  # no Mount hides routes
+    assert set(operations(load_spec())) == routed
+
+
+def test_the_message_schemas_are_exactly_the_wire_structs() -> None:
+    every_struct = {
+        value
+        for value in vars(wire).values()
+        if isinstance(value, type)
+        and issubclass(value, msgspec.Struct)
+        and not value.__name__.startswith("_")
+    }
+    # A new message must be added to HTTP_STRUCTS (and to the spec) or to NOT_HTTP.
+    assert every_struct == set(HTTP_STRUCTS) | NOT_HTTP
+    _, generated = msgspec.json.schema_components(
+        HTTP_STRUCTS, ref_template="#/components/schemas/{name}"
+    )
+    documented = load_spec()["components"]["schemas"]
+    assert sorted(documented) == sorted(generated)
+    for name, schema in generated.items():
+        assert documented[name] == schema, f"components/schemas/{name} differs from wire.{name}"
+
+
+def test_every_operation_is_secured_and_every_error_is_a_problem() -> None:
+    spec = load_spec()
+    assert spec["security"] == [{"bearerAuth": []}]
+    for (method, path), op in operations(spec).items():
+        where = f"{method} {path}"
+        assert op.get("security", spec["security"]) == (
+            [] if path == "/healthz" else spec["security"]
+        ), where
+        assert op.get("operationId") and op.get("description"), where
+        for status, response in op["responses"].items():
+            content = resolve(spec, response).get("content", {})
+            if int(status) >= 400:
+                assert list(content) == ["application/problem+json"], f"{where} {status}"
+                assert content["application/problem+json"]["schema"] == {"$ref": PROBLEM_REF}
+            elif int(status) == 204:
+                assert not content, f"{where} {status}"
+        if path != "/healthz":
+            assert {"401", "403"} <= set(op["responses"]), where
+        params = [resolve(spec, p) for p in spec["paths"][path].get("parameters", [])]
+        for param in params:
+            if param["in"] == "path":
+                assert param["schema"] == {"type": "string", "format": "uuid"}, where
+
+
+def test_the_gateway_serves_this_document_to_token_holders(gateway: Cluster) -> None:
+    url = f"{gateway.url}/openapi.yaml"
+    assert httpx.get(url).status_code == 401
+    r = httpx.get(url, headers={"authorization": f"Bearer {gateway.token}"})
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "application/yaml"
+    assert yaml.safe_load(r.text) == load_spec()
+
+
+def test_the_request_examples_are_wire_messages() -> None:
+    spec = load_spec()
+    seen = 0
+    for (method, path), op in operations(spec).items():
+        media = op.get("requestBody", {}).get("content", {}).get("application/json")
+        if media is None:
+            continue
+        struct = getattr(wire, media["schema"]["$ref"].rsplit("/", 1)[1])
+        assert "example" in media, f"{method} {path}"
+        msgspec.convert(media["example"], struct)  # raises if the example is not a valid message
+        seen += 1
+    assert seen
+
+
+# ------------------------------------------------------------ generated requests vs the gateway
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+class Harness:
+    """Sends schemathesis cases to a real gateway and collects the answers that break the spec."""
+
+    def __init__(self, gateway: Cluster) -> None:
+        self.schema = schemathesis.openapi.from_path(SPEC_PATH, config=schemathesis.Config())
+        self.url = gateway.url
+        self.user = {"authorization": f"Bearer {gateway.token}"}
+        self.failures: list[str] = []
+        self.statuses: dict[str, Counter[int]] = {}
+
+    def operation(self, label: str) -> schemathesis.APIOperation:
+        return self.schema.find_operation_by_label(label)  # type: ignore[return-value]
+
+    def fuzz(
+        self,
+        label: str,
+        strategy: st.SearchStrategy[schemathesis.Case],
+        examples: int = EXAMPLES_PER_OPERATION,
+        token: dict[str, str] | None = None,
+    ) -> None:
+        """Send up to ``examples`` cases drawn from ``strategy``; record the first that breaks
+        the spec (shrunk) under ``label``."""
+        # A fresh connection per request: uvicorn drops a kept-alive one after a 500, which
+        # would blame the next request for the previous one's failure.
+        headers = {**(token or self.user), "connection": "close"}
+        seen = self.statuses[label] = Counter()
+
+        @hypothesis.settings(
+            max_examples=examples,
+            deadline=None,
+            derandomize=True,  # the same requests every run: no flakes, failures reproduce
+            database=None,
+            suppress_health_check=list(hypothesis.HealthCheck),
+            phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
+            report_multiple_bugs=False,
+        )
+        @hypothesis.given(case=strategy)
+        def conforms(case: schemathesis.Case) -> None:
+            response = case.call(base_url=self.url, headers=headers, timeout=30)
+            seen[response.status_code] += 1
+            case.validate_response(response, checks=CONFORMANCE, headers=headers)
+
+        try:
+            conforms()
+        except hypothesis.errors.Unsatisfiable:
+            pass  # nothing of this kind to generate, e.g. invalid input for a route without any
+        except (Exception, BaseExceptionGroup) as exc:  # schemathesis raises a FailureGroup
+            notes = "\n".join(getattr(exc, "__notes__", []))
+            self.failures.append(f"{label}:\n{exc}\n{notes}")
+
+
+def text(size: int) -> st.SearchStrategy[str]:
+    """Any text, or text of the characters that trouble JSON, encodings and databases."""
+    return st.text(max_size=size) | st.text(st.sampled_from(AWKWARD), max_size=size)
+
+
+def test_user_routes_answer_only_what_the_spec_documents(gateway: Cluster) -> None:
+    """Schemathesis sends every user route requests generated from the spec, valid and invalid,
+    then plausible ones that reach the happy paths, and checks each answer against the spec:
+    no 5xx, only documented status codes and content types, bodies that match their schemas."""
+    h = Harness(gateway)
+    user = httpx.Client(base_url=gateway.url, headers=h.user, timeout=30)
+    # Real objects, so that generated requests also reach the answers of the happy paths.
+    blob = user.put("/v1/blobs", content=b"payload").json()["id"]
+    submitted = user.post(
+        "/v1/invocations",
+        json={
+            "calls": [
+                {"payload": b64(b"call"), "function_name": "f"},
+                {"payload_blob": blob},
+                {"payload": ""},
+            ]
+        },
+    )
+    queued, done, other = submitted.json()["ids"]
+    assert user.post(f"/v1/invocations/{done}/cancel").json()["state"] == "cancelled"
+    unknown = "00000000-0000-4000-8000-000000000000"
+    node = {"authorization": f"Bearer {gateway.node_token('n1').read_text()}"}
+
+    user_routes = [result.ok() for result in h.schema.get_all_operations()]
+    user_routes = [op for op in user_routes if not op.path.startswith("/v1/node/")]
+    assert len(user_routes) == 9
+    for op in user_routes:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            h.fuzz(f"{op.label} ({mode.value})", op.as_strategy(generation_mode=mode))
+        for strategy in op.get_strategies_from_examples():
+            h.fuzz(f"{op.label} (examples)", strategy, examples=1)
+        if op.path != "/healthz":
+            h.fuzz(f"{op.label} (node token)", op.as_strategy(), examples=3, token=node)
+            assert set(h.statuses[f"{op.label} (node token)"]) == {403}, op.label
+
+    def own(label: str, ids: list[str]) -> None:
+        op = h.operation(label)
+        h.fuzz(
+            f"{label} (own ids)",
+            st.sampled_from(ids).flatmap(lambda i: op.as_strategy(path_parameters={"id": i})),
+            examples=2 * len(ids),
+        )
+
+    own("GET /v1/invocations/{id}", [queued, done])
+    own("POST /v1/invocations/{id}/cancel", [done, other])
+    own("GET /v1/blobs/{id}", [blob])
+
+    # Submissions shaped like the sdk's: valid by the gateway's rules, with values that stretch
+    # them (any text, any number of GPUs, tiny and huge timeouts), and some invalid payloads.
+    payloads = st.one_of(
+        st.builds(lambda p: {"payload": b64(p)}, st.binary(max_size=64)),
+        st.builds(lambda b: {"payload_blob": b}, st.sampled_from([blob, blob, unknown, "nope"])),
+        st.sampled_from([{}, {"payload": b64(b"x"), "payload_blob": blob}]),
+    )
+    options = st.fixed_dictionaries(
+        {},
+        optional={
+            "idempotency_key": text(200),
+            "function_name": text(40),
+            "gpus": st.integers(min_value=0),
+            "max_retries": st.integers(min_value=0, max_value=10),
+            "timeout_s": st.none() | st.floats(min_value=0, exclude_min=True, allow_infinity=False),
+        },
+    )
+    calls = st.builds(lambda p, o: {**p, **o}, payloads, options)
+    submit = h.operation("POST /v1/invocations")
+    h.fuzz(
+        "POST /v1/invocations (plausible calls)",
+        st.builds(
+            lambda c: submit.Case(body={"calls": c}, media_type="application/json"),
+            st.lists(calls, min_size=1, max_size=3),
+        ),
+        examples=60,
+    )
+
+    # Watches of this user's invocations with any log cursor; a short timeout_s, as those not
+    # yet terminal hold the answer for it.
+    items = st.lists(
+        st.fixed_dictionaries(
+            {"id": st.sampled_from([done, queued, unknown])}, optional={"log_after": st.integers()}
+        ),
+        max_size=3,
+    )
+    watch = h.operation("POST /v1/invocations/watch")
+    h.fuzz(
+        "POST /v1/invocations/watch (own ids)",
+        st.builds(
+            lambda i, t: watch.Case(
+                body={"items": i, "timeout_s": t}, media_type="application/json"
+            ),
+            items,
+            st.floats(min_value=-1, max_value=0.05),
+        ),
+        examples=40,
+    )
+
+    assert not h.failures, "\n\n".join(h.failures)
+    # The plausible requests did reach the happy paths.
+    for label, status in [
+        ("POST /v1/invocations (plausible calls)", 201),
+        ("POST /v1/invocations/watch (own ids)", 200),
+        ("GET /v1/invocations/{id} (own ids)", 200),
+        ("POST /v1/invocations/{id}/cancel (own ids)", 200),
+        ("GET /v1/blobs/{id} (own ids)", 200),
+        ("PUT /v1/blobs (positive)", 201),
+    ]:
+        assert h.statuses[label][status] > 0, (label, h.statuses[label])
