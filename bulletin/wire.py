@@ -12,7 +12,7 @@ them. In JSON they travel base64-encoded (msgspec's default for ``bytes``).
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -21,6 +21,19 @@ MIN_PROTOCOL_VERSION = 1
 
 #: Media type of the raw bodies of blob uploads and downloads.
 OCTET_STREAM = "application/octet-stream"
+
+
+# Constrained types for what clients send: values PostgreSQL can store (int4, text without
+# NUL bytes, uuid), rejected with a 422 at decoding rather than failing deep in the database.
+Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+Text = Annotated[str, msgspec.Meta(pattern="^[^\\x00]*$")]
+Name = Annotated[str, msgspec.Meta(pattern="^[^\\x00]*$", max_length=200)]
+Id = Annotated[
+    str,
+    msgspec.Meta(
+        pattern="^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
+    ),
+]
 
 
 class State(enum.StrEnum):
@@ -66,13 +79,13 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fals
 class CallSpec(_Msg, frozen=True, kw_only=True):
     """One call to submit. ``payload`` xor ``payload_blob`` carries the pickled call."""
 
-    idempotency_key: str = msgspec.field(default="")
-    function_name: str = ""
-    gpus: int = 0
-    max_retries: int = 2
+    idempotency_key: Name = ""
+    function_name: Name = ""
+    gpus: Int32 = 0
+    max_retries: Int32 = 2
     timeout_s: float | None = None
     payload: bytes | None = None
-    payload_blob: str | None = None
+    payload_blob: Id | None = None
 
 
 class SubmitRequest(_Msg, frozen=True, kw_only=True):
@@ -115,8 +128,8 @@ class Invocation(_Msg, frozen=True, kw_only=True):
 
 
 class WatchItem(_Msg, frozen=True, kw_only=True):
-    id: str
-    log_after: int = 0  # number of log chunks the caller has already seen
+    id: Id
+    log_after: Int32 = 0  # number of log chunks the caller has already seen
 
 
 class WatchRequest(_Msg, frozen=True, kw_only=True):
@@ -162,18 +175,18 @@ class Problem(_Msg, frozen=True, kw_only=True):
 
 
 class GpuInfo(_Msg, frozen=True, kw_only=True):
-    index: int
-    uuid: str
-    name: str
+    index: Int32
+    uuid: Name
+    name: Name
     memory_mb: int
     fake: bool = False
 
 
 class RegisterRequest(_Msg, frozen=True, kw_only=True):
-    name: str
+    name: Name
     gpus: list[GpuInfo]
-    cpu_slots: int
-    protocol_version: int = PROTOCOL_VERSION
+    cpu_slots: Int32
+    protocol_version: Int32 = PROTOCOL_VERSION
 
 
 class RegisterResponse(_Msg, frozen=True, kw_only=True):
@@ -187,8 +200,8 @@ class RegisterResponse(_Msg, frozen=True, kw_only=True):
 class Attempt(_Msg, frozen=True, kw_only=True):
     """An invocation attempt the node holds: fenced by ``epoch``."""
 
-    invocation_id: str
-    epoch: int
+    invocation_id: Id
+    epoch: Int32
 
 
 class Assignment(_Msg, frozen=True, kw_only=True):
@@ -226,7 +239,7 @@ class PollResponse(_Msg, frozen=True, kw_only=True):
 
 
 class StartRequest(_Msg, frozen=True, kw_only=True):
-    epoch: int
+    epoch: Int32
 
 
 class NodeLogChunk(_Msg, frozen=True, kw_only=True):
@@ -238,20 +251,20 @@ class LogsRequest(_Msg, frozen=True, kw_only=True):
     """Log chunks of one attempt. ``first_seq`` numbers the first chunk of this batch within
     the attempt (from 0), so a retried request never appends a chunk twice."""
 
-    epoch: int
-    first_seq: int
+    epoch: Int32
+    first_seq: Int32
     chunks: list[NodeLogChunk]
 
 
 class CompleteRequest(_Msg, frozen=True, kw_only=True):
-    epoch: int
+    epoch: Int32
     state: Literal["succeeded", "failed", "timed_out", "cancelled"]
     error_kind: ErrorKind | None = None
-    error_type: str | None = None
-    error_message: str | None = None
-    traceback: str | None = None
+    error_type: Text | None = None
+    error_message: Text | None = None
+    traceback: Text | None = None
     result: bytes | None = None
-    result_blob: str | None = None
+    result_blob: Id | None = None
 
 
 # ------------------------------------------------------------- worker process (nodelet <-> worker)

@@ -469,7 +469,8 @@ async def expire_leases(conn: asyncpg.Connection) -> list[tuple[str, str]]:
             "  error_message = CASE WHEN i.attempts <= i.max_retries THEN NULL ELSE"
             "   'the node running this call stopped renewing its lease (node lost) after '"
             "   || i.attempts || ' attempt(s); raise max_retries to retry more' END,"
-            "  finished_at = CASE WHEN i.attempts <= i.max_retries THEN NULL ELSE clock_timestamp() END,"
+            "  finished_at = CASE WHEN i.attempts <= i.max_retries THEN NULL"
+            "   ELSE clock_timestamp() END,"
             "  node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL"
             " FROM expired WHERE i.id = expired.id RETURNING i.id, i.state"
         )
@@ -488,9 +489,12 @@ async def heartbeat(
 ) -> list[wire.Attempt]:
     """Mark the node alive, renew the leases it still holds, return the attempts it must stop."""
     async with conn.transaction():
-        await conn.execute("UPDATE nodes SET last_heartbeat = clock_timestamp() WHERE id = $1", node_id)
+        await conn.execute(
+            "UPDATE nodes SET last_heartbeat = clock_timestamp() WHERE id = $1", node_id
+        )
         held = await conn.fetch(
-            "UPDATE invocations i SET lease_expires_at = clock_timestamp() + make_interval(secs => $4)"
+            "UPDATE invocations i"
+            " SET lease_expires_at = clock_timestamp() + make_interval(secs => $4)"
             " FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
             " WHERE i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1"
             "  AND i.state IN ('assigned', 'running') RETURNING i.id",
@@ -555,7 +559,8 @@ _FENCE = "i.id = $1 AND i.node_id = $2 AND i.epoch = $3 AND i.state IN ('assigne
 
 async def start(conn: Conn, node_id: int, invocation_id: str, epoch: int) -> bool:
     status = await conn.execute(
-        "UPDATE invocations i SET state = 'running', started_at = coalesce(started_at, clock_timestamp())"
+        "UPDATE invocations i SET state = 'running',"
+        " started_at = coalesce(started_at, clock_timestamp())"
         f" WHERE {_FENCE}",
         uuid.UUID(invocation_id),
         node_id,

@@ -53,9 +53,12 @@ def int_param(request: Request, name: str, default: int | None = None) -> int:
             raise BadRequest(f"query parameter '{name}' is required")
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise BadRequest(f"query parameter '{name}' must be an integer, not {raw!r}") from None
+    if not -(2**31) <= value < 2**31:
+        raise BadRequest(f"query parameter '{name}' is out of range")
+    return value
 
 
 async def store_blob(request: Request, owner_id: int) -> wire.BlobRef:

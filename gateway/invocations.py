@@ -113,6 +113,8 @@ async def watch(request: Request) -> Response:
     req = await body(request, wire.WatchRequest)
     if not 1 <= len(req.items) <= wire.MAX_WATCH:
         raise Unprocessable(f"watch between 1 and {wire.MAX_WATCH} invocations per request")
+    if any(i.log_after < 0 for i in req.items):
+        raise Unprocessable("log_after counts log chunks already seen: 0 or more")
     seen = {_valid_id(i.id): i.log_after for i in req.items}
     config, pool = request.app.state.config, request.app.state.pool
     deadline = time.monotonic() + min(max(req.timeout_s, 0.0), config.long_poll_s)

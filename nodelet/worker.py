@@ -168,9 +168,20 @@ def _pickled_or_none(obj: object) -> bytes | None:
 def write_outcome(path: str, outcome: wire.WorkerOutcome) -> None:
     """Write atomically, so the nodelet never reads half an outcome."""
     temp = f"{path}.tmp"
+    outcome = msgspec.structs.replace(
+        outcome,
+        error_type=_no_nul(outcome.error_type),
+        error_message=_no_nul(outcome.error_message),
+        traceback=_no_nul(outcome.traceback),
+    )
     with open(temp, "wb") as file:
         file.write(_encoder.encode(outcome))
     os.replace(temp, path)
+
+
+def _no_nul(text: str | None) -> str | None:
+    # PostgreSQL text cannot hold NUL, and the gateway rejects it: escape it visibly.
+    return None if text is None else text.replace("\x00", "\\x00")
 
 
 def _flush(*streams: IO[str] | None) -> None:

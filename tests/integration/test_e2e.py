@@ -149,7 +149,7 @@ def test_map_yields_in_input_order_and_batches_requests(cluster: Cluster) -> Non
 
     client = sdk.connect(cluster.url, cluster.token)
     submits = []
-    client._http.event_hooks["request"].append(  # noqa: SLF001 (counting requests only)
+    client._http.event_hooks["request"].append(
         lambda r: submits.append(r) if r.url.path == "/v1/invocations" else None
     )
     assert list(inc.map(range(600))) == list(range(1, 601))

@@ -22,6 +22,9 @@ URL = "http://gateway.test"
 SUBMIT = msgspec.json.Decoder(wire.SubmitRequest)
 
 
+BLOB_ID = "9f1c2a52-4a1e-4d7c-9a55-0d9a3b2f6e11"
+
+
 def double(x: object) -> object:
     return x
 
@@ -117,7 +120,7 @@ def test_big_payload_is_uploaded_first_in_chunks(client: sdk.Client) -> None:
     def store(request: httpx.Request) -> httpx.Response:
         uploaded["body"] = request.content
         uploaded["length"] = request.headers["Content-Length"].encode()
-        ref = wire.BlobRef(id="blob-1", size=len(request.content))
+        ref = wire.BlobRef(id=BLOB_ID, size=len(request.content))
         return httpx.Response(201, content=msgspec.json.encode(ref))
 
     def submit(request: httpx.Request) -> httpx.Response:
@@ -135,7 +138,7 @@ def test_big_payload_is_uploaded_first_in_chunks(client: sdk.Client) -> None:
     assert max(chunks) <= UPLOAD_CHUNK
     assert sum(chunks) == len(body) == int(uploaded["length"])
     assert specs[0].payload is None
-    assert specs[0].payload_blob == "blob-1"
+    assert specs[0].payload_blob == BLOB_ID
     fn, args, _ = cloudpickle.loads(body)
     assert fn is double
     assert args == (big,)
