@@ -214,6 +214,8 @@ class Assignment(_Msg, frozen=True, kw_only=True):
     payload: bytes | None = None
     payload_size: int = 0
     function_name: str = ""
+    # Whose call this is: warm workers are reused only for the same owner and GPU set.
+    owner: str = ""
 
 
 class HeartbeatRequest(_Msg, frozen=True, kw_only=True):
@@ -278,6 +280,9 @@ class WorkerTask(_Msg, frozen=True, kw_only=True):
     result_path: str
     gpu_indices: list[int] = msgspec.field(default_factory=list)
     env: dict[str, str] = msgspec.field(default_factory=dict)
+    # Written to stdout and stderr after the call, so the nodelet knows where its output ends
+    # and may hand the worker another call. Empty: run this one call and exit.
+    end_marker: bytes = b""
 
 
 class WorkerOutcome(_Msg, frozen=True, kw_only=True):

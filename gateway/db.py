@@ -298,6 +298,35 @@ async def get_invocations(conn: Conn, owner_id: int, ids: Sequence[str]) -> list
     return [to_invocation(r) for r in rows]
 
 
+async def missing(conn: Conn, owner_id: int, ids: Sequence[str]) -> list[str]:
+    """The ids among ``ids`` that name no invocation of ``owner_id``."""
+    rows = await conn.fetch(
+        "SELECT c.id FROM unnest($1::uuid[]) AS c(id)"
+        " LEFT JOIN invocations i ON i.id = c.id AND i.owner_id = $2 WHERE i.id IS NULL",
+        list(ids),
+        owner_id,
+    )
+    return [str(r["id"]) for r in rows]
+
+
+async def changed(
+    conn: Conn, owner_id: int, cursors: Sequence[tuple[str, int]]
+) -> list[wire.Invocation]:
+    """The invocations among the cursors ``(id, log chunks seen)`` that are terminal or have
+    unseen log chunks: what a watch answers with."""
+    rows = await conn.fetch(
+        f"SELECT {_INVOCATION_COLUMNS} FROM unnest($1::uuid[], $2::int[]) AS c(id, seen)"
+        " JOIN invocations i ON i.id = c.id AND i.owner_id = $3"
+        " LEFT JOIN nodes n ON n.id = i.node_id"
+        " WHERE i.state IN ('succeeded', 'failed', 'timed_out', 'cancelled')"
+        "  OR i.log_count > c.seen",
+        [i for i, _ in cursors],
+        [seen for _, seen in cursors],
+        owner_id,
+    )
+    return [to_invocation(r) for r in rows]
+
+
 async def list_invocations(conn: Conn, owner_id: int, limit: int) -> list[wire.Invocation]:
     rows = await conn.fetch(
         f"SELECT {_INVOCATION_COLUMNS} FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id"
@@ -418,6 +447,8 @@ def _queued_sql(limit: int) -> str:
 
 
 async def queued(conn: Conn, limit: int) -> list[QueuedRow]:
+    if limit <= 0:
+        return []
     rows = await conn.fetch(_queued_sql(limit))
     return [QueuedRow(str(r["id"]), r["owner_id"], r["gpus"]) for r in rows]
 
@@ -534,6 +565,7 @@ async def deliver(
         "  AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
         "   WHERE a.id = i.id AND a.epoch = i.epoch)"
         " RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,"
+        "  i.owner_id,"
         "  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload",
         node_id,
         [uuid.UUID(a.invocation_id) for a in running],
@@ -549,6 +581,7 @@ async def deliver(
             function_name=r["function_name"],
             payload_size=r["payload_size"],
             payload=None if r["payload"] is None else bytes(r["payload"]),
+            owner=str(r["owner_id"]),
         )
         for r in rows
     ]

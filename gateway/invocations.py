@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -17,6 +18,7 @@ from gateway.http import body, int_param, reply, store_blob, stream_blob
 
 MAX_RETRIES = 10
 MAX_LOG_CHUNKS = 10_000
+FAN_IN_LINGER_S = 0.005
 
 
 def _check_call(spec: wire.CallSpec, index: int, inline_limit: int) -> wire.CallSpec:
@@ -118,20 +120,22 @@ async def watch(request: Request) -> Response:
     seen = {_valid_id(i.id): i.log_after for i in req.items}
     config, pool = request.app.state.config, request.app.state.pool
     deadline = time.monotonic() + min(max(req.timeout_s, 0.0), config.long_poll_s)
+    unknown = await db.missing(pool, owner, list(seen))
+    if unknown:
+        raise NotFound(f"no invocation {unknown[0]} (ids are per user)")
+    cursors = list(seen.items())
     async with request.app.state.hub.subscribe(f"i:{i}" for i in seen) as sub:
         while True:
-            found = await db.get_invocations(pool, owner, list(seen))
-            if len(found) < len(seen):
-                missing = set(seen) - {f.id for f in found}
-                raise NotFound(f"no invocation {sorted(missing)[0]} (ids are per user)")
-            changed = [f for f in found if f.state.terminal or f.log_count > seen[f.id]]
+            found = await db.changed(pool, owner, cursors)
             remaining = deadline - time.monotonic()
-            if changed or remaining <= 0:
+            if found or remaining <= 0:
                 break
-            await sub.wait(min(remaining, config.recheck_s))
-    with_logs = [(f.id, seen[f.id]) for f in changed if f.log_count > seen[f.id]]
+            if await sub.wait(min(remaining, config.recheck_s)) and len(cursors) > 1:
+                # Fan-out: let a few more completions land so one answer carries many.
+                await asyncio.sleep(FAN_IN_LINGER_S)
+    with_logs = [(f.id, seen[f.id]) for f in found if f.log_count > seen[f.id]]
     logs = await db.logs_after(pool, with_logs, MAX_LOG_CHUNKS) if with_logs else []
-    return reply(wire.WatchResponse(invocations=changed, logs=logs))
+    return reply(wire.WatchResponse(invocations=found, logs=logs))
 
 
 async def put_blob(request: Request) -> Response:

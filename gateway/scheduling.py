@@ -38,6 +38,13 @@ def capacity(nodes: list[db.NodeRow], leases: list[db.LeaseRow]) -> list[NodeCap
     ]
 
 
+def look_ahead(free: list[NodeCapacity], most: int) -> int:
+    """How far down the queue a round looks: enough to fill what is free, with room to
+    backfill past calls that do not fit, without re-reading a huge backlog every round."""
+    units = sum(len(n.free_gpus) + n.free_cpu_slots for n in free)
+    return max(1, min(most, 64 + 16 * units)) if units else 0
+
+
 async def plan_round(conn: asyncpg.Connection, config: GatewayConfig) -> int:
     """One planning round in one transaction; returns how many calls were placed."""
     async with conn.transaction():
@@ -46,13 +53,11 @@ async def plan_round(conn: asyncpg.Connection, config: GatewayConfig) -> int:
             return 0
         # Lock the nodes first: capacity is then read and committed under the same locks.
         await db.lock_nodes(conn, [n.id for n in nodes])
-        pending = await db.queued(conn, config.plan_batch)
+        free = capacity(nodes, await db.leases(conn))
+        pending = await db.queued(conn, look_ahead(free, config.plan_batch))
         if not pending:
             return 0
-        snapshot = Snapshot(
-            nodes=capacity(nodes, await db.leases(conn)),
-            pending=[Pending(q.id, q.gpus) for q in pending],
-        )
+        snapshot = Snapshot(nodes=free, pending=[Pending(q.id, q.gpus) for q in pending])
         decisions = plan(snapshot)
         if not decisions:
             return 0

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -110,19 +111,22 @@ class Attempt:
         await self._complete(request)
 
     async def _execute(self, payload: bytes, attempt_dir: str) -> wire.CompleteRequest:
-        worker = self._worker = await self._pool.acquire()
+        key = (self.assignment.owner, tuple(self.assignment.gpu_indices))
+        worker = self._worker = await self._pool.acquire(key)
         task = wire.WorkerTask(
             invocation_id=self.ref.invocation_id,
             payload=payload,
             result_path=os.path.join(attempt_dir, "outcome.msgpack"),
             gpu_indices=list(self.assignment.gpu_indices),
+            # Random per call: the user's own output cannot end the call early.
+            end_marker=b"\x00\x00bulletin-end-" + secrets.token_hex(8).encode() + b"\x00",
         )
         shipper = LogShipper(
             self._client, self.ref, flush_s=self._log_flush_s, on_stale=worker.kill
         )
-        tasks = self._ship_output(shipper, worker)
+        tasks = self._ship_output(shipper, worker, task.end_marker)
         try:
-            timed_out = await self._supervise(worker, task)
+            timed_out, finished = await self._supervise(worker, task, tasks[1:])
             await _drain(tasks[1:])
             shipper.close()
             await tasks[0]
@@ -131,33 +135,51 @@ class Attempt:
                 pending.cancel()
         if shipper.stale is not None:
             raise shipper.stale
-        return self._report(task.result_path, worker.returncode, timed_out)
+        report = self._report(task.result_path, worker.returncode, timed_out)
+        if finished and not self.killed:
+            self._worker = None
+            self._pool.release(worker, key)
+        return report
 
-    def _ship_output(self, shipper: LogShipper, worker: Worker) -> list[asyncio.Task[None]]:
+    def _ship_output(
+        self, shipper: LogShipper, worker: Worker, marker: bytes
+    ) -> list[asyncio.Task[Any]]:
         """The sender task, then one reader task per pipe."""
         return [
             asyncio.create_task(shipper.run(), name=f"{self.name}-logs"),
             asyncio.create_task(
-                shipper.pump(worker.stdout, wire.Stream.STDOUT), name=f"{self.name}-out"
+                shipper.pump(worker.stdout, wire.Stream.STDOUT, marker), name=f"{self.name}-out"
             ),
             asyncio.create_task(
-                shipper.pump(worker.stderr, wire.Stream.STDERR), name=f"{self.name}-err"
+                shipper.pump(worker.stderr, wire.Stream.STDERR, marker), name=f"{self.name}-err"
             ),
         ]
 
-    async def _supervise(self, worker: Worker, task: wire.WorkerTask) -> bool:
-        """Hand over the task and wait for the worker to exit; True if it ran out of time."""
+    async def _supervise(
+        self, worker: Worker, task: wire.WorkerTask, pumps: list[asyncio.Task[Any]]
+    ) -> tuple[bool, bool]:
+        """Hand over the task and wait until the call's output ends (the worker stays, warm)
+        or the worker exits. Returns (timed out, finished with the worker alive)."""
         await worker.send(task)
+        exited = asyncio.create_task(worker.wait())
+        ended = asyncio.create_task(asyncio.wait(pumps))
         try:
-            await asyncio.wait_for(worker.wait(), self.assignment.timeout_s)
-            timed_out = False
-        except TimeoutError:
+            done, _ = await asyncio.wait(
+                {exited, ended},
+                timeout=self.assignment.timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            ended.cancel()
+        if ended in done and all(p.result() for p in pumps) and worker.returncode is None:
+            exited.cancel()
+            return False, True
+        if not done:
             log.info("%s exceeded its %s s limit; killing it", self, self.assignment.timeout_s)
-            timed_out = True
         # Also kills what the call left running, which would otherwise hold the pipes open.
         worker.kill()
-        await worker.wait()
-        return timed_out
+        await exited
+        return not done, False
 
     def _report(
         self, result_path: str, returncode: int | None, timed_out: bool

@@ -56,14 +56,26 @@ class LogShipper:
         self._stopped = False
         self.stale: StaleAttempt | None = None
 
-    async def pump(self, reader: asyncio.StreamReader, stream: wire.Stream) -> None:
-        """Read ``reader`` until EOF, queueing what arrives."""
+    async def pump(
+        self, reader: asyncio.StreamReader, stream: wire.Stream, marker: bytes = b""
+    ) -> bool:
+        """Read ``reader`` until EOF or ``marker`` (the end of one call's output from a worker
+        that stays alive), queueing what arrives. True if the marker was seen."""
+        held = b""
         while data := await reader.read(READ_SIZE):
-            self.add(stream, data)
+            held += data
+            if marker and (end := held.find(marker)) >= 0:
+                self.add(stream, held[:end])
+                return True
+            keep = _marker_prefix(held, marker)
+            self.add(stream, held[: len(held) - keep])
+            held = held[len(held) - keep :]
             await self._room.wait()
+        self.add(stream, held)
+        return False
 
     def add(self, stream: wire.Stream, data: bytes) -> None:
-        if self._stopped:
+        if self._stopped or not data:
             return
         last = self._pending[-1] if self._pending else None
         if last is not None and last.stream == stream and len(last.data) + len(data) <= READ_SIZE:
@@ -139,3 +151,13 @@ class LogShipper:
 
     def _describe(self) -> str:
         return f"invocation {self._attempt.invocation_id} epoch {self._attempt.epoch}"
+
+
+def _marker_prefix(data: bytes, marker: bytes) -> int:
+    """Length of the longest tail of ``data`` that could begin ``marker``: held back until
+    the next read decides. Plain output never ends in the marker's NUL bytes, so live output
+    is not delayed."""
+    for size in range(min(len(marker) - 1, len(data)), 0, -1):
+        if marker.startswith(data[-size:]):
+            return size
+    return 0

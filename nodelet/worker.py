@@ -1,17 +1,21 @@
-"""The worker process: runs exactly one call, then exits.
+"""The worker process: runs calls handed to it on stdin, one at a time.
 
-Started as ``python -m nodelet.worker`` by :mod:`nodelet.workers`. It reads one length-prefixed
-msgpack :class:`~bulletin.wire.WorkerTask` from stdin, unpickles the call (the only place on a
-node where user data is unpickled), runs it with stdout/stderr on the nodelet's pipes, and
-leaves a :class:`~bulletin.wire.WorkerOutcome` at ``task.result_path``.
+Started as ``python -m nodelet.worker`` by :mod:`nodelet.workers`. It reads length-prefixed
+msgpack :class:`~bulletin.wire.WorkerTask`s from stdin, unpickles each call (the only place on
+a node where user data is unpickled), runs it with stdout/stderr on the nodelet's pipes, and
+leaves a :class:`~bulletin.wire.WorkerOutcome` at ``task.result_path``. After a call it kills
+what the call spawned, restores its environment, working directory and ``sys.path``, and
+writes the task's end marker to both pipes; a task without an end marker is its last.
 
 Imports stay light (stdlib, cloudpickle, msgspec, the wire module): a worker must start fast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -193,13 +197,56 @@ def _flush(*streams: IO[str] | None) -> None:
             pass  # the user closed or broke it; what was written is already on the pipe
 
 
+class _Baseline:
+    """What a call may change and the next call must not see."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.path = list(sys.path)
+
+    def restore(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        with contextlib.suppress(OSError):
+            os.chdir(self.cwd)
+        sys.path[:] = self.path
+
+
+def kill_group_members() -> None:
+    """SIGKILL every other process of this worker's process group (what the call spawned).
+    Only when the worker leads its group, as the nodelet starts it: never anyone else's."""
+    me, group = os.getpid(), os.getpgid(0)
+    if group != me:
+        return
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        with contextlib.suppress(OSError):
+            if os.getpgid(int(entry)) == group:
+                os.kill(int(entry), signal.SIGKILL)
+
+
+def finish(task: wire.WorkerTask, outcome: wire.WorkerOutcome) -> None:
+    write_outcome(task.result_path, outcome)
+    _flush(sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    kill_group_members()
+    for fd in (1, 2):
+        os.write(fd, task.end_marker)
+
+
 def main() -> None:
     die_with_parent()
-    task = read_task(sys.stdin.buffer)
-    if task is None:
-        # The nodelet closed our stdin without a task: it is discarding a spare worker.
+    baseline = _Baseline()
+    while (task := read_task(sys.stdin.buffer)) is not None:
+        outcome = run_task(task)
+        if not task.end_marker:
+            break
+        finish(task, outcome)
+        baseline.restore()
+    else:
+        # stdin closed without a task: the nodelet is discarding this worker.
         os._exit(0)
-    outcome = run_task(task)
     write_outcome(task.result_path, outcome)
     _flush(sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
     # os._exit: threads the user left running must not keep a finished worker alive.

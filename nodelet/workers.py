@@ -1,4 +1,5 @@
-"""Worker processes: one per call, pre-started so a call never waits for Python to boot.
+"""Worker processes, pre-started so a call never waits for Python to boot, and kept warm
+after a call for the next call of the same owner on the same GPUs (never across owners).
 
 Workers are always exec'd (``python -m nodelet.worker``), never forked: forking a process that
 has imported torch or created a CUDA context is unsafe. Each worker leads its own session, so
@@ -14,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping
 
 from bulletin import wire
@@ -51,7 +53,8 @@ class Worker:
         return self.process.stderr
 
     async def send(self, task: wire.WorkerTask) -> bool:
-        """Hand the worker its call and close its stdin. False if the worker is already gone."""
+        """Hand the worker a call (closing its stdin after a call without an end marker: the
+        worker's last). False if the worker is already gone."""
         stdin = self.process.stdin
         assert stdin is not None  # started with stdin=PIPE
         prefix, body = frame(task)
@@ -59,7 +62,8 @@ class Worker:
             stdin.write(prefix)
             stdin.write(body)
             await stdin.drain()
-            stdin.close()
+            if not task.end_marker:
+                stdin.close()
         except (BrokenPipeError, ConnectionResetError):
             log.warning("worker %d exited before it received its task", self.pid)
             return False
@@ -98,21 +102,41 @@ def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: Who may reuse a warm worker: the same owner on the same GPU indices.
+WarmKey = tuple[str, tuple[int, ...]]
+
+
 class WorkerPool:
-    """Keeps ``spares`` idle workers started; :meth:`maintain` refills it in the background."""
+    """Keeps ``spares`` fresh idle workers started (:meth:`maintain` refills it in the
+    background) and up to ``max_warm`` warm ones, each reserved for its :data:`WarmKey`."""
 
     def __init__(
-        self, spares: int, *, cwd: str | None = None, env: Mapping[str, str] | None = None
+        self,
+        spares: int,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        max_warm: int = 8,
+        warm_idle_s: float = 300.0,
     ) -> None:
         self.spares = spares
+        self.max_warm = max_warm
+        self.warm_idle_s = warm_idle_s
         self._cwd = cwd
         self._env = dict(env or {})
         self._idle: collections.deque[Worker] = collections.deque()
+        # Oldest first: (key, worker, monotonic time it went idle).
+        self._warm: collections.deque[tuple[WarmKey, Worker, float]] = collections.deque()
         self._wanted = asyncio.Event()
         self._closed = False
 
-    async def acquire(self) -> Worker:
-        """A started worker: an idle one if there is one (then refilled), else a new one."""
+    async def acquire(self, key: WarmKey | None = None) -> Worker:
+        """A started worker: a warm one of ``key``, else a fresh idle one (then refilled),
+        else a new one."""
+        for entry in reversed(self._warm):
+            if entry[0] == key and entry[1].returncode is None:
+                self._warm.remove(entry)
+                return entry[1]
         self._wanted.set()
         while self._idle:
             worker = self._idle.popleft()
@@ -120,6 +144,20 @@ class WorkerPool:
                 return worker
             await self._discard(worker)
         return await self._spawn()
+
+    def release(self, worker: Worker, key: WarmKey) -> None:
+        """Keep a worker that finished a call cleanly, warm for the next call of ``key``."""
+        if self._closed or self.max_warm == 0 or worker.returncode is not None:
+            worker.kill()
+            return
+        self._warm.append((key, worker, time.monotonic()))
+        while len(self._warm) > self.max_warm:
+            self._warm.popleft()[1].kill()
+
+    def _expire_warm(self) -> None:
+        deadline = time.monotonic() - self.warm_idle_s
+        while self._warm and self._warm[0][2] < deadline:
+            self._warm.popleft()[1].kill()
 
     async def maintain(self) -> None:
         """Run until cancelled, keeping ``spares`` idle workers alive."""
@@ -138,15 +176,17 @@ class WorkerPool:
                 await asyncio.wait_for(self._wanted.wait(), _CHECK_S)
 
     async def close(self) -> None:
-        """Kill every idle worker. Workers already acquired belong to their attempts."""
+        """Kill every idle and warm worker. Workers already acquired belong to their attempts."""
         self._closed = True
-        idle, self._idle = list(self._idle), collections.deque()
+        idle = [*self._idle, *(w for _, w, _ in self._warm)]
+        self._idle, self._warm = collections.deque(), collections.deque()
         for worker in idle:
             worker.kill()
         for worker in idle:
             await worker.wait()
 
     async def _refill(self) -> None:
+        self._expire_warm()
         for worker in [w for w in self._idle if w.returncode is not None]:
             self._idle.remove(worker)
             await self._discard(worker)

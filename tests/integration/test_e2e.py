@@ -242,3 +242,18 @@ def test_nodelet_killed_mid_call_with_retries_is_requeued_onto_another_node(
     assert call.result(timeout=60).startswith("finished on attempt 2")
     info = call.info()
     assert info.attempts == 2 and info.node == "node-b"
+
+
+def test_warm_workers_serve_one_user_again_but_never_another_user(cluster: Cluster) -> None:
+    @sdk.function(gpus=1)
+    def which_process() -> tuple[int, str | None]:
+        leaked = os.environ.get("LEFT_BY_LAST_CALL")
+        os.environ["LEFT_BY_LAST_CALL"] = "yes"
+        return os.getpid(), leaked
+
+    first, second = which_process(), which_process()
+    assert first[0] == second[0], "a second call of the same user should find a warm worker"
+    assert second[1] is None, "the warm worker kept the previous call's environment"
+    sdk.connect(cluster.url, cluster.add_user("bob"))
+    theirs = which_process()
+    assert theirs[0] != first[0], "a warm worker was shared across users"

@@ -274,3 +274,61 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return status.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _child_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def leave_traces(n: int, pidfile: str) -> tuple[int, str | None, str, str]:
+    cwd_at_start = os.getcwd()
+    seen = os.environ.get("LEFT_BEHIND")
+    os.environ["LEFT_BEHIND"] = str(n)
+    os.chdir("/")
+    if n == 0:
+        child = subprocess.Popen(["sleep", "60"])
+        Path(pidfile).write_text(str(child.pid))
+        child_state = "spawned"
+    else:
+        child_state = _child_state(int(Path(pidfile).read_text()))
+    print(f"call {n}", end="")
+    return os.getpid(), seen, cwd_at_start, child_state
+
+
+def test_a_warm_worker_runs_calls_back_to_back_and_resets_between_them(tmp_path: Path) -> None:
+    markers = [b"\x00\x00end-a\x00", b"\x00\x00end-b\x00"]
+    tasks = [
+        wire.WorkerTask(
+            invocation_id=f"inv-{i}",
+            payload=call(leave_traces, i, str(tmp_path / "child.pid")),
+            result_path=str(tmp_path / f"out-{i}"),
+            end_marker=markers[i],
+        )
+        for i in range(2)
+    ]
+    stdin = b"".join(b"".join(frame(t)) for t in tasks)
+    done = subprocess.run(
+        [sys.executable, "-m", "nodelet.worker"],
+        input=stdin,
+        capture_output=True,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+        start_new_session=True,  # as the nodelet starts it: the worker leads its group
+    )
+    assert done.returncode == 0, done.stderr
+    # Each call's output ends with its marker on both pipes, so the nodelet can split them.
+    assert done.stdout == b"call 0" + markers[0] + b"call 1" + markers[1]
+    assert done.stderr == markers[0] + markers[1]
+    first, second = (
+        cloudpickle.loads(_outcome_decoder.decode((tmp_path / f"out-{i}").read_bytes()).result)
+        for i in range(2)
+    )
+    assert first[0] == second[0], "the same process ran both calls"
+    assert second[1] is None, "an environment variable leaked from the previous call"
+    assert second[2] == str(tmp_path), "the working directory leaked from the previous call"
+    assert second[3] in {"gone", "Z"}, "a process the previous call spawned survived it"
