@@ -38,12 +38,23 @@ async def openapi(request: Request) -> Response:
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
     config: GatewayConfig = app.state.config
     pool = await asyncpg.create_pool(config.database_url, min_size=2, max_size=config.pool_size)
+    # Commits on this pool do not wait for their WAL flush (a few ms of fsync per commit, on
+    # the path of every call). Only for node writes a database crash may lose without harm:
+    # delivery and start stamps (a call still completes from 'assigned'), lease renewals (the
+    # next heartbeat renews again) and log chunks. Submissions, assignments, cancellations
+    # and results always use the durable pool.
+    relaxed = await asyncpg.create_pool(
+        config.database_url,
+        min_size=1,
+        max_size=config.pool_size,
+        server_settings={"synchronous_commit": "off"},
+    )
     async with pool.acquire() as conn:
         applied = await db.migrate(conn)
     if applied:
         log.info("applied migrations: %s", ", ".join(applied))
     hub = Hub(config.database_url)
-    app.state.pool, app.state.hub = pool, hub
+    app.state.pool, app.state.relaxed, app.state.hub = pool, relaxed, hub
     tasks = {
         "notify-hub": asyncio.create_task(hub.run(), name="notify-hub"),
         "scheduler": asyncio.create_task(scheduling.run(hub, config), name="scheduler"),
@@ -54,7 +65,7 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
         for task in tasks.values():
             task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
-        await asyncio.wait_for(pool.close(), 10)
+        await asyncio.wait_for(asyncio.gather(pool.close(), relaxed.close()), 10)
 
 
 def create_app(config: GatewayConfig) -> Starlette:

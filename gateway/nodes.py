@@ -54,7 +54,7 @@ async def heartbeat(request: Request) -> Response:
     node_id = await auth.node_id(request)
     req = await body(request, wire.HeartbeatRequest)
     lease_s = request.app.state.config.lease_s
-    async with request.app.state.pool.acquire() as conn:
+    async with request.app.state.relaxed.acquire() as conn:
         revoked = await db.heartbeat(conn, node_id, req.running, lease_s)
     return reply(wire.HeartbeatResponse(revoked=revoked, lease_s=lease_s))
 
@@ -64,11 +64,12 @@ async def poll(request: Request) -> Response:
     node_id = await auth.node_id(request)
     req = await body(request, wire.PollRequest)
     config, pool = request.app.state.config, request.app.state.pool
+    relaxed = request.app.state.relaxed
     deadline = time.monotonic() + min(max(req.timeout_s, 0.0), config.long_poll_s)
     async with request.app.state.hub.subscribe([f"n:{node_id}"]) as sub:
         while True:
             revoked = await db.revoked(pool, node_id, req.running)
-            work = await db.deliver(pool, node_id, req.running, config.inline_limit)
+            work = await db.deliver(relaxed, node_id, req.running, config.inline_limit)
             remaining = deadline - time.monotonic()
             if work or revoked or remaining <= 0:
                 return reply(wire.PollResponse(assignments=work, revoked=revoked))
@@ -79,7 +80,7 @@ async def start(request: Request) -> Response:
     node_id = await auth.node_id(request)
     invocation_id = _valid_id(request.path_params["id"])
     req = await body(request, wire.StartRequest)
-    if not await db.start(request.app.state.pool, node_id, invocation_id, req.epoch):
+    if not await db.start(request.app.state.relaxed, node_id, invocation_id, req.epoch):
         raise _stale(invocation_id)
     return Response(status_code=204)
 
@@ -102,7 +103,7 @@ async def logs(request: Request) -> Response:
     node_id = await auth.node_id(request)
     invocation_id = _valid_id(request.path_params["id"])
     req = await body(request, wire.LogsRequest)
-    async with request.app.state.pool.acquire() as conn:
+    async with request.app.state.relaxed.acquire() as conn:
         if not await db.append_logs(conn, node_id, invocation_id, req):
             raise _stale(invocation_id)
     return Response(status_code=204)

@@ -99,16 +99,33 @@ class Attempt:
 
     async def _run(self) -> None:
         assignment = self.assignment
-        await self._client.start(assignment.invocation_id, assignment.epoch)
-        payload = assignment.payload
-        if payload is None:
-            payload = await self._client.payload(assignment.invocation_id, assignment.epoch)
-        attempt_dir = tempfile.mkdtemp(prefix="attempt-", dir=self._work_dir)
+        # Marking the attempt started is not on the call's critical path: the worker starts
+        # at once, and a revoked attempt (409) is killed as soon as the answer comes.
+        started = asyncio.create_task(self._start(), name=f"{self.name}-start")
         try:
-            request = await self._execute(payload, attempt_dir)
+            payload = assignment.payload
+            if payload is None:
+                payload = await self._client.payload(assignment.invocation_id, assignment.epoch)
+            attempt_dir = tempfile.mkdtemp(prefix="attempt-", dir=self._work_dir)
+            try:
+                request = await self._execute(payload, attempt_dir)
+            finally:
+                shutil.rmtree(attempt_dir, ignore_errors=True)
+            await started
         finally:
-            shutil.rmtree(attempt_dir, ignore_errors=True)
+            started.cancel()
         await self._complete(request)
+
+    async def _start(self) -> None:
+        try:
+            await self._client.start(self.ref.invocation_id, self.ref.epoch)
+        except StaleAttempt:
+            if self._worker is not None:
+                self._worker.kill()
+            raise
+        except NodeletError as exc:
+            # The call may still complete: the gateway accepts it from an assigned attempt.
+            log.warning("%s: could not mark it started (%s); running it anyway", self, exc)
 
     async def _execute(self, payload: bytes, attempt_dir: str) -> wire.CompleteRequest:
         key = (self.assignment.owner, tuple(self.assignment.gpu_indices))
