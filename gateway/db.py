@@ -150,6 +150,14 @@ async def register_node(
     await conn.execute("SELECT pg_notify($1, 'q')", CHANNEL)
 
 
+async def largest_node_gpus(conn: Conn) -> int | None:
+    """The most GPUs any registered node offers; None while no node has registered."""
+    value = await conn.fetchval(
+        "SELECT max(jsonb_array_length(gpus)) FROM nodes WHERE registered_at IS NOT NULL"
+    )
+    return None if value is None else int(value)
+
+
 # ------------------------------------------------------------------------------ blobs
 
 

@@ -52,6 +52,7 @@ async def submit(request: Request) -> Response:
         raise Unprocessable(f"submit between 1 and {wire.MAX_SUBMIT} calls per request")
     limit = request.app.state.config.inline_limit
     calls = [_check_call(c, i, limit) for i, c in enumerate(req.calls)]
+    await _check_fits(request, calls)
     keys = [c.idempotency_key for c in calls]
     if len(set(keys)) != len(keys):
         raise Unprocessable("two calls in one request share an idempotency_key")
@@ -65,6 +66,21 @@ async def submit(request: Request) -> Response:
     async with request.app.state.pool.acquire() as conn:
         ids = await db.submit(conn, owner, calls)
     return reply(wire.SubmitResponse(ids=ids), 201)
+
+
+async def _check_fits(request: Request, calls: list[wire.CallSpec]) -> None:
+    """Reject a call no node could ever run, rather than queueing it for ever. While no node
+    has registered yet, calls wait for one."""
+    most = max(c.gpus for c in calls)
+    if most == 0:
+        return
+    largest = await db.largest_node_gpus(request.app.state.pool)
+    if largest is not None and most > largest:
+        raise Unprocessable(
+            f"no node in this cluster has {most} GPUs (the largest has {largest}): "
+            "ask for fewer GPUs, or spread the work over several calls",
+            code="never_fits",
+        )
 
 
 def _uuids(values: set[str]) -> list[str]:

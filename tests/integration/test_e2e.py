@@ -257,3 +257,18 @@ def test_warm_workers_serve_one_user_again_but_never_another_user(cluster: Clust
     sdk.connect(cluster.url, cluster.add_user("bob"))
     theirs = which_process()
     assert theirs[0] != first[0], "a warm worker was shared across users"
+
+
+def test_a_call_no_node_could_ever_run_is_rejected_at_submit(cluster: Cluster) -> None:
+    wait_until(lambda: _registered(cluster), 30, "the nodelet to register")
+
+    @sdk.function(gpus=3)
+    def too_big() -> None:
+        pass
+
+    with pytest.raises(sdk.InvalidRequest, match="no node in this cluster has 3 GPUs"):
+        too_big()
+
+
+def _registered(cluster: Cluster) -> bool:
+    return "registered" in (cluster.dir / "node-a.log").read_text()
