@@ -89,7 +89,8 @@ def serve(config: GatewayConfig) -> None:
             port=config.port,
             log_level="warning",
             access_log=False,
-            timeout_graceful_shutdown=5,
+            # Long-polls hold for seconds; their clients retry, so do not wait them out.
+            timeout_graceful_shutdown=2,
         )
     )
     server.run()

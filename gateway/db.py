@@ -523,6 +523,11 @@ async def expire_leases(conn: asyncpg.Connection) -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------ node routes
 
 
+def _attempt_arrays(running: Sequence[wire.Attempt]) -> tuple[list[str], list[int]]:
+    """Attempts as two parallel arrays, for ``unnest($n::uuid[], $m::int[])``."""
+    return [a.invocation_id for a in running], [a.epoch for a in running]
+
+
 async def heartbeat(
     conn: asyncpg.Connection, node_id: int, running: Sequence[wire.Attempt], lease_s: float
 ) -> list[wire.Attempt]:
@@ -538,8 +543,7 @@ async def heartbeat(
             " WHERE i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1"
             "  AND i.state IN ('assigned', 'running') RETURNING i.id",
             node_id,
-            [uuid.UUID(a.invocation_id) for a in running],
-            [a.epoch for a in running],
+            *_attempt_arrays(running),
             lease_s,
         )
     kept = {str(r["id"]) for r in held}
@@ -555,8 +559,7 @@ async def revoked(conn: Conn, node_id: int, running: Sequence[wire.Attempt]) -> 
         " JOIN invocations i ON i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1"
         "  AND i.state IN ('assigned', 'running')",
         node_id,
-        [uuid.UUID(a.invocation_id) for a in running],
-        [a.epoch for a in running],
+        *_attempt_arrays(running),
     )
     kept = {str(r["id"]) for r in rows}
     return [a for a in running if a.invocation_id not in kept]
@@ -576,8 +579,7 @@ async def deliver(
         "  i.owner_id,"
         "  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload",
         node_id,
-        [uuid.UUID(a.invocation_id) for a in running],
-        [a.epoch for a in running],
+        *_attempt_arrays(running),
         inline_limit,
     )
     return [

@@ -272,3 +272,44 @@ def test_a_call_no_node_could_ever_run_is_rejected_at_submit(cluster: Cluster) -
 
 def _registered(cluster: Cluster) -> bool:
     return "registered" in (cluster.dir / "node-a.log").read_text()
+
+
+CTRL_C_SCRIPT = """
+import os, sys, time, sdk
+
+@sdk.function()
+def hang(path):
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(300)
+
+try:
+    hang(sys.argv[1])
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_in_the_caller_cancels_the_call_and_kills_its_worker(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    import subprocess
+
+    pidfile = tmp_path / "pid"
+    env = {**os.environ, "BULLETIN_URL": cluster.url, "BULLETIN_TOKEN": cluster.token}
+    env.pop("BULLETIN_CONFIG", None)
+    caller = subprocess.Popen(
+        [sys.executable, "-c", CTRL_C_SCRIPT, str(pidfile)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    wait_until(lambda: pidfile.exists() and pidfile.read_text(), 30, "the call to start")
+    worker = psutil.Process(int(pidfile.read_text()))
+    caller.send_signal(signal.SIGINT)
+    out, _ = caller.communicate(timeout=30)
+    assert "interrupted" in out
+    _, alive = psutil.wait_procs([worker], timeout=10)
+    assert not alive, "the remote work kept running after Ctrl-C"
+    [call] = sdk.Client(cluster.url, cluster.token).invocations(limit=1)
+    assert call.state == "cancelled"
