@@ -428,10 +428,15 @@ class QueuedRow:
 _GPU_LIST = msgspec.json.Decoder(list[wire.GpuInfo])
 
 
-async def live_nodes(conn: Conn, heartbeat_timeout_s: float) -> list[NodeRow]:
+async def live_nodes(
+    conn: Conn, heartbeat_timeout_s: float, *, lock: bool = False
+) -> list[NodeRow]:
+    """Nodes heard from within the timeout; with ``lock``, their rows stay locked until the
+    transaction ends (the scheduler plans and commits under these locks)."""
     rows = await conn.fetch(
         "SELECT id, name, gpus::text AS gpus, cpu_slots FROM nodes"
-        " WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) ORDER BY id",
+        " WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) ORDER BY id"
+        + (" FOR UPDATE" if lock else ""),
         heartbeat_timeout_s,
     )
     return [NodeRow(r["id"], r["name"], _GPU_LIST.decode(r["gpus"]), r["cpu_slots"]) for r in rows]
@@ -466,8 +471,8 @@ async def assign(
 ) -> list[tuple[str, int]]:
     """Lease still-queued invocations to nodes: ``(invocation_id, node_id, gpu_indices)``.
     Returns the (invocation_id, node_id) pairs actually assigned (a call cancelled meanwhile
-    is skipped). The caller holds the node rows locked (``lock_nodes``) and computed capacity
-    under that lock, in the same transaction."""
+    is skipped). The caller holds the node rows locked (``live_nodes(lock=True)``) and
+    computed capacity under that lock, in the same transaction."""
     rows = await conn.fetch(
         "UPDATE invocations i SET state = 'assigned', node_id = d.node_id,"
         " gpu_indices = d.gpus::int[], attempts = i.attempts + 1, epoch = i.epoch + 1,"
@@ -481,12 +486,6 @@ async def assign(
         lease_s,
     )
     return [(str(r["id"]), int(r["node_id"])) for r in rows]
-
-
-async def lock_nodes(conn: asyncpg.Connection, node_ids: Sequence[int]) -> None:
-    await conn.execute(
-        "SELECT id FROM nodes WHERE id = ANY($1::bigint[]) ORDER BY id FOR UPDATE", list(node_ids)
-    )
 
 
 async def notify_nodes(conn: Conn, node_ids: Iterable[int]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter, defaultdict
 
 import asyncpg
@@ -48,11 +49,10 @@ def look_ahead(free: list[NodeCapacity], most: int) -> int:
 async def plan_round(conn: asyncpg.Connection, config: GatewayConfig) -> int:
     """One planning round in one transaction; returns how many calls were placed."""
     async with conn.transaction():
-        nodes = await db.live_nodes(conn, config.node_timeout_s)
+        # The live nodes, locked: capacity is read and committed under the same locks.
+        nodes = await db.live_nodes(conn, config.node_timeout_s, lock=True)
         if not nodes:
             return 0
-        # Lock the nodes first: capacity is then read and committed under the same locks.
-        await db.lock_nodes(conn, [n.id for n in nodes])
         free = capacity(nodes, await db.leases(conn))
         pending = await db.queued(conn, look_ahead(free, config.plan_batch))
         if not pending:
@@ -70,11 +70,16 @@ async def plan_round(conn: asyncpg.Connection, config: GatewayConfig) -> int:
 
 async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig) -> None:
     """Plan whenever woken by a notification, and at least every schedule_interval_s."""
+    last_expiry = 0.0
     while True:
         async with hub.subscribe(["q"]) as sub:
-            expired = await db.expire_leases(conn)
-            if expired:
-                log.warning("leases expired: %s", ", ".join(f"{i}->{s}" for i, s in expired))
+            # Leases lapse on the clock, not on news: expiring them on every wake-up would put
+            # a transaction on the path of each call for nothing.
+            if time.monotonic() - last_expiry >= config.schedule_interval_s:
+                last_expiry = time.monotonic()
+                expired = await db.expire_leases(conn)
+                if expired:
+                    log.warning("leases expired: %s", ", ".join(f"{i}->{s}" for i, s in expired))
             placed = await plan_round(conn, config)
             if placed:
                 log.debug("placed %d calls", placed)
