@@ -7,6 +7,7 @@ Every option also reads a ``BULLETIN_<NAME>`` environment variable (for example
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import types
 import typing
@@ -27,8 +28,27 @@ def _click_type(annotation: Any) -> Any:
     return {int: int, float: float, str: str, bool: bool}.get(annotation, str)
 
 
+def field_docs(struct: type) -> dict[str, str]:
+    """Each field's comment in the config's source (``#:`` lines above it, or a trailing
+    ``#``): the one place a setting is described, shown again by ``--help``."""
+    docs: dict[str, str] = {}
+    pending: list[str] = []
+    for line in inspect.getsource(struct).splitlines():
+        text = line.strip()
+        if text.startswith("#"):
+            pending.append(text.lstrip("#:").strip())
+            continue
+        name, colon, rest = text.partition(":")
+        if colon and name.isidentifier():
+            trailing = rest.split("#", 1)[1].strip() if "#" in rest else ""
+            docs[name] = " ".join([*pending, trailing]).strip()
+        pending = []
+    return docs
+
+
 def struct_options(struct: type, skip: Sequence[str] = ()) -> Callable[[F], F]:
     """Add one ``--option`` (and ``BULLETIN_*`` env var) per field of a msgspec config."""
+    docs = field_docs(struct)
 
     def decorate(fn: F) -> F:
         for field in reversed(msgspec.structs.fields(struct)):
@@ -44,7 +64,14 @@ def struct_options(struct: type, skip: Sequence[str] = ()) -> Callable[[F], F]:
                 envvar=f"BULLETIN_{field.name.upper()}",
                 required=field.required,
                 default=None,
-                help=f"[default: {default}]" if default not in (None, "") else None,
+                help=" ".join(
+                    part
+                    for part in (
+                        docs.get(field.name, ""),
+                        f"[default: {default}]" if default not in (None, "") else "",
+                    )
+                    if part
+                ),
                 show_envvar=True,
             )(fn)
         return fn
@@ -94,7 +121,13 @@ def cli(log_level: str) -> None:
     show_default="a per-user data dir",
     help="Database, tokens and client.toml live here.",
 )
-@click.option("--host", envvar="BULLETIN_HOST", default="127.0.0.1", show_default=True)
+@click.option(
+    "--host",
+    envvar="BULLETIN_HOST",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the gateway listens on.",
+)
 @click.option(
     "--port",
     envvar="BULLETIN_PORT",

@@ -6,8 +6,11 @@ import msgspec
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
+    #: PostgreSQL to use, e.g. postgresql://bulletin:secret@db-host/bulletin
     database_url: str
+    #: Address to listen on; 127.0.0.1 unless the cluster's nodes are elsewhere.
     host: str = "127.0.0.1"
+    #: Port to listen on.
     port: int = 8420
     #: How long a lease lasts without renewal (database clock).
     lease_s: float = 30.0
@@ -27,6 +30,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_json_body: int = 64 << 20
     #: Most queued calls one planning round looks at.
     plan_batch: int = 5000
+    #: Most PostgreSQL connections one gateway opens per pool.
     pool_size: int = 10
 
     def __post_init__(self) -> None:

@@ -13,13 +13,19 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     gateway_url: str
     token: str
+    #: This node's name; its token must have been made for it ('bulletin node add NAME').
     name: str = msgspec.field(default_factory=socket.gethostname)
-    # None: discover NVIDIA GPUs, falling back to 2 fake ones when there are none.
+    #: Offer N CPU-backed fake GPUs instead of the NVIDIA GPUs found (none found: 2 fakes).
     fake_gpus: int | None = None
-    cpu_slots: int = 0  # 0: os.cpu_count()
-    spare_workers: int = 2  # idle worker processes kept started ahead of demand
-    work_dir: str = ""  # empty: a fresh temporary directory
-    http_timeout_s: float = 10.0  # on top of the long-poll hold for poll requests
+    #: Slots for CPU-only calls (gpus=0); 0 means one per core.
+    cpu_slots: int = 0
+    #: Idle worker processes kept started ahead of demand.
+    spare_workers: int = 2
+    #: Where attempts keep their files; empty means a fresh temporary directory.
+    work_dir: str = ""
+    #: HTTP timeout in seconds, on top of the long-poll hold for poll requests.
+    http_timeout_s: float = 10.0
+    #: How often a running call's output is sent to the gateway, in seconds.
     log_flush_s: float = 0.02
 
     def __post_init__(self) -> None:

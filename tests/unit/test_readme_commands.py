@@ -34,3 +34,21 @@ def test_the_up_script_starts_bulletin_up_and_the_test_script_runs_pytest() -> N
     test = (ROOT / "scripts" / "test").read_text()
     assert "bulletin up" in up and "pip install" in up
     assert "-m pytest" in test and "'.[test]'" in test
+
+
+def test_every_daemon_option_is_described_in_help() -> None:
+    import click
+
+    from bulletin.cli import cli
+
+    assert isinstance(cli, click.Group)
+    for name in ("gateway", "nodelet", "up"):
+        command = cli.commands[name]
+        bare = [
+            p.name
+            for p in command.params
+            if isinstance(p, click.Option)
+            and not (p.help or "").split("[default")[0].strip()
+            and p.name != "help"
+        ]
+        assert not bare, f"'bulletin {name}' options without a description: {bare}"
