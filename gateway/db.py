@@ -336,8 +336,10 @@ async def changed(
 
 
 async def list_invocations(conn: Conn, owner_id: int, limit: int) -> list[wire.Invocation]:
+    """The newest invocations of ``owner_id``, without their results (fetch one by id)."""
     rows = await conn.fetch(
-        f"SELECT {_INVOCATION_COLUMNS} FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id"
+        f"SELECT {_INVOCATION_COLUMNS.replace('i.result,', 'NULL::bytea AS result,')}"
+        " FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id"
         " WHERE i.owner_id = $1 ORDER BY i.submitted_at DESC LIMIT $2",
         owner_id,
         limit,
@@ -565,12 +567,14 @@ async def revoked(conn: Conn, node_id: int, running: Sequence[wire.Attempt]) -> 
 
 
 async def deliver(
-    conn: Conn, node_id: int, running: Sequence[wire.Attempt], inline_limit: int
+    conn: Conn, node_id: int, running: Sequence[wire.Attempt], inline_limit: int, lease_s: float
 ) -> list[wire.Assignment]:
     """Assigned work of this node that it does not already run. Redelivered until the node
-    starts it, so a lost poll answer loses nothing."""
+    starts it, so a lost poll answer loses nothing. Delivery renews the lease: the node starts
+    its own lease clock on receipt, and must never believe in more lease than it has."""
     rows = await conn.fetch(
-        "UPDATE invocations i SET delivered_at = coalesce(i.delivered_at, clock_timestamp())"
+        "UPDATE invocations i SET delivered_at = coalesce(i.delivered_at, clock_timestamp()),"
+        " lease_expires_at = clock_timestamp() + make_interval(secs => $5)"
         " WHERE i.node_id = $1 AND i.state = 'assigned'"
         "  AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
         "   WHERE a.id = i.id AND a.epoch = i.epoch)"
@@ -580,6 +584,7 @@ async def deliver(
         node_id,
         *_attempt_arrays(running),
         inline_limit,
+        lease_s,
     )
     return [
         wire.Assignment(

@@ -8,6 +8,7 @@ ApiError
  +-- Conflict (409)         a stale attempt (fencing) or a clash of names
  +-- PayloadTooLarge (413)  a body over a configured limit
  +-- Unprocessable (422)    well-formed but invalid
+A lost database connection answers 503 with Retry-After (clients retry).
 No response ever carries a stack trace.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 
+import asyncpg
 import msgspec
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -84,6 +86,15 @@ async def on_http_exception(request: Request, exc: Exception) -> Response:
     return problem(exc.status_code, _title(exc.status_code), str(exc.detail))
 
 
+async def on_database_unavailable(request: Request, exc: Exception) -> Response:
+    log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
+    response = problem(
+        503, "Service Unavailable", "the database is unavailable; retry shortly", "db_unavailable"
+    )
+    response.headers["Retry-After"] = "1"
+    return response
+
+
 async def on_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return problem(500, "Internal Server Error", "the gateway hit an unexpected error; see its log")
@@ -100,6 +111,14 @@ def _title(status: int) -> str:
 
 HANDLERS = {
     ApiError: on_api_error,
+    # A lost or refused database connection is transient (a restart, a failover): the
+    # clients retry a 503, and the pool replaces the dead connection.
+    asyncpg.PostgresConnectionError: on_database_unavailable,
+    asyncpg.InterfaceError: on_database_unavailable,
+    asyncpg.exceptions.InternalClientError: on_database_unavailable,  # a connection cut mid-use
+    asyncpg.exceptions.OperatorInterventionError: on_database_unavailable,
+    asyncpg.exceptions.TooManyConnectionsError: on_database_unavailable,
+    ConnectionError: on_database_unavailable,
     msgspec.ValidationError: on_validation_error,
     msgspec.DecodeError: on_validation_error,
     HTTPException: on_http_exception,

@@ -19,6 +19,7 @@ from gateway.http import body, int_param, reply, store_blob, stream_blob
 MAX_RETRIES = 10
 MAX_LOG_CHUNKS = 10_000
 FAN_IN_LINGER_S = 0.005
+MAX_ANSWER_RESULT_BYTES = 16 << 20
 
 
 def _check_call(spec: wire.CallSpec, index: int, inline_limit: int) -> wire.CallSpec:
@@ -56,9 +57,9 @@ async def submit(request: Request) -> Response:
     keys = [c.idempotency_key for c in calls]
     if len(set(keys)) != len(keys):
         raise Unprocessable("two calls in one request share an idempotency_key")
-    blobs = {c.payload_blob for c in calls if c.payload_blob is not None}
+    blobs = {_valid_id(c.payload_blob) for c in calls if c.payload_blob is not None}
     if blobs:
-        missing = blobs - await db.owned_blobs(request.app.state.pool, owner, _uuids(blobs))
+        missing = blobs - await db.owned_blobs(request.app.state.pool, owner, list(blobs))
         if missing:
             raise Unprocessable(
                 f"payload_blob {sorted(missing)[0]} is not a complete blob of yours"
@@ -81,12 +82,6 @@ async def _check_fits(request: Request, calls: list[wire.CallSpec]) -> None:
             "ask for fewer GPUs, or spread the work over several calls",
             code="never_fits",
         )
-
-
-def _uuids(values: set[str]) -> list[str]:
-    for value in values:
-        _valid_id(value)
-    return list(values)
 
 
 def _valid_id(value: str) -> str:
@@ -149,9 +144,23 @@ async def watch(request: Request) -> Response:
             if await sub.wait(min(remaining, config.recheck_s)) and len(cursors) > 1:
                 # Fan-out: let a few more completions land so one answer carries many.
                 await asyncio.sleep(FAN_IN_LINGER_S)
+    found = _within_answer_size(found)
     with_logs = [(f.id, seen[f.id]) for f in found if f.log_count > seen[f.id]]
     logs = await db.logs_after(pool, with_logs, MAX_LOG_CHUNKS) if with_logs else []
     return reply(wire.WatchResponse(invocations=found, logs=logs))
+
+
+def _within_answer_size(found: list[wire.Invocation]) -> list[wire.Invocation]:
+    """As many as fit in one answer's result budget (at least one): when a map's calls all
+    finish at once, the rest come with the next watch instead of one huge answer."""
+    kept: list[wire.Invocation] = []
+    size = 0
+    for invocation in found:
+        size += len(invocation.result or b"")
+        if kept and size > MAX_ANSWER_RESULT_BYTES:
+            break
+        kept.append(invocation)
+    return kept
 
 
 async def put_blob(request: Request) -> Response:

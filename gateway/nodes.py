@@ -69,7 +69,9 @@ async def poll(request: Request) -> Response:
     async with request.app.state.hub.subscribe([f"n:{node_id}"]) as sub:
         while True:
             revoked = await db.revoked(pool, node_id, req.running)
-            work = await db.deliver(relaxed, node_id, req.running, config.inline_limit)
+            work = await db.deliver(
+                relaxed, node_id, req.running, config.inline_limit, config.lease_s
+            )
             remaining = deadline - time.monotonic()
             if work or revoked or remaining <= 0:
                 return reply(wire.PollResponse(assignments=work, revoked=revoked))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable
 
@@ -39,24 +40,25 @@ class Hub:
         self._url = database_url
         self._waiters: dict[str, set[Subscription]] = defaultdict(set)
         self._conn: asyncpg.Connection | None = None
-        self._lost = asyncio.Event()
 
     async def run(self) -> None:
         """Keep a listening connection up until cancelled; reconnects with backoff."""
         delay = 0.1
         while True:
+            lost = asyncio.Event()  # one per connection: a closing old one cannot trip a new one
+            connected_at = time.monotonic()
             try:
                 self._conn = await asyncpg.connect(self._url)
-                self._conn.add_termination_listener(lambda _c: self._lost.set())
+                self._conn.add_termination_listener(lambda _c, lost=lost: lost.set())
                 await self._conn.add_listener(CHANNEL, self._on_notify)
-                delay = 0.1
                 self._wake_all()  # anything may have happened while we were away
-                await self._lost.wait()
-            except (OSError, asyncpg.PostgresError) as exc:
+                await lost.wait()
+            except Exception as exc:  # any failure must lead to a reconnect, never to silence
                 log.warning("notification listener lost (%s); reconnecting in %.1fs", exc, delay)
             finally:
-                self._lost.clear()
                 await self._close()
+            if time.monotonic() - connected_at > 10:
+                delay = 0.1  # it had been up a while: this is a fresh failure
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 

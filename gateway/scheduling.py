@@ -96,8 +96,8 @@ async def run(hub: Hub, config: GatewayConfig) -> None:
             if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_LOCK):
                 log.info("this gateway now leads scheduling")
                 await lead(conn, hub, config)
-        except (OSError, asyncpg.PostgresError) as exc:
-            log.warning("scheduler loop lost its database connection: %s", exc)
+        except Exception as exc:  # the loop must outlive any failure: nothing else schedules
+            log.warning("scheduler loop failed (%s); retrying", exc, exc_info=True)
         finally:
             if conn is not None:
                 await _close(conn)
@@ -107,5 +107,5 @@ async def run(hub: Hub, config: GatewayConfig) -> None:
 async def _close(conn: asyncpg.Connection) -> None:
     try:
         await asyncio.wait_for(conn.close(), 2)
-    except (TimeoutError, OSError, asyncpg.PostgresError):
+    except Exception:
         conn.terminate()

@@ -177,7 +177,9 @@ class Attempt:
     ) -> tuple[bool, bool]:
         """Hand over the task and wait until the call's output ends (the worker stays, warm)
         or the worker exits. Returns (timed out, finished with the worker alive)."""
-        await worker.send(task)
+        if not await worker.send(task):
+            # Not the call's fault: abandoned, it is requeued when its lease lapses.
+            raise NodeletError("the worker died before it received the call")
         exited = asyncio.create_task(worker.wait())
         ended = asyncio.create_task(asyncio.wait(pumps))
         try:

@@ -27,6 +27,8 @@ import msgspec
 
 from bulletin import wire
 
+#: Longest error message or traceback kept (the middle of a longer one is cut).
+MAX_ERROR_TEXT = 64 * 1024
 _PR_SET_PDEATHSIG = 1
 _SIGKILL = 9
 _task_decoder = msgspec.msgpack.Decoder(wire.WorkerTask)
@@ -63,6 +65,8 @@ def run_task(task: wire.WorkerTask) -> wire.WorkerOutcome:
     """Prepare the environment, unpickle the call and run it."""
     os.environ.update(task.env)
     # The gateway's GPU choice wins over anything in task.env.
+    # NVML numbers GPUs by PCI bus; CUDA's default order (fastest first) may differ.
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, task.gpu_indices))
     try:
         loaded = cloudpickle.loads(task.payload)
@@ -184,8 +188,15 @@ def write_outcome(path: str, outcome: wire.WorkerOutcome) -> None:
 
 
 def _no_nul(text: str | None) -> str | None:
-    # PostgreSQL text cannot hold NUL, and the gateway rejects it: escape it visibly.
-    return None if text is None else text.replace("\x00", "\\x00")
+    # PostgreSQL text cannot hold NUL, and the gateway rejects it: escape it visibly. Cut
+    # what is huge (a message that embeds a whole tensor) so the outcome always fits a request.
+    if text is None:
+        return None
+    text = text.replace("\x00", "\\x00")
+    if len(text) > MAX_ERROR_TEXT:
+        half = MAX_ERROR_TEXT // 2
+        text = f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
+    return text
 
 
 def _flush(*streams: IO[str] | None) -> None:
@@ -235,10 +246,21 @@ def finish(task: wire.WorkerTask, outcome: wire.WorkerOutcome) -> None:
         os.write(fd, task.end_marker)
 
 
+def private_task_pipe() -> IO[bytes]:
+    """Move the task pipe off fd 0 and give user code an empty stdin: code that reads stdin
+    (``input()``, a prompting tool) gets EOF instead of hanging or eating the next task."""
+    tasks = os.fdopen(os.dup(0), "rb")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return tasks
+
+
 def main() -> None:
     die_with_parent()
+    tasks = private_task_pipe()
     baseline = _Baseline()
-    while (task := read_task(sys.stdin.buffer)) is not None:
+    while (task := read_task(tasks)) is not None:
         outcome = run_task(task)
         if not task.end_marker:
             break

@@ -137,6 +137,8 @@ class WorkerPool:
             if entry[0] == key and entry[1].returncode is None:
                 self._warm.remove(entry)
                 return entry[1]
+        if key is not None:
+            self._evict_overlapping(key)
         self._wanted.set()
         while self._idle:
             worker = self._idle.popleft()
@@ -144,6 +146,14 @@ class WorkerPool:
                 return worker
             await self._discard(worker)
         return await self._spawn()
+
+    def _evict_overlapping(self, key: WarmKey) -> None:
+        """Kill warm workers of other keys on any of ``key``'s GPUs: they may hold memory
+        (a CUDA context, cached allocations) on a GPU that is now someone else's."""
+        gpus = set(key[1])
+        for entry in [e for e in self._warm if e[0] != key and gpus & set(e[0][1])]:
+            self._warm.remove(entry)
+            entry[1].kill()
 
     def release(self, worker: Worker, key: WarmKey) -> None:
         """Keep a worker that finished a call cleanly, warm for the next call of ``key``."""

@@ -71,3 +71,32 @@ def test_no_call_waits_for_the_recheck_timer(database_url: str, tmp_path: Path, 
         cluster.stop()
         if os.environ.get("BULLETIN_TEST_KEEP_LOGS"):
             print(cluster.logs())
+
+
+async def _cut_every_connection(database_url: str) -> int:
+    import asyncpg
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        return len(
+            await conn.fetch(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        )
+    finally:
+        await conn.close()
+
+
+def test_calls_keep_working_after_the_database_drops_every_connection(cluster: Cluster) -> None:
+    import asyncio
+
+    fn = sdk.function()(double)
+    assert fn(1) == 2
+    # What a PostgreSQL restart or failover does to the gateway: its pool, its listener and
+    # its scheduler leader connection all die at once.
+    assert asyncio.run(_cut_every_connection(cluster.database_url)) >= 3
+    started = time.monotonic()
+    assert fn(2) == 4
+    assert fn(3) == 6
+    assert time.monotonic() - started < 20

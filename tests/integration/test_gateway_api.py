@@ -251,3 +251,26 @@ def test_blobs_stream_in_and_out(gateway: Cluster, size: int) -> None:
     assert user.get(f"/v1/blobs/{ref.id}").content == data
     other = Http(gateway.url, gateway.add_user("bob"))
     assert other.get(f"/v1/blobs/{ref.id}").status_code == 404
+
+
+def test_a_payload_blob_may_be_named_in_any_uuid_spelling(gateway: Cluster) -> None:
+    user = Http(gateway.url, gateway.token)
+    ref = msgspec.json.decode(
+        user.client.put("/v1/blobs", content=b"payload").content, type=wire.BlobRef
+    )
+    spelled = ref.id.upper().replace("-", "")
+    spec = wire.CallSpec(idempotency_key=uuid.uuid4().hex, payload_blob=spelled)
+    [invocation_id] = submit(user, spec)
+    assert status(user, invocation_id).state == "queued"
+
+
+def test_the_invocation_list_leaves_results_out(gateway: Cluster) -> None:
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway)
+    [invocation_id] = submit(user, call(gpus=1))
+    [work] = poll(node).assignments
+    done = wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"r" * 1000)
+    assert node.post(f"/v1/node/invocations/{invocation_id}/complete", done).status_code == 204
+    [listed] = user.get("/v1/invocations").json()
+    assert listed["state"] == "succeeded" and listed["result"] is None
+    assert status(user, invocation_id).result == b"r" * 1000

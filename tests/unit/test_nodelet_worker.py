@@ -332,3 +332,28 @@ def test_a_warm_worker_runs_calls_back_to_back_and_resets_between_them(tmp_path:
     assert second[1] is None, "an environment variable leaked from the previous call"
     assert second[2] == str(tmp_path), "the working directory leaked from the previous call"
     assert second[3] in {"gone", "Z"}, "a process the previous call spawned survived it"
+
+
+def read_stdin() -> str:
+    try:
+        return input()
+    except EOFError:
+        return "EOF"
+
+
+def test_user_code_reading_stdin_gets_eof_instead_of_hanging(tmp_path: Path) -> None:
+    finished = run_worker(tmp_path, call(read_stdin))
+    assert finished.outcome is not None and finished.outcome.ok
+    assert cloudpickle.loads(finished.outcome.result or b"") == "EOF"
+
+
+def shout(size: int) -> None:
+    raise ValueError("x" * size)
+
+
+def test_a_huge_error_message_is_cut_in_the_middle(tmp_path: Path) -> None:
+    finished = run_worker(tmp_path, call(shout, 10_000_000))
+    outcome = finished.outcome
+    assert outcome is not None and outcome.error_message is not None
+    assert len(outcome.error_message) < 70_000 and "characters cut" in outcome.error_message
+    assert len(outcome.traceback or "") < 70_000

@@ -106,3 +106,29 @@ async def _until(condition: object, timeout_s: float = 30.0) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition never became true"
         await asyncio.sleep(0.02)
+
+
+def test_warm_workers_are_kept_per_key_and_evicted_from_gpus_given_to_another(
+    tmp_path: Path,
+) -> None:
+    asyncio.run(_warm_keys(tmp_path))
+
+
+async def _warm_keys(tmp_path: Path) -> None:
+    pool = WorkerPool(0, cwd=str(tmp_path))
+    try:
+        alice_gpu0, alice_cpu = ("alice", (0,)), ("alice", ())
+        first = await pool.acquire(alice_gpu0)
+        cpu = await pool.acquire(alice_cpu)
+        pool.release(first, alice_gpu0)
+        pool.release(cpu, alice_cpu)
+        assert await pool.acquire(alice_gpu0) is first  # warm for the same owner and GPUs
+        pool.release(first, alice_gpu0)
+        bobs = await pool.acquire(("bob", (0, 1)))
+        assert bobs is not first and bobs is not cpu  # never another owner's worker
+        # Alice's worker on GPU 0 may hold memory there: it goes; her CPU-only one stays.
+        assert await asyncio.wait_for(first.wait(), 10) is not None
+        assert cpu.returncode is None
+        bobs.kill()
+    finally:
+        await pool.close()
