@@ -19,6 +19,13 @@ from scheduler import NodeCapacity, Pending, Snapshot, plan
 
 log = logging.getLogger(__name__)
 LEADER_LOCK = 7242002
+# The leader lock lives as long as this connection. If the leader's host vanishes without
+# closing it, TCP keepalives let PostgreSQL notice within about a minute and free the lock.
+_KEEPALIVE = {
+    "tcp_keepalives_idle": "30",
+    "tcp_keepalives_interval": "10",
+    "tcp_keepalives_count": "3",
+}
 
 
 def capacity(nodes: list[db.NodeRow], leases: list[db.LeaseRow]) -> list[NodeCapacity]:
@@ -92,7 +99,7 @@ async def run(hub: Hub, config: GatewayConfig) -> None:
     while True:
         conn = None
         try:
-            conn = await asyncpg.connect(config.database_url)
+            conn = await asyncpg.connect(config.database_url, server_settings=_KEEPALIVE)
             if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_LOCK):
                 log.info("this gateway now leads scheduling")
                 await lead(conn, hub, config)
