@@ -244,6 +244,13 @@ class StartRequest(_Msg, frozen=True, kw_only=True):
     epoch: Int32
 
 
+class ReleaseRequest(_Msg, frozen=True, kw_only=True):
+    """Hand an attempt back unrun-to-the-end (the nodelet is stopping): the call is queued
+    again at once and the attempt does not count against its retries."""
+
+    epoch: Int32
+
+
 class NodeLogChunk(_Msg, frozen=True, kw_only=True):
     stream: Stream
     data: bytes

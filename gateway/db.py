@@ -158,6 +158,11 @@ async def largest_node_gpus(conn: Conn) -> int | None:
     return None if value is None else int(value)
 
 
+async def leave(conn: Conn, node_id: int) -> None:
+    """The node is stopping: no more work goes to it until it registers again."""
+    await conn.execute("UPDATE nodes SET last_heartbeat = NULL WHERE id = $1", node_id)
+
+
 # ------------------------------------------------------------------------------ blobs
 
 
@@ -617,6 +622,25 @@ async def start(conn: Conn, node_id: int, invocation_id: str, epoch: int) -> boo
         await _notify(conn, f"i:{invocation_id}")
         return True
     return False
+
+
+async def release(conn: asyncpg.Connection, node_id: int, invocation_id: str, epoch: int) -> bool:
+    """Requeue an attempt its node hands back (it is stopping) without counting it against
+    the call's retries; the next assignment moves the epoch on. False if stale."""
+    async with conn.transaction():
+        status = await conn.execute(
+            "UPDATE invocations i SET state = 'queued', attempts = i.attempts - 1,"
+            " node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL,"
+            " delivered_at = NULL, started_at = NULL"
+            f" WHERE {_FENCE}",
+            uuid.UUID(invocation_id),
+            node_id,
+            epoch,
+        )
+        if not status.endswith(" 1"):
+            return False
+        await _notify(conn, f"i:{invocation_id}", "q")
+    return True
 
 
 async def payload_source(

@@ -50,6 +50,12 @@ async def register(request: Request) -> Response:
     )
 
 
+async def leave(request: Request) -> Response:
+    node_id = await auth.node_id(request)
+    await db.leave(request.app.state.pool, node_id)
+    return Response(status_code=204)
+
+
 async def heartbeat(request: Request) -> Response:
     node_id = await auth.node_id(request)
     req = await body(request, wire.HeartbeatRequest)
@@ -84,6 +90,16 @@ async def start(request: Request) -> Response:
     req = await body(request, wire.StartRequest)
     if not await db.start(request.app.state.relaxed, node_id, invocation_id, req.epoch):
         raise _stale(invocation_id)
+    return Response(status_code=204)
+
+
+async def release(request: Request) -> Response:
+    node_id = await auth.node_id(request)
+    invocation_id = _valid_id(request.path_params["id"])
+    req = await body(request, wire.ReleaseRequest)
+    async with request.app.state.pool.acquire() as conn:
+        if not await db.release(conn, node_id, invocation_id, req.epoch):
+            raise _stale(invocation_id)
     return Response(status_code=204)
 
 
@@ -134,9 +150,11 @@ async def complete(request: Request) -> Response:
 
 ROUTES = [
     Route("/v1/node/register", register, methods=["POST"]),
+    Route("/v1/node/leave", leave, methods=["POST"]),
     Route("/v1/node/heartbeat", heartbeat, methods=["POST"]),
     Route("/v1/node/poll", poll, methods=["POST"]),
     Route("/v1/node/invocations/{id}/start", start, methods=["POST"]),
+    Route("/v1/node/invocations/{id}/release", release, methods=["POST"]),
     Route("/v1/node/invocations/{id}/payload", payload, methods=["GET"]),
     Route("/v1/node/invocations/{id}/logs", logs, methods=["POST"]),
     Route("/v1/node/invocations/{id}/result", put_result, methods=["PUT"]),

@@ -99,6 +99,15 @@ class GatewayClient:
         )
         return _decode(_blob_decoder, response)
 
+    async def leave(self, *, timeout_s: float) -> None:
+        """Tell the gateway this node is stopping: no more work for it."""
+        await self._send("POST", "/v1/node/leave", timeout_s=timeout_s)
+
+    async def release(self, invocation_id: str, epoch: int, *, timeout_s: float) -> None:
+        await self._post(
+            _route(invocation_id, "release"), wire.ReleaseRequest(epoch=epoch), timeout_s=timeout_s
+        )
+
     async def complete(self, invocation_id: str, request: wire.CompleteRequest) -> None:
         await self._post(_route(invocation_id, "complete"), request)
 

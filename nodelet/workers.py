@@ -129,6 +129,7 @@ class WorkerPool:
         self._warm: collections.deque[tuple[WarmKey, Worker, float]] = collections.deque()
         self._wanted = asyncio.Event()
         self._closed = False
+        self._reapers: set[asyncio.Task[int]] = set()
 
     async def acquire(self, key: WarmKey | None = None) -> Worker:
         """A started worker: a warm one of ``key``, else a fresh idle one (then refilled),
@@ -153,21 +154,28 @@ class WorkerPool:
         gpus = set(key[1])
         for entry in [e for e in self._warm if e[0] != key and gpus & set(e[0][1])]:
             self._warm.remove(entry)
-            entry[1].kill()
+            self._retire(entry[1])
+
+    def _retire(self, worker: Worker) -> None:
+        """Kill a warm worker and reap it in the background (close() waits for the rest)."""
+        worker.kill()
+        reaper = asyncio.create_task(worker.wait(), name=f"reap-worker-{worker.pid}")
+        self._reapers.add(reaper)
+        reaper.add_done_callback(self._reapers.discard)
 
     def release(self, worker: Worker, key: WarmKey) -> None:
         """Keep a worker that finished a call cleanly, warm for the next call of ``key``."""
         if self._closed or self.max_warm == 0 or worker.returncode is not None:
-            worker.kill()
+            self._retire(worker)
             return
         self._warm.append((key, worker, time.monotonic()))
         while len(self._warm) > self.max_warm:
-            self._warm.popleft()[1].kill()
+            self._retire(self._warm.popleft()[1])
 
     def _expire_warm(self) -> None:
         deadline = time.monotonic() - self.warm_idle_s
         while self._warm and self._warm[0][2] < deadline:
-            self._warm.popleft()[1].kill()
+            self._retire(self._warm.popleft()[1])
 
     async def maintain(self) -> None:
         """Run until cancelled, keeping ``spares`` idle workers alive."""
@@ -194,6 +202,7 @@ class WorkerPool:
             worker.kill()
         for worker in idle:
             await worker.wait()
+        await asyncio.gather(*self._reapers)
 
     async def _refill(self) -> None:
         self._expire_warm()

@@ -313,3 +313,25 @@ def test_ctrl_c_in_the_caller_cancels_the_call_and_kills_its_worker(
     assert not alive, "the remote work kept running after Ctrl-C"
     [call] = sdk.Client(cluster.url, cluster.token).invocations(limit=1)
     assert call.state == "cancelled"
+
+
+def test_a_stopping_nodelet_hands_its_calls_back_without_using_a_retry(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    first = tmp_path / "attempt-1"
+
+    @sdk.function(gpus=1, max_retries=0)
+    def interrupted_once(path: str) -> str:
+        if not os.path.exists(path):
+            open(path, "w").close()
+            time.sleep(60)
+        return "ran to the end"
+
+    call = interrupted_once.spawn(str(first))
+    wait_until(first.exists, 30, "the first attempt to start")
+    cluster.nodelets[0].send_signal(signal.SIGTERM)  # an admin restarting the node agent
+    assert cluster.nodelets[0].wait(15) == 0
+    assert call.status() == "queued", "the call should be back in the queue at once"
+    cluster.start_nodelet("node-b")
+    assert call.result(timeout=60) == "ran to the end"
+    assert call.info().attempts == 1

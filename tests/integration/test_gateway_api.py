@@ -274,3 +274,19 @@ def test_the_invocation_list_leaves_results_out(gateway: Cluster) -> None:
     [listed] = user.get("/v1/invocations").json()
     assert listed["state"] == "succeeded" and listed["result"] is None
     assert status(user, invocation_id).result == b"r" * 1000
+
+
+def test_release_requeues_without_using_a_retry_and_is_fenced(gateway: Cluster) -> None:
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway)
+    [invocation_id] = submit(user, call(gpus=1, max_retries=0))
+    [work] = poll(node).assignments
+    assert node.post("/v1/node/leave", {}).status_code == 204  # no more work for this node
+    release = wire.ReleaseRequest(epoch=work.epoch)
+    base = f"/v1/node/invocations/{invocation_id}"
+    assert node.post(f"{base}/release", release).status_code == 204
+    inv = status(user, invocation_id)
+    assert (inv.state, inv.attempts) == ("queued", 0)
+    assert node.post(f"{base}/release", release).status_code == 409
+    late = wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"stale")
+    assert node.post(f"{base}/complete", late).status_code == 409

@@ -50,6 +50,7 @@ HTTP_STRUCTS = [
     wire.PollResponse,
     wire.Assignment,
     wire.StartRequest,
+    wire.ReleaseRequest,
     wire.LogsRequest,
     wire.NodeLogChunk,
     wire.CompleteRequest,

@@ -130,5 +130,6 @@ async def _warm_keys(tmp_path: Path) -> None:
         assert await asyncio.wait_for(first.wait(), 10) is not None
         assert cpu.returncode is None
         bobs.kill()
+        await bobs.wait()
     finally:
         await pool.close()
