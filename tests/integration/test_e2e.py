@@ -335,3 +335,14 @@ def test_a_stopping_nodelet_hands_its_calls_back_without_using_a_retry(
     cluster.start_nodelet("node-b")
     assert call.result(timeout=60) == "ran to the end"
     assert call.info().attempts == 1
+
+
+def test_the_readme_example_runs_as_written(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert f"hello from {os.uname().nodename}" in capsys.readouterr().out
+    assert namespace["train_step"](21) == 42  # type: ignore[operator]
