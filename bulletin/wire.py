@@ -156,6 +156,17 @@ class WatchResponse(_Msg, frozen=True, kw_only=True):
     logs: list[LogChunk]
 
 
+class CancelRequest(_Msg, frozen=True, kw_only=True):
+    """Cancel up to ``MAX_WATCH`` invocations at once (e.g. the rest of an interrupted map)."""
+
+    ids: list[Id]
+
+
+class CancelResponse(_Msg, frozen=True, kw_only=True):
+    # The ids this request cancelled; finished, unknown and others' ids are left out.
+    cancelled: list[str]
+
+
 class BlobRef(_Msg, frozen=True, kw_only=True):
     id: str
     size: int

@@ -221,9 +221,11 @@ async def submit(
             " SELECT u.id, $1, u.key, u.fn, u.gpus, u.retries, u.timeout, u.payload, u.blob,"
             "  coalesce(length(u.payload), b.size, 0)"
             " FROM unnest($2::uuid[], $3::text[], $4::text[], $5::int[], $6::int[],"
-            "  $7::float8[], $8::bytea[], $9::uuid[])"
-            "  AS u(id, key, fn, gpus, retries, timeout, payload, blob)"
+            "  $7::float8[], $8::bytea[], $9::uuid[]) WITH ORDINALITY"
+            "  AS u(id, key, fn, gpus, retries, timeout, payload, blob, ord)"
             " LEFT JOIN blobs b ON b.id = u.blob"
+            # In input order, so that seq (the queue order) follows it.
+            " ORDER BY u.ord"
             " ON CONFLICT (owner_id, idempotency_key) DO NOTHING",
             owner_id,
             ids,
@@ -345,7 +347,7 @@ async def list_invocations(conn: Conn, owner_id: int, limit: int) -> list[wire.I
     rows = await conn.fetch(
         f"SELECT {_INVOCATION_COLUMNS.replace('i.result,', 'NULL::bytea AS result,')}"
         " FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id"
-        " WHERE i.owner_id = $1 ORDER BY i.submitted_at DESC LIMIT $2",
+        " WHERE i.owner_id = $1 ORDER BY i.seq DESC LIMIT $2",
         owner_id,
         limit,
     )
@@ -376,30 +378,26 @@ async def logs_after(
     ]
 
 
-async def cancel(conn: asyncpg.Connection, owner_id: int, invocation_id: str) -> str | None:
-    """Cancel a non-terminal invocation; returns its state afterwards, None if not found.
+async def cancel(conn: asyncpg.Connection, owner_id: int, ids: Sequence[str]) -> list[str]:
+    """Cancel the owner's non-terminal invocations among ``ids``; returns those cancelled.
 
     A leased attempt is cancelled at once (its GPU counts as free again) and its node is told
     to kill the worker: the node's next poll or heartbeat lists it as revoked."""
     async with conn.transaction():
-        row = await conn.fetchrow(
-            "SELECT state, node_id FROM invocations WHERE id = $1 AND owner_id = $2 FOR UPDATE",
-            uuid.UUID(invocation_id),
+        rows = await conn.fetch(
+            "WITH doomed AS (SELECT id, node_id FROM invocations"
+            "  WHERE id = ANY($1::uuid[]) AND owner_id = $2"
+            "  AND state IN ('queued', 'assigned', 'running') FOR UPDATE)"
+            " UPDATE invocations i SET state = 'cancelled', finished_at = clock_timestamp(),"
+            "  lease_expires_at = NULL FROM doomed WHERE i.id = doomed.id"
+            " RETURNING i.id, doomed.node_id",
+            list(ids),
             owner_id,
         )
-        if row is None:
-            return None
-        if row["state"] not in ("queued", *_LEASED):
-            return str(row["state"])
-        await conn.execute(
-            "UPDATE invocations SET state = 'cancelled', finished_at = clock_timestamp(),"
-            " lease_expires_at = NULL WHERE id = $1",
-            uuid.UUID(invocation_id),
-        )
-        await _notify(conn, f"i:{invocation_id}", "q")
-        if row["node_id"] is not None:
-            await _notify(conn, f"n:{row['node_id']}")
-    return "cancelled"
+        if rows:
+            nodes = {f"n:{r['node_id']}" for r in rows if r["node_id"] is not None}
+            await _notify(conn, *(f"i:{r['id']}" for r in rows), "q", *sorted(nodes))
+    return [str(r["id"]) for r in rows]
 
 
 async def _notify(conn: Conn, *payloads: str) -> None:
@@ -461,7 +459,7 @@ def _queued_sql(limit: int) -> str:
     # parameter PostgreSQL switched to a generic plan that ran for minutes on a 120k-row backlog.
     return (
         "WITH q AS MATERIALIZED (SELECT id, owner_id, gpus FROM invocations"
-        f" WHERE state = 'queued' ORDER BY submitted_at, id LIMIT {int(limit)})"
+        f" WHERE state = 'queued' ORDER BY seq LIMIT {int(limit)})"
         " SELECT id, owner_id, gpus FROM q"
     )
 

@@ -115,9 +115,18 @@ async def cancel(request: Request) -> Response:
     owner = await auth.user_id(request)
     invocation_id = _valid_id(request.path_params["id"])
     async with request.app.state.pool.acquire() as conn:
-        if await db.cancel(conn, owner, invocation_id) is None:
-            raise NotFound(f"no invocation {invocation_id} (ids are per user)")
-    return reply(await _one(request, owner, invocation_id))
+        await db.cancel(conn, owner, [invocation_id])
+    return reply(await _one(request, owner, invocation_id))  # 404 if not the caller's
+
+
+async def cancel_many(request: Request) -> Response:
+    owner = await auth.user_id(request)
+    req = await body(request, wire.CancelRequest)
+    if not 1 <= len(req.ids) <= wire.MAX_WATCH:
+        raise Unprocessable(f"cancel between 1 and {wire.MAX_WATCH} invocations per request")
+    async with request.app.state.pool.acquire() as conn:
+        cancelled = await db.cancel(conn, owner, [_valid_id(i) for i in req.ids])
+    return reply(wire.CancelResponse(cancelled=cancelled))
 
 
 async def watch(request: Request) -> Response:
@@ -182,6 +191,7 @@ ROUTES = [
     Route("/v1/invocations", submit, methods=["POST"]),
     Route("/v1/invocations", list_invocations, methods=["GET"]),
     Route("/v1/invocations/watch", watch, methods=["POST"]),
+    Route("/v1/invocations/cancel", cancel_many, methods=["POST"]),
     Route("/v1/invocations/{id}", get_invocation, methods=["GET"]),
     Route("/v1/invocations/{id}/cancel", cancel, methods=["POST"]),
     Route("/v1/blobs", put_blob, methods=["PUT"]),

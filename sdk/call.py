@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
 from bulletin import wire
@@ -21,7 +20,6 @@ _log = logging.getLogger(__name__)
 
 #: How long best-effort cancellation (after Ctrl-C, or of an abandoned map) may take in all.
 CANCEL_DEADLINE_S = 3.0
-_CANCEL_THREADS = 8
 
 
 class Call(Generic[R]):
@@ -118,30 +116,27 @@ def _withdraw(client: Client, specs: Sequence[wire.CallSpec]) -> None:
 
 
 def cancel_quietly(client: Client, ids: Sequence[str]) -> None:
-    """Best-effort cancellation: bounded by ``CANCEL_DEADLINE_S`` in all, never raises."""
-    if not ids:
-        return
+    """Best-effort cancellation, in as few requests as the gateway allows, bounded by
+    ``CANCEL_DEADLINE_S`` in all; never raises."""
     deadline = time.monotonic() + CANCEL_DEADLINE_S
-
-    def cancel(invocation_id: str) -> bool:
+    failed: list[str] = []
+    for start in range(0, len(ids), wire.MAX_WATCH):
+        batch = list(ids[start : start + wire.MAX_WATCH])
         left = deadline - time.monotonic()
-        return left > 0 and _cancel(client, invocation_id, left)
-
-    if len(ids) == 1:
-        done = [cancel(ids[0])]
-    else:
-        with ThreadPoolExecutor(min(_CANCEL_THREADS, len(ids))) as pool:
-            done = list(pool.map(cancel, ids))
-    failed = [i for i, ok in zip(ids, done, strict=True) if not ok]
+        if left <= 0 or not _cancel(client, batch, left):
+            failed += batch
     if failed:
         _log.warning(
             "Could not cancel %d call(s); they may keep running: %s", len(failed), failed[:10]
         )
 
 
-def _cancel(client: Client, invocation_id: str, deadline_s: float) -> bool:
+def _cancel(client: Client, ids: list[str], deadline_s: float) -> bool:
     try:
-        client.cancel(invocation_id, deadline_s=deadline_s)
+        if len(ids) == 1:
+            client.cancel(ids[0], deadline_s=deadline_s)
+        else:
+            client.cancel_many(ids, deadline_s=deadline_s)
     except BulletinError:
         return False
     return True

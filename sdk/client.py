@@ -35,6 +35,7 @@ _log = logging.getLogger(__name__)
 _ENCODER = msgspec.json.Encoder()
 _SUBMITTED = msgspec.json.Decoder(wire.SubmitResponse)
 _INVOCATION = msgspec.json.Decoder(wire.Invocation)
+_CANCELLED = msgspec.json.Decoder(wire.CancelResponse)
 _INVOCATIONS = msgspec.json.Decoder(list[wire.Invocation])
 _WATCHED = msgspec.json.Decoder(wire.WatchResponse)
 _BLOB = msgspec.json.Decoder(wire.BlobRef)
@@ -134,6 +135,20 @@ class Client:
         """Cancel one invocation; a finished one is returned unchanged."""
         path = _path(invocation_id) + "/cancel"
         return self._request("POST", path, read=_json(_INVOCATION), deadline_s=deadline_s)
+
+    def cancel_many(self, ids: Sequence[str], *, deadline_s: float | None = None) -> list[str]:
+        """Cancel up to ``wire.MAX_WATCH`` invocations in one request; returns those it
+        cancelled (finished ones are left as they are)."""
+        body = _ENCODER.encode(wire.CancelRequest(ids=list(ids)))
+        answer = self._request(
+            "POST",
+            "/v1/invocations/cancel",
+            body=body,
+            headers=_JSON,
+            read=_json(_CANCELLED),
+            deadline_s=deadline_s,
+        )
+        return answer.cancelled
 
     def watch(
         self, items: Sequence[wire.WatchItem], *, timeout_s: float | None = None

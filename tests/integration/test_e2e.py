@@ -346,3 +346,17 @@ def test_the_readme_example_runs_as_written(
     exec(compile(code, "README.md", "exec"), namespace)
     assert f"hello from {os.uname().nodename}" in capsys.readouterr().out
     assert namespace["train_step"](21) == 42  # type: ignore[operator]
+
+
+def test_a_map_abandoned_by_an_exception_cancels_its_unfinished_calls(cluster: Cluster) -> None:
+    @sdk.function()
+    def first_fails(x: int) -> int:
+        if x == 0:
+            raise ValueError("item 0 is bad")
+        time.sleep(60)
+        return x
+
+    with pytest.raises(ValueError, match="item 0 is bad"):
+        list(first_fails.map(range(10)))
+    states = [i.state for i in sdk.Client(cluster.url, cluster.token).invocations(limit=10)]
+    assert sorted(states) == ["cancelled"] * 9 + ["failed"]

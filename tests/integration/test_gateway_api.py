@@ -290,3 +290,29 @@ def test_release_requeues_without_using_a_retry_and_is_fenced(gateway: Cluster) 
     assert node.post(f"{base}/release", release).status_code == 409
     late = wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"stale")
     assert node.post(f"{base}/complete", late).status_code == 409
+
+
+def test_bulk_cancel_cancels_only_the_callers_unfinished_calls(gateway: Cluster) -> None:
+    alice = Http(gateway.url, gateway.token)
+    bob = Http(gateway.url, gateway.add_user("bob"))
+    mine = submit(alice, call(), call())
+    [theirs] = submit(bob, call())
+    r = alice.post("/v1/invocations/cancel", wire.CancelRequest(ids=[*mine, theirs]))
+    assert r.status_code == 200
+    assert sorted(r.json()["cancelled"]) == sorted(mine)
+    assert status(bob, theirs).state == "queued"
+    again = alice.post("/v1/invocations/cancel", wire.CancelRequest(ids=mine))
+    assert again.json()["cancelled"] == []  # terminal states absorb
+
+
+def test_calls_of_one_batch_are_delivered_in_submission_order(gateway: Cluster) -> None:
+    user = Http(gateway.url, gateway.token)
+    ids = submit(user, *(call(gpus=1) for _ in range(12)))
+    node = register(gateway, gpus=1)
+    delivered = []
+    for _ in ids:
+        [work] = poll(node).assignments
+        delivered.append(work.invocation_id)
+        done = wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"")
+        node.post(f"/v1/node/invocations/{work.invocation_id}/complete", done)
+    assert delivered == ids

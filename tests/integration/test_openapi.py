@@ -37,6 +37,8 @@ HTTP_STRUCTS = [
     wire.WatchRequest,
     wire.WatchItem,
     wire.WatchResponse,
+    wire.CancelRequest,
+    wire.CancelResponse,
     wire.LogChunk,
     wire.BlobRef,
     wire.Problem,
@@ -270,7 +272,7 @@ def test_user_routes_answer_only_what_the_spec_documents(gateway: Cluster) -> No
 
     user_routes = [result.ok() for result in h.schema.get_all_operations()]
     user_routes = [op for op in user_routes if not op.path.startswith("/v1/node/")]
-    assert len(user_routes) == 9
+    assert len(user_routes) == 10
     for op in user_routes:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             h.fuzz(f"{op.label} ({mode.value})", op.as_strategy(generation_mode=mode))
