@@ -261,15 +261,18 @@ async def owned_blobs(conn: Conn, owner_id: int, blob_ids: Iterable[str]) -> set
 # ------------------------------------------------------------------------------ user reads
 
 
-_INVOCATION_COLUMNS = (
-    "i.id, i.state, i.function_name, i.gpus, i.attempts, i.max_retries, n.name AS node,"
-    " i.error_kind, i.error_type, i.error_message, i.traceback, i.result, i.result_blob,"
-    " i.log_count, extract(epoch FROM i.submitted_at) AS t_submitted,"
-    " extract(epoch FROM i.scheduled_at) AS t_scheduled,"
-    " extract(epoch FROM i.delivered_at) AS t_delivered,"
-    " extract(epoch FROM i.started_at) AS t_started,"
-    " extract(epoch FROM i.finished_at) AS t_finished"
-)
+def _invocation_columns(result: str = "i.result") -> str:
+    """What ``to_invocation`` reads; ``result`` may be ``NULL::bytea`` where results are left
+    out (listings)."""
+    return (
+        "i.id, i.state, i.function_name, i.gpus, i.attempts, i.max_retries, n.name AS node,"
+        f" i.error_kind, i.error_type, i.error_message, i.traceback, {result} AS result,"
+        " i.result_blob, i.log_count, extract(epoch FROM i.submitted_at) AS t_submitted,"
+        " extract(epoch FROM i.scheduled_at) AS t_scheduled,"
+        " extract(epoch FROM i.delivered_at) AS t_delivered,"
+        " extract(epoch FROM i.started_at) AS t_started,"
+        " extract(epoch FROM i.finished_at) AS t_finished"
+    )
 
 
 def _f(value: Any) -> float | None:
@@ -305,7 +308,7 @@ def to_invocation(row: asyncpg.Record) -> wire.Invocation:
 async def get_invocations(conn: Conn, owner_id: int, ids: Sequence[str]) -> list[wire.Invocation]:
     """The invocations among ``ids`` that ``owner_id`` owns (others' are simply absent)."""
     rows = await conn.fetch(
-        f"SELECT {_INVOCATION_COLUMNS} FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id"
+        f"SELECT {_invocation_columns()} FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id"
         " WHERE i.id = ANY($1::uuid[]) AND i.owner_id = $2",
         [uuid.UUID(i) for i in ids],
         owner_id,
@@ -330,7 +333,7 @@ async def changed(
     """The invocations among the cursors ``(id, log chunks seen)`` that are terminal or have
     unseen log chunks: what a watch answers with."""
     rows = await conn.fetch(
-        f"SELECT {_INVOCATION_COLUMNS} FROM unnest($1::uuid[], $2::int[]) AS c(id, seen)"
+        f"SELECT {_invocation_columns()} FROM unnest($1::uuid[], $2::int[]) AS c(id, seen)"
         " JOIN invocations i ON i.id = c.id AND i.owner_id = $3"
         " LEFT JOIN nodes n ON n.id = i.node_id"
         " WHERE i.state IN ('succeeded', 'failed', 'timed_out', 'cancelled')"
@@ -345,7 +348,7 @@ async def changed(
 async def list_invocations(conn: Conn, owner_id: int, limit: int) -> list[wire.Invocation]:
     """The newest invocations of ``owner_id``, without their results (fetch one by id)."""
     rows = await conn.fetch(
-        f"SELECT {_INVOCATION_COLUMNS.replace('i.result,', 'NULL::bytea AS result,')}"
+        f"SELECT {_invocation_columns('NULL::bytea')}"
         " FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id"
         " WHERE i.owner_id = $1 ORDER BY i.seq DESC LIMIT $2",
         owner_id,
