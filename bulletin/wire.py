@@ -62,6 +62,7 @@ class ErrorKind(enum.StrEnum):
     NODE_LOST = "node_lost"  # lease expired and no retries were left
     WORKER_DIED = "worker_died"  # the worker process exited without a result
     BAD_PAYLOAD = "bad_payload"  # the worker could not unpickle the call
+    VERSION_SKEW = "version_skew"  # caller and worker run incompatible Python/cloudpickle/torch
 
 
 class Stream(enum.IntEnum):
@@ -76,8 +77,16 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fals
 # ---------------------------------------------------------------- user side (sdk <-> gateway)
 
 
+#: Paths inside the cluster's shared directory (the NAS) that calls may name: payload files
+#: written by the sdk and result files written by workers.
+SharedPayload = Annotated[str, msgspec.Meta(pattern="^bulletin/payloads/[A-Za-z0-9_.-]{1,100}$")]
+SharedResult = Annotated[str, msgspec.Meta(pattern="^bulletin/results/[A-Za-z0-9_.-]{1,100}$")]
+
+
 class CallSpec(_Msg, frozen=True, kw_only=True):
-    """One call to submit. ``payload`` xor ``payload_blob`` carries the pickled call."""
+    """One call to submit. Exactly one of ``payload`` (inline), ``payload_blob`` (uploaded
+    first) and ``payload_file`` (written to the shared directory, relative to its root)
+    carries the pickled call (an envelope: ``bulletin/pickling/frame.py``)."""
 
     idempotency_key: Name = ""
     function_name: Name = ""
@@ -86,6 +95,7 @@ class CallSpec(_Msg, frozen=True, kw_only=True):
     timeout_s: float | None = None
     payload: bytes | None = None
     payload_blob: Id | None = None
+    payload_file: SharedPayload | None = None
 
 
 class SubmitRequest(_Msg, frozen=True, kw_only=True):
@@ -120,9 +130,11 @@ class Invocation(_Msg, frozen=True, kw_only=True):
     error_type: str | None = None
     error_message: str | None = None
     traceback: str | None = None
-    # Present only on terminal invocations; result_blob when the result was too big to inline.
+    # Present only on terminal invocations; result_blob (or result_file, relative to the
+    # shared directory) when the result was too big to inline.
     result: bytes | None = None
     result_blob: str | None = None
+    result_file: str | None = None
     log_count: int = 0
     timeline: Timeline = msgspec.field(default_factory=Timeline)
 
@@ -185,6 +197,20 @@ class Problem(_Msg, frozen=True, kw_only=True):
 # ---------------------------------------------------------------- node side (nodelet <-> gateway)
 
 
+class ClusterInfo(_Msg, frozen=True, kw_only=True):
+    """What a client needs to know of the cluster before it sends calls."""
+
+    #: Payloads and results up to this size travel inline in JSON.
+    inline_limit: int
+    #: Largest payload or result (pickled call or returned state) accepted, in bytes.
+    max_state_bytes: int
+    #: The shared directory (NAS) every node mounts at this path, if the cluster has one.
+    shared_dir: str | None = None
+    #: Content of ``<shared_dir>/bulletin/cluster-id``: a client that reads the same there
+    #: sees the same directory, and may pass payloads and take results through it.
+    shared_dir_id: str | None = None
+
+
 class GpuInfo(_Msg, frozen=True, kw_only=True):
     index: Int32
     uuid: Name
@@ -206,6 +232,9 @@ class RegisterResponse(_Msg, frozen=True, kw_only=True):
     heartbeat_s: float
     long_poll_s: float
     inline_limit: int
+    # The cluster's shared directory and its id (see ClusterInfo), if it has one.
+    shared_dir: str | None = None
+    shared_dir_id: str | None = None
 
 
 class Attempt(_Msg, frozen=True, kw_only=True):
@@ -224,6 +253,8 @@ class Assignment(_Msg, frozen=True, kw_only=True):
     timeout_s: float | None = None
     payload: bytes | None = None
     payload_size: int = 0
+    # Set when the payload is a file in the shared directory (relative to its root).
+    payload_file: str | None = None
     function_name: str = ""
     # Whose call this is: warm workers are reused only for the same owner and GPU set.
     owner: str = ""
@@ -285,6 +316,7 @@ class CompleteRequest(_Msg, frozen=True, kw_only=True):
     traceback: Text | None = None
     result: bytes | None = None
     result_blob: Id | None = None
+    result_file: SharedResult | None = None
 
 
 # ------------------------------------------------------------- worker process (nodelet <-> worker)
@@ -294,10 +326,20 @@ class WorkerTask(_Msg, frozen=True, kw_only=True):
     """What the nodelet hands a worker process on its stdin (msgpack, length-prefixed)."""
 
     invocation_id: str
-    payload: bytes
+    # The call's envelope: inline, or in a file (the shared directory's, or a download).
+    payload: bytes | None = None
+    payload_path: str | None = None
+    # Where to leave the WorkerOutcome.
     result_path: str
     gpu_indices: list[int] = msgspec.field(default_factory=list)
     env: dict[str, str] = msgspec.field(default_factory=dict)
+    # The torch device tensors and modules are moved to before the call ("cuda:0", "cpu").
+    device: str = "cpu"
+    # Results up to this size go inline in the outcome; bigger ones into a file: in
+    # ``shared_dir`` when the caller reads it (PickleHeader.shared_results), else ``spill_dir``.
+    inline_limit: int = 1 << 20
+    shared_dir: str | None = None
+    spill_dir: str = ""
     # Written to stdout and stderr after the call, so the nodelet knows where its output ends
     # and may hand the worker another call. Empty: run this one call and exit.
     end_marker: bytes = b""
@@ -309,10 +351,28 @@ class WorkerOutcome(_Msg, frozen=True, kw_only=True):
 
     ok: bool
     result: bytes | None = None
+    # Absolute path of a file holding the result envelope when it was too big to inline.
+    result_path: str | None = None
     error_kind: ErrorKind | None = None
     error_type: str | None = None
     error_message: str | None = None
     traceback: str | None = None
+
+
+class PickleHeader(_Msg, frozen=True, kw_only=True):
+    """Leads every envelope (a pickled call or result, ``bulletin/pickling/frame.py``): read
+    and checked before anything is unpickled."""
+
+    python: str  # "3.11": pickled code objects only load on the same minor version
+    cloudpickle: str
+    torch: str | None = None  # set when the pickle holds torch objects
+    pickle_size: int
+    buffers: list[int] = msgspec.field(default_factory=list)  # out-of-band buffer sizes
+    # Call envelopes only: send back the globals the call changed; results may go through
+    # the shared directory; results over max_result_bytes (0: no limit) are refused.
+    sync: bool = False
+    shared_results: bool = False
+    max_result_bytes: int = 0
 
 
 class ClientConfig(_Msg, frozen=True, kw_only=True):

@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 OURS = {"bulletin", "gateway", "scheduler", "nodelet", "sdk"}
 ALLOWED = {
     "scheduler": set(),
-    "sdk": {"bulletin.wire"},
-    "nodelet": {"bulletin.wire"},
-    "gateway": {"bulletin.wire", "scheduler"},
+    "sdk": {"bulletin.wire", "bulletin.shared", "bulletin.pickling"},
+    "nodelet": {"bulletin.wire", "bulletin.shared", "bulletin.pickling"},
+    "gateway": {"bulletin.wire", "bulletin.shared", "scheduler"},
 }
 FORBIDDEN_THIRD_PARTY = {"scheduler": {"asyncpg", "starlette", "httpx", "uvicorn"}}
 

@@ -1,0 +1,100 @@
+"""The cluster's shared directory (the NAS): its layout, and how each side checks it sees it.
+
+Every node mounts the shared directory at the same path. The gateway writes a random id to
+``bulletin/cluster-id`` in it and tells clients and nodes the path and the id; a side that
+reads the same id there sees the same directory, and big payloads and results then go as
+files instead of through the gateway. Payload files are written by the sdk under
+``bulletin/payloads/``, result files by workers under ``bulletin/results/``; both are named
+by wire messages relative to the root (``wire.SharedPayload``, ``wire.SharedResult``).
+The sdk deletes what it has consumed; the gateway sweeps what callers left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import time
+import uuid
+
+MARKER = "bulletin/cluster-id"
+PAYLOADS = "bulletin/payloads"
+RESULTS = "bulletin/results"
+_RELATIVE = re.compile(r"^bulletin/(payloads|results)/[A-Za-z0-9_.-]{1,100}$")
+
+
+def prepare(root: str) -> str:
+    """Create the layout under ``root`` (writable by every user of the cluster) and return
+    the cluster id, made on first use."""
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"the shared directory {root!r} does not exist or is no directory")
+    for sub in ("bulletin", PAYLOADS, RESULTS):
+        path = os.path.join(root, sub)
+        os.makedirs(path, exist_ok=True)
+        # Users' notebooks write payloads and workers write results: everyone needs write.
+        with contextlib.suppress(PermissionError):
+            os.chmod(path, 0o777)
+    marker = os.path.join(root, MARKER)
+    with contextlib.suppress(FileNotFoundError):
+        with open(marker, encoding="ascii") as file:
+            existing = file.read().strip()
+        if existing:
+            return existing
+    cluster_id = str(uuid.uuid4())
+    temp = f"{marker}.{secrets.token_hex(4)}"
+    with open(temp, "w", encoding="ascii") as file:
+        file.write(cluster_id + "\n")
+    os.replace(temp, marker)
+    return cluster_id
+
+
+def sees(root: str | None, cluster_id: str | None) -> bool:
+    """Whether ``root`` here is the cluster's shared directory with id ``cluster_id``."""
+    if not root or not cluster_id:
+        return False
+    try:
+        with open(os.path.join(root, MARKER), encoding="ascii") as file:
+            return file.read().strip() == cluster_id
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def resolve(root: str, relative: str) -> str:
+    """The absolute path of a file named relative to the root; refuses any other name."""
+    if not _RELATIVE.match(relative) or ".." in relative:
+        raise ValueError(f"{relative!r} is not a payload or result file of the shared directory")
+    return os.path.join(root, relative)
+
+
+def relative(root: str, path: str) -> str | None:
+    """``path`` relative to the root if it names a payload or result file there, else None."""
+    rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
+    return rel if _RELATIVE.match(rel) and ".." not in rel else None
+
+
+def new_payload(root: str) -> tuple[str, str]:
+    """(relative, absolute) path for a new payload file."""
+    rel = f"{PAYLOADS}/{uuid.uuid4().hex}.bin"
+    return rel, os.path.join(root, rel)
+
+
+def new_result(root: str, invocation_id: str) -> tuple[str, str]:
+    """(relative, absolute) path for a new result file of an invocation."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "", invocation_id)[:40]
+    rel = f"{RESULTS}/{safe}-{secrets.token_hex(8)}.bin"
+    return rel, os.path.join(root, rel)
+
+
+def sweep(root: str, older_than_s: float) -> int:
+    """Delete payload and result files older than ``older_than_s``; returns how many."""
+    cutoff = time.time() - older_than_s
+    removed = 0
+    for sub in (PAYLOADS, RESULTS):
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(os.path.join(root, sub)):
+                with contextlib.suppress(OSError):
+                    if entry.is_file() and entry.stat().st_mtime < cutoff:
+                        os.unlink(entry.path)
+                        removed += 1
+    return removed
