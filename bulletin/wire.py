@@ -371,6 +371,7 @@ class PickleHeader(_Msg, frozen=True, kw_only=True):
     # Call envelopes only: send back the globals the call changed; results may go through
     # the shared directory; results over max_result_bytes (0: no limit) are refused.
     sync: bool = False
+    move_to_device: bool = True
     shared_results: bool = False
     max_result_bytes: int = 0
 
