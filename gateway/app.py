@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import auth, db, invocations, nodes, scheduling
+from gateway import auth, cluster, db, invocations, nodes, scheduling
 from gateway.config import GatewayConfig
 from gateway.errors import HANDLERS
 from gateway.notify import Hub
@@ -37,6 +37,8 @@ async def openapi(request: Request) -> Response:
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
     config: GatewayConfig = app.state.config
+    # First, so that a shared directory that is not there stops the gateway at once.
+    app.state.shared_dir_id = await cluster.prepare(config)
     pool = await asyncpg.create_pool(config.database_url, min_size=2, max_size=config.pool_size)
     # Commits on this pool do not wait for their WAL flush (a few ms of fsync per commit, on
     # the path of every call). Only for node writes a database crash may lose without harm:
@@ -59,6 +61,10 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
         "notify-hub": asyncio.create_task(hub.run(), name="notify-hub"),
         "scheduler": asyncio.create_task(scheduling.run(hub, config), name="scheduler"),
     }
+    if config.shared_dir:
+        tasks["shared-sweep"] = asyncio.create_task(
+            cluster.sweep_forever(config), name="shared-sweep"
+        )
     try:
         yield
     finally:
@@ -73,6 +79,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/healthz", healthz),
         Route("/openapi.yaml", openapi),
         *invocations.ROUTES,
+        *cluster.ROUTES,
         *nodes.ROUTES,
     ]
     app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 
@@ -32,6 +34,15 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     plan_batch: int = 5000
     #: Most PostgreSQL connections one gateway opens per pool.
     pool_size: int = 10
+    #: The cluster's shared directory (NAS), mounted at this same path on every node and
+    #: writable by every user; big payloads and results then go through it as files.
+    #: Empty: the cluster has none, and they go through the gateway as blobs.
+    shared_dir: str = ""
+    #: Largest payload or result blob accepted, in bytes (a pickled call or returned state).
+    max_state_bytes: int = 16 << 30
+    #: Payload and result files left in the shared directory longer than this (seconds) are
+    #: deleted.
+    shared_ttl_s: float = 86400.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -41,6 +52,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
             "long_poll_s",
             "recheck_s",
             "schedule_interval_s",
+            "shared_ttl_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"gateway setting {name} must be a positive number of seconds")
@@ -48,3 +60,16 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("heartbeat_s must be shorter than lease_s, or every lease expires")
         if self.inline_limit < 1024:
             raise ValueError("inline_limit must be at least 1024 bytes")
+        if self.max_state_bytes < self.inline_limit:
+            raise ValueError("max_state_bytes must be at least inline_limit")
+        if self.shared_dir and not os.path.isabs(self.shared_dir):
+            raise ValueError(
+                f"shared_dir must be an absolute path (the same on every node), "
+                f"not {self.shared_dir!r}"
+            )
+
+    @property
+    def sweep_interval_s(self) -> float:
+        """How often old files are swept from the shared directory: a quarter of their time
+        to live, at most hourly."""
+        return min(3600.0, self.shared_ttl_s / 4)

@@ -187,6 +187,11 @@ async def finish_blob(conn: Conn, blob_id: str, size: int) -> None:
     )
 
 
+async def delete_blob(conn: Conn, blob_id: str) -> None:
+    """Delete a blob and its chunks (an upload cut off before it was complete)."""
+    await conn.execute("DELETE FROM blobs WHERE id = $1", uuid.UUID(blob_id))
+
+
 async def blob_size(conn: Conn, blob_id: str, owner_id: int) -> int | None:
     """Size of a complete blob owned by ``owner_id``; None if there is none."""
     value = await conn.fetchval(
@@ -217,12 +222,12 @@ async def submit(
     async with conn.transaction():
         await conn.execute(
             "INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,"
-            " max_retries, timeout_s, payload, payload_blob, payload_size)"
+            " max_retries, timeout_s, payload, payload_blob, payload_file, payload_size)"
             " SELECT u.id, $1, u.key, u.fn, u.gpus, u.retries, u.timeout, u.payload, u.blob,"
-            "  coalesce(length(u.payload), b.size, 0)"
+            "  u.file, coalesce(length(u.payload), b.size, 0)"
             " FROM unnest($2::uuid[], $3::text[], $4::text[], $5::int[], $6::int[],"
-            "  $7::float8[], $8::bytea[], $9::uuid[]) WITH ORDINALITY"
-            "  AS u(id, key, fn, gpus, retries, timeout, payload, blob, ord)"
+            "  $7::float8[], $8::bytea[], $9::uuid[], $10::text[]) WITH ORDINALITY"
+            "  AS u(id, key, fn, gpus, retries, timeout, payload, blob, file, ord)"
             " LEFT JOIN blobs b ON b.id = u.blob"
             # In input order, so that seq (the queue order) follows it.
             " ORDER BY u.ord"
@@ -236,6 +241,7 @@ async def submit(
             [c.timeout_s for c in calls],
             [c.payload for c in calls],
             [None if c.payload_blob is None else uuid.UUID(c.payload_blob) for c in calls],
+            [c.payload_file for c in calls],
         )
         rows = await conn.fetch(
             "SELECT i.id, k.ord FROM unnest($2::text[]) WITH ORDINALITY AS k(key, ord)"
@@ -267,7 +273,8 @@ def _invocation_columns(result: str = "i.result") -> str:
     return (
         "i.id, i.state, i.function_name, i.gpus, i.attempts, i.max_retries, n.name AS node,"
         f" i.error_kind, i.error_type, i.error_message, i.traceback, {result} AS result,"
-        " i.result_blob, i.log_count, extract(epoch FROM i.submitted_at) AS t_submitted,"
+        " i.result_blob, i.result_file, i.log_count,"
+        " extract(epoch FROM i.submitted_at) AS t_submitted,"
         " extract(epoch FROM i.scheduled_at) AS t_scheduled,"
         " extract(epoch FROM i.delivered_at) AS t_delivered,"
         " extract(epoch FROM i.started_at) AS t_started,"
@@ -294,6 +301,7 @@ def to_invocation(row: asyncpg.Record) -> wire.Invocation:
         traceback=row["traceback"],
         result=None if row["result"] is None else bytes(row["result"]),
         result_blob=None if row["result_blob"] is None else str(row["result_blob"]),
+        result_file=row["result_file"],
         log_count=row["log_count"],
         timeline=wire.Timeline(
             submitted=_f(row["t_submitted"]),
@@ -585,7 +593,7 @@ async def deliver(
         "  AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
         "   WHERE a.id = i.id AND a.epoch = i.epoch)"
         " RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,"
-        "  i.owner_id,"
+        "  i.owner_id, i.payload_file,"
         "  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload",
         node_id,
         *_attempt_arrays(running),
@@ -601,6 +609,7 @@ async def deliver(
             function_name=r["function_name"],
             payload_size=r["payload_size"],
             payload=None if r["payload"] is None else bytes(r["payload"]),
+            payload_file=r["payload_file"],
             owner=str(r["owner_id"]),
         )
         for r in rows
@@ -644,21 +653,35 @@ async def release(conn: asyncpg.Connection, node_id: int, invocation_id: str, ep
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class PayloadSource:
+    """Where an attempt's payload is: exactly one of inline bytes, a blob, a shared file."""
+
+    inline: bytes | None
+    blob: str | None
+    file: str | None
+    size: int
+
+
 async def payload_source(
     conn: Conn, node_id: int, invocation_id: str, epoch: int
-) -> tuple[bytes | None, str | None, int] | None:
-    """(inline payload, payload blob id, size) of a fenced attempt; None if it is stale."""
+) -> PayloadSource | None:
+    """Where the payload of a fenced attempt is; None if the attempt is stale."""
     row = await conn.fetchrow(
-        f"SELECT i.payload, i.payload_blob, i.payload_size FROM invocations i WHERE {_FENCE}",
+        "SELECT i.payload, i.payload_blob, i.payload_file, i.payload_size"
+        f" FROM invocations i WHERE {_FENCE}",
         uuid.UUID(invocation_id),
         node_id,
         epoch,
     )
     if row is None:
         return None
-    blob = None if row["payload_blob"] is None else str(row["payload_blob"])
-    inline = None if row["payload"] is None else bytes(row["payload"])
-    return inline, blob, int(row["payload_size"])
+    return PayloadSource(
+        inline=None if row["payload"] is None else bytes(row["payload"]),
+        blob=None if row["payload_blob"] is None else str(row["payload_blob"]),
+        file=row["payload_file"],
+        size=int(row["payload_size"]),
+    )
 
 
 async def attempt_owner(conn: Conn, node_id: int, invocation_id: str, epoch: int) -> int | None:
@@ -721,7 +744,7 @@ async def complete(
         status = await conn.execute(
             "UPDATE invocations i SET state = $4, error_kind = $5, error_type = $6,"
             " error_message = $7, traceback = $8, result = $9, result_blob = $10,"
-            " finished_at = clock_timestamp(), lease_expires_at = NULL"
+            " result_file = $11, finished_at = clock_timestamp(), lease_expires_at = NULL"
             f" WHERE {_FENCE} AND ($10::uuid IS NULL OR EXISTS (SELECT 1 FROM blobs b"
             "  WHERE b.id = $10 AND b.owner_id = i.owner_id AND b.complete))",
             uuid.UUID(invocation_id),
@@ -734,6 +757,7 @@ async def complete(
             request.traceback,
             request.result,
             None if request.result_blob is None else uuid.UUID(request.result_blob),
+            request.result_file,
         )
         if not status.endswith(" 1"):
             return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -62,22 +63,49 @@ def int_param(request: Request, name: str, default: int | None = None) -> int:
 
 
 async def store_blob(request: Request, owner_id: int) -> wire.BlobRef:
-    """Stream the request body into a new blob of ``owner_id``, CHUNK bytes a row."""
+    """Stream the request body into a new blob of ``owner_id``, CHUNK bytes a row. A body over
+    ``max_state_bytes`` gets 413, and what was stored of it is deleted."""
+    limit = request.app.state.config.max_state_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_big(f"{int(declared)} bytes", limit)
     pool: asyncpg.Pool = request.app.state.pool
     blob_id = await db.create_blob(pool, owner_id)
+    try:
+        size = await _store_chunks(request, pool, blob_id, limit)
+    except Exception:
+        # Never left to look complete; a failed delete leaves an incomplete blob, never read.
+        with contextlib.suppress(Exception):
+            await db.delete_blob(pool, blob_id)
+        raise
+    await db.finish_blob(pool, blob_id, size)
+    return wire.BlobRef(id=blob_id, size=size)
+
+
+async def _store_chunks(request: Request, pool: asyncpg.Pool, blob_id: str, limit: int) -> int:
     pending = bytearray()
     seq = size = 0
     async for piece in request.stream():
         pending += piece
         size += len(piece)
+        if size > limit:
+            raise _too_big(f"{size} bytes or more", limit)
         while len(pending) >= CHUNK:
             await db.append_blob_chunk(pool, blob_id, seq, bytes(pending[:CHUNK]))
             del pending[:CHUNK]
             seq += 1
     if pending or seq == 0:
         await db.append_blob_chunk(pool, blob_id, seq, bytes(pending))
-    await db.finish_blob(pool, blob_id, size)
-    return wire.BlobRef(id=blob_id, size=size)
+    return size
+
+
+def _too_big(size: str, limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"the body is {size}, over this cluster's limit of {limit} bytes for a payload or "
+        "result (the gateway setting max_state_bytes): send less state with the call, or "
+        "ask the admin to raise the limit",
+        code="state_too_large",
+    )
 
 
 def stream_blob(pool: asyncpg.Pool, blob_id: str, size: int) -> StreamingResponse:

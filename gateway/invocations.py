@@ -11,8 +11,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from bulletin import wire
+from bulletin import shared, wire
 from gateway import auth, db
+from gateway.config import GatewayConfig
 from gateway.errors import NotFound, PayloadTooLarge, Unprocessable
 from gateway.http import body, int_param, reply, store_blob, stream_blob
 
@@ -22,7 +23,7 @@ FAN_IN_LINGER_S = 0.005
 MAX_ANSWER_RESULT_BYTES = 16 << 20
 
 
-def _check_call(spec: wire.CallSpec, index: int, inline_limit: int) -> wire.CallSpec:
+def _check_call(spec: wire.CallSpec, index: int, config: GatewayConfig) -> wire.CallSpec:
     where = f"calls[{index}]"
     if spec.gpus < 0:
         raise Unprocessable(f"{where}.gpus must be 0 (CPU only) or more, not {spec.gpus}")
@@ -30,14 +31,17 @@ def _check_call(spec: wire.CallSpec, index: int, inline_limit: int) -> wire.Call
         raise Unprocessable(f"{where}.max_retries must be between 0 and {MAX_RETRIES}")
     if spec.timeout_s is not None and spec.timeout_s <= 0:
         raise Unprocessable(f"{where}.timeout_s must be a positive number of seconds")
-    if (spec.payload is None) == (spec.payload_blob is None):
-        raise Unprocessable(f"{where} needs exactly one of payload and payload_blob")
-    if spec.payload is not None and len(spec.payload) > inline_limit:
+    ways = [p for p in (spec.payload, spec.payload_blob, spec.payload_file) if p is not None]
+    if len(ways) != 1:
+        raise Unprocessable(f"{where} needs exactly one of payload, payload_blob and payload_file")
+    if spec.payload is not None and len(spec.payload) > config.inline_limit:
         raise PayloadTooLarge(
             f"{where}.payload is {len(spec.payload)} bytes, over the inline limit of "
-            f"{inline_limit}: upload it with PUT /v1/blobs and pass payload_blob",
+            f"{config.inline_limit}: upload it with PUT /v1/blobs and pass payload_blob",
             code="payload_too_large",
         )
+    if spec.payload_file is not None:
+        _check_payload_file(spec.payload_file, where, config.shared_dir)
     if len(spec.idempotency_key) > 200:
         raise Unprocessable(f"{where}.idempotency_key is longer than 200 characters")
     if not spec.idempotency_key:
@@ -46,13 +50,25 @@ def _check_call(spec: wire.CallSpec, index: int, inline_limit: int) -> wire.Call
     return spec
 
 
+def _check_payload_file(name: str, where: str, root: str) -> None:
+    if not root:
+        raise Unprocessable(
+            f"{where}.payload_file: this cluster has no shared directory; upload the payload "
+            "with PUT /v1/blobs and pass payload_blob"
+        )
+    try:
+        shared.resolve(root, name)
+    except ValueError as exc:
+        raise Unprocessable(f"{where}.payload_file: {exc}") from None
+
+
 async def submit(request: Request) -> Response:
     owner = await auth.user_id(request)
     req = await body(request, wire.SubmitRequest)
     if not 1 <= len(req.calls) <= wire.MAX_SUBMIT:
         raise Unprocessable(f"submit between 1 and {wire.MAX_SUBMIT} calls per request")
-    limit = request.app.state.config.inline_limit
-    calls = [_check_call(c, i, limit) for i, c in enumerate(req.calls)]
+    config = request.app.state.config
+    calls = [_check_call(c, i, config) for i, c in enumerate(req.calls)]
     await _check_fits(request, calls)
     keys = [c.idempotency_key for c in calls]
     if len(set(keys)) != len(keys):

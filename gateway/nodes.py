@@ -9,9 +9,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from bulletin import wire
+from bulletin import shared, wire
 from gateway import auth, db
-from gateway.errors import Conflict, Unprocessable
+from gateway.errors import Conflict, NotFound, Unprocessable
 from gateway.http import body, int_param, reply, store_blob, stream_blob
 from gateway.invocations import _valid_id
 
@@ -46,6 +46,8 @@ async def register(request: Request) -> Response:
             heartbeat_s=config.heartbeat_s,
             long_poll_s=config.long_poll_s,
             inline_limit=config.inline_limit,
+            shared_dir=config.shared_dir or None,
+            shared_dir_id=request.app.state.shared_dir_id,
         )
     )
 
@@ -111,10 +113,15 @@ async def payload(request: Request) -> Response:
     source = await db.payload_source(pool, node_id, invocation_id, epoch)
     if source is None:
         raise _stale(invocation_id)
-    inline, blob_id, size = source
-    if blob_id is None:
-        return Response(inline or b"", media_type=wire.OCTET_STREAM)
-    return stream_blob(pool, blob_id, size)
+    if source.file is not None:
+        raise NotFound(
+            f"the payload of invocation {invocation_id} is the file {source.file} of the "
+            "shared directory (Assignment.payload_file): read it there",
+            code="payload_is_a_file",
+        )
+    if source.blob is None:
+        return Response(source.inline or b"", media_type=wire.OCTET_STREAM)
+    return stream_blob(pool, source.blob, source.size)
 
 
 async def logs(request: Request) -> Response:
@@ -142,10 +149,26 @@ async def complete(request: Request) -> Response:
     node_id = await auth.node_id(request)
     invocation_id = _valid_id(request.path_params["id"])
     req = await body(request, wire.CompleteRequest)
+    _check_result(request, req)
     async with request.app.state.pool.acquire() as conn:
         if not await db.complete(conn, node_id, invocation_id, req):
             raise _stale(invocation_id)
     return Response(status_code=204)
+
+
+def _check_result(request: Request, req: wire.CompleteRequest) -> None:
+    given = [r for r in (req.result, req.result_blob, req.result_file) if r is not None]
+    if len(given) > 1:
+        raise Unprocessable("give at most one of result, result_blob and result_file")
+    if req.result_file is None:
+        return
+    root = request.app.state.config.shared_dir
+    if not root:
+        raise Unprocessable("result_file: this cluster has no shared directory")
+    try:
+        shared.resolve(root, req.result_file)
+    except ValueError as exc:
+        raise Unprocessable(f"result_file: {exc}") from None
 
 
 ROUTES = [

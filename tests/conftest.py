@@ -5,6 +5,7 @@ free loopback ports. Only the GPU is faked."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,6 +69,10 @@ def database_url(pg_server: EmbeddedPostgres) -> str:
     return pg_server.url(name)
 
 
+class GatewayExited(Exception):
+    """The gateway process exited instead of serving."""
+
+
 def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
     if proc.poll() is None:
         proc.send_signal(sig)
@@ -87,6 +92,8 @@ class Cluster:
     dir: Path
     url: str = ""
     token: str = ""
+    #: The cluster's shared directory (NAS), when the gateway was started with one.
+    shared_dir: Path | None = None
     gateway: subprocess.Popen[bytes] | None = None
     nodelets: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -101,14 +108,23 @@ class Cluster:
             cwd=self.dir,
         )
 
-    def start_gateway(self, **options: str) -> None:
+    def start_gateway(self, *, shared_dir: Path | None = None, **options: str) -> None:
+        """Start the gateway; with ``shared_dir`` (created if need be) the cluster has that
+        shared directory."""
+        if shared_dir is not None:
+            shared_dir.mkdir(parents=True, exist_ok=True)
+            options = {"shared-dir": str(shared_dir), **options}
+            self.shared_dir = shared_dir
         port = free_port()
         args = ["-m", "gateway", "--port", str(port)]
         for key, value in {**FAST_GATEWAY, **options}.items():
             args += [f"--{key}", value]
-        self.gateway = self._spawn("gateway", args, {"BULLETIN_DATABASE_URL": self.database_url})
-        self.url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _healthy(self.url), 30, f"gateway on {self.url} (see gateway.log)")
+        gateway = self._spawn("gateway", args, {"BULLETIN_DATABASE_URL": self.database_url})
+        self.gateway, self.url = gateway, f"http://127.0.0.1:{port}"
+        up = lambda: gateway.poll() is not None or _healthy(self.url)  # noqa: E731
+        wait_until(up, 30, f"gateway on {self.url} (see gateway.log)")
+        if gateway.returncode is not None:
+            raise GatewayExited(f"the gateway exited with {gateway.returncode}; see gateway.log")
         self.token = asyncio.run(admin.add_user(self.database_url, "alice"))
 
     def add_user(self, name: str) -> str:
@@ -171,17 +187,40 @@ def wait_until(predicate: object, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-@pytest.fixture
-def gateway(database_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    """A running gateway with user 'alice' (``cluster.token``) and no nodelet."""
-    cluster = Cluster(database_url, tmp_path)
+@contextlib.contextmanager
+def running(
+    cluster: Cluster,
+    request: pytest.FixtureRequest,
+    *,
+    shared_dir: Path | None = None,
+    options: dict[str, str] | None = None,
+) -> Iterator[Cluster]:
+    """``cluster`` with its gateway started (``options`` as ``--name value``), stopped after
+    the test (logs shown if it failed)."""
     try:
-        cluster.start_gateway()
+        cluster.start_gateway(shared_dir=shared_dir, **(options or {}))
         yield cluster
     finally:
         cluster.stop()
         if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
             print(cluster.logs())
+
+
+@pytest.fixture
+def gateway(database_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """A running gateway with user 'alice' (``cluster.token``), no nodelet and no shared
+    directory."""
+    with running(Cluster(database_url, tmp_path), request) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def shared_gateway(
+    database_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
+    """Like ``gateway``, for a cluster with a shared directory (``cluster.shared_dir``)."""
+    with running(Cluster(database_url, tmp_path), request, shared_dir=tmp_path / "nas") as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -42,6 +42,7 @@ HTTP_STRUCTS = [
     wire.LogChunk,
     wire.BlobRef,
     wire.Problem,
+    wire.ClusterInfo,
     wire.RegisterRequest,
     wire.RegisterResponse,
     wire.GpuInfo,
@@ -58,7 +59,7 @@ HTTP_STRUCTS = [
     wire.CompleteRequest,
 ]
 #: Structs that never cross HTTP (worker stdin/stdout, the client config file).
-NOT_HTTP = {wire.WorkerTask, wire.WorkerOutcome, wire.ClientConfig}
+NOT_HTTP = {wire.WorkerTask, wire.WorkerOutcome, wire.ClientConfig, wire.PickleHeader}
 
 #: What the property-based run checks of every answer.
 CONFORMANCE = [
@@ -272,7 +273,7 @@ def test_user_routes_answer_only_what_the_spec_documents(gateway: Cluster) -> No
 
     user_routes = [result.ok() for result in h.schema.get_all_operations()]
     user_routes = [op for op in user_routes if not op.path.startswith("/v1/node/")]
-    assert len(user_routes) == 10
+    assert len(user_routes) == 11
     for op in user_routes:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             h.fuzz(f"{op.label} ({mode.value})", op.as_strategy(generation_mode=mode))
@@ -300,6 +301,8 @@ def test_user_routes_answer_only_what_the_spec_documents(gateway: Cluster) -> No
         st.builds(lambda p: {"payload": b64(p)}, st.binary(max_size=64)),
         st.builds(lambda b: {"payload_blob": b}, st.sampled_from([blob, blob, unknown, "nope"])),
         st.sampled_from([{}, {"payload": b64(b"x"), "payload_blob": blob}]),
+        # This gateway has no shared directory: a payload file is refused (422).
+        st.sampled_from([{"payload_file": "bulletin/payloads/p.bin"}]),
     )
     options = st.fixed_dictionaries(
         {},

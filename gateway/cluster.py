@@ -1,0 +1,60 @@
+"""What clients are told of the cluster (``GET /v1/cluster``), and the upkeep of its shared
+directory: the gateway makes its layout and id at start (:func:`bulletin.shared.prepare`) and
+sweeps the payload and result files callers left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from bulletin import shared, wire
+from gateway import auth
+from gateway.config import GatewayConfig
+from gateway.http import reply
+
+log = logging.getLogger(__name__)
+
+
+async def prepare(config: GatewayConfig) -> str | None:
+    """The shared directory's cluster id, after making its layout; None without one."""
+    if not config.shared_dir:
+        return None
+    cluster_id = await asyncio.to_thread(shared.prepare, config.shared_dir)
+    log.info("shared directory %s (cluster id %s)", config.shared_dir, cluster_id)
+    return cluster_id
+
+
+async def sweep_forever(config: GatewayConfig) -> None:
+    """Delete payload and result files older than ``shared_ttl_s``, at start and then every
+    ``sweep_interval_s``. Several replicas may sweep at once: deleting twice is harmless."""
+    while True:
+        try:
+            removed = await asyncio.to_thread(shared.sweep, config.shared_dir, config.shared_ttl_s)
+        except OSError as exc:  # the NAS is away for a while: try again next round
+            log.warning("could not sweep the shared directory %s: %s", config.shared_dir, exc)
+        else:
+            if removed:
+                log.info("swept %d old files from %s", removed, config.shared_dir)
+        await asyncio.sleep(config.sweep_interval_s)
+
+
+def info(request: Request) -> wire.ClusterInfo:
+    config: GatewayConfig = request.app.state.config
+    return wire.ClusterInfo(
+        inline_limit=config.inline_limit,
+        max_state_bytes=config.max_state_bytes,
+        shared_dir=config.shared_dir or None,
+        shared_dir_id=request.app.state.shared_dir_id,
+    )
+
+
+async def get_cluster(request: Request) -> Response:
+    await auth.user_id(request)
+    return reply(info(request))
+
+
+ROUTES = [Route("/v1/cluster", get_cluster, methods=["GET"])]
