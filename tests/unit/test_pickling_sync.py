@@ -1,0 +1,377 @@
+"""Notebook state round trips through the real envelope code: the caller packs a call, the
+"worker" side (bulletin.pickling.remote, in this process) loads, runs and packs the outcome,
+and the caller applies it. Objects on the two sides are distinct (everything is unpickled),
+as they are across machines; transport is covered by the cluster and notebook tests."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bulletin import wire
+from bulletin.pickling import caller, frame, remote
+
+
+def remote_run(fn: Any, *args: Any, device: str = "cpu", **flags: Any) -> caller.Returned:
+    sent = caller.pack_call(fn, args, {}, sync=flags.pop("sync", True), **flags)
+    call = remote.open_call(sent.packed.tobytes(), where="node 'test'")
+    rfn, rargs, rkwargs = call.load()
+    call.prepare(device)
+    value, error = None, None
+    try:
+        value = rfn(*rargs, **rkwargs)
+    except Exception as exc:
+        error = exc
+    packed = call.pack_outcome(value, error).packed
+    return caller.load_outcome(frame.open_bytes(packed.tobytes()), sent.sync)
+
+
+def notebook(source: str) -> dict[str, Any]:
+    """A namespace like a notebook's: its functions are pickled by value."""
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec(textwrap.dedent(source), namespace)
+    return namespace
+
+
+def test_in_place_mutation_rebinding_and_global_creation() -> None:
+    ns = notebook(
+        """
+        images = []
+        alias = images
+        config = {"lr": 0.1, "sizes": [1]}
+        sizes = config["sizes"]
+        tags = {"a"}
+        raw = bytearray(b"ab")
+        step = 0
+        untouched = [1, 2]
+
+        def helper(n):
+            images.extend(range(n))
+            config["sizes"].append(n)
+
+        def sample(n):
+            global step, created
+            helper(n)
+            tags.add("b")
+            raw.extend(b"c")
+            step += n
+            created = "made remotely"
+            return len(images)
+        """
+    )
+    untouched = ns["untouched"]
+    returned = remote_run(ns["sample"], 3)
+    assert returned.value == 3 and returned.error is None
+    assert ns["images"] == [0, 1, 2] and ns["alias"] is ns["images"]
+    assert ns["sizes"] == [1, 3] and ns["config"]["sizes"] is ns["sizes"]
+    assert ns["tags"] == {"a", "b"} and ns["raw"] == bytearray(b"abc")
+    assert ns["step"] == 3 and ns["created"] == "made remotely"
+    assert ns["untouched"] is untouched
+    assert set(returned.changed) == {"images", "config", "tags", "raw", "step", "created"}
+
+
+def test_instances_of_notebook_classes_are_updated_in_place() -> None:
+    ns = notebook(
+        """
+        class Counter:
+            def __init__(self):
+                self.n = 0
+                self.history = []
+
+            def bump(self):
+                self.n += 1
+                self.history.append(self.n)
+
+        counter = Counter()
+        same = counter
+        history = counter.history
+
+        def work():
+            counter.bump()
+            counter.bump()
+            counter.label = "new attribute"
+        """
+    )
+    remote_run(ns["work"])
+    assert ns["counter"] is ns["same"]
+    assert ns["counter"].n == 2 and ns["counter"].label == "new attribute"
+    assert ns["history"] == [1, 2] and ns["counter"].history is ns["history"]
+    assert type(ns["counter"]) is ns["Counter"]
+
+
+def test_deleted_global_is_deleted_and_function_defined_remotely_lives_here() -> None:
+    ns = notebook(
+        """
+        doomed = 1
+
+        def work():
+            global doomed, made
+            del doomed
+
+            def made(x):
+                return x + offset
+
+            return None
+
+        offset = 10
+        """
+    )
+    remote_run(ns["work"])
+    assert "doomed" not in ns
+    assert ns["made"](1) == 11
+    assert ns["made"].__globals__ is ns  # rebuilt over the notebook's namespace
+    ns["offset"] = 20
+    assert ns["made"](1) == 21
+
+
+def test_state_changed_before_an_exception_is_applied_and_the_exception_returned() -> None:
+    ns = notebook(
+        """
+        losses = []
+
+        def train():
+            losses.append(0.5)
+            raise ValueError("diverged")
+        """
+    )
+    returned = remote_run(ns["train"])
+    assert isinstance(returned.error, ValueError) and str(returned.error) == "diverged"
+    assert ns["losses"] == [0.5]
+
+
+def test_the_notebook_value_wins_when_rebound_while_the_call_ran() -> None:
+    ns = notebook(
+        """
+        result = None
+
+        def work():
+            global result
+            result = "remote"
+        """
+    )
+    sent = caller.pack_call(ns["work"], (), {}, sync=True)
+    call = remote.open_call(sent.packed.tobytes(), where="node 'test'")
+    fn, _, _ = call.load()
+    call.prepare("cpu")
+    fn()
+    packed = call.pack_outcome(None, None).packed
+    ns["result"] = "local"  # the notebook rebinds it while the call runs
+    returned = caller.load_outcome(frame.open_bytes(packed.tobytes()), sent.sync)
+    assert ns["result"] == "local"
+    assert returned.changed["result"] == "remote"
+    assert any("'result' was changed in the notebook" in note for note in returned.notes)
+
+
+def test_a_changed_global_that_cannot_come_back_is_named_and_the_rest_comes_back() -> None:
+    ns = notebook(
+        """
+        import threading
+        lock = None
+        count = 0
+
+        def work():
+            global lock, count
+            lock = threading.Lock()
+            count += 1
+        """
+    )
+    returned = remote_run(ns["work"])
+    assert ns["count"] == 1 and ns["lock"] is None
+    assert len(returned.notes) == 1
+    assert "global 'lock' (_thread.lock)" in returned.notes[0]
+    assert "cannot be sent back" in returned.notes[0]
+
+
+def test_untouched_globals_do_not_travel_back() -> None:
+    ns = notebook(
+        """
+        big = list(range(100_000))
+        table = {"k": [1, 2]}
+
+        def read():
+            return sum(big) + len(table["k"])
+        """
+    )
+    sent = caller.pack_call(ns["read"], (), {}, sync=True)
+    call = remote.open_call(sent.packed.tobytes(), where="node 'test'")
+    fn, _, _ = call.load()
+    call.prepare("cpu")
+    packed = call.pack_outcome(fn(), None).packed
+    assert packed.nbytes < 2_000  # the value and an empty set of changes
+    returned = caller.load_outcome(frame.open_bytes(packed.tobytes()), sent.sync)
+    assert returned.changed == {} and returned.value == sum(range(100_000)) + 2
+
+
+def test_a_returned_global_is_the_notebooks_own_object() -> None:
+    ns = notebook(
+        """
+        items = [1]
+
+        def grow():
+            items.append(2)
+            return items
+        """
+    )
+    returned = remote_run(ns["grow"])
+    assert returned.value is ns["items"] and ns["items"] == [1, 2]
+
+
+def test_without_sync_nothing_is_applied() -> None:
+    ns = notebook(
+        """
+        items = []
+
+        def grow():
+            items.append(1)
+            return len(items)
+        """
+    )
+    returned = remote_run(ns["grow"], sync=False)
+    assert returned.value == 1 and ns["items"] == [] and returned.changed == {}
+
+
+def test_version_skew_is_reported_before_unpickling() -> None:
+    ns = notebook("def f():\n    return 1\n")
+    packed = caller.pack_call(ns["f"], (), {}, sync=True).packed
+    for field, value, words in [
+        ("python", "3.99", "Python 3.99"),
+        ("cloudpickle", "0.0.1", "cloudpickle 0.0.1"),
+        ("torch", "1.0.0", "torch 1.0.0"),
+    ]:
+        header = wire.PickleHeader(**{**_fields(packed.header), field: value})
+        skewed = frame.Packed(header, packed.pickle, packed.buffers)
+        with pytest.raises(remote.VersionSkew, match=words) as info:
+            remote.open_call(skewed.tobytes(), where="node 'gpu-1'")
+        assert "node 'gpu-1'" in str(info.value)
+
+
+def _fields(header: wire.PickleHeader) -> dict[str, Any]:
+    return {name: getattr(header, name) for name in header.__struct_fields__}
+
+
+def test_a_truncated_or_foreign_envelope_is_refused_clearly(tmp_path: Any) -> None:
+    ns = notebook("def f(x):\n    return x\n")
+    data = caller.pack_call(ns["f"], (b"x" * 1000,), {}, sync=False).packed.tobytes()
+    with pytest.raises(frame.EnvelopeError, match="truncated"):
+        frame.open_bytes(data[:-10])
+    with pytest.raises(frame.EnvelopeError, match="not a Bulletin envelope"):
+        frame.open_bytes(b"\x80\x05K\x01.")
+    path = tmp_path / "payload.bin"
+    path.write_bytes(data)
+    opened = frame.open_file(str(path))
+    assert opened.header.pickle_size == len(opened.pickle)
+
+
+# ------------------------------------------------------------------ property: sync == local
+
+SOURCE = """
+data = None
+alias = None
+
+
+def containers(root):
+    found, seen, stack = [], set(), [root]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, tuple):
+            stack.extend(reversed(item))
+        elif isinstance(item, (list, dict)) and id(item) not in seen:
+            seen.add(id(item))
+            found.append(item)
+            stack.extend(reversed(list(item.values()) if isinstance(item, dict) else item))
+    return found
+
+
+def mutate(ops):
+    global data, created
+    for kind, i, j, value in ops:
+        found = containers(data)
+        target, other = found[i % len(found)], found[j % len(found)]
+        if kind == "add":
+            if isinstance(target, list):
+                target.append(value)
+            else:
+                target[str(value)] = value
+        elif kind == "link":
+            if isinstance(target, list):
+                target.insert(0, other)
+            else:
+                target["link"] = other
+        elif kind == "fresh":
+            if isinstance(target, list):
+                target.append([value])
+            else:
+                target[str(value)] = {"v": value}
+        elif kind == "pop" and target:
+            if isinstance(target, list):
+                target.pop(0)
+            else:
+                target.pop(next(iter(target)))
+        elif kind == "clear":
+            target.clear()
+        elif kind == "rebind":
+            data = [data, value]
+        elif kind == "create":
+            created = value
+    return len(containers(data))
+"""
+
+leaves = st.integers(-3, 3) | st.text(max_size=2)
+trees = st.recursive(
+    leaves,
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.text(max_size=2), inner, max_size=3)
+    | st.tuples(inner, inner),
+    max_leaves=12,
+)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "link", "fresh", "pop", "clear", "rebind", "create"]),
+        st.integers(0, 30),
+        st.integers(0, 30),
+        st.integers(-5, 5),
+    ),
+    max_size=8,
+)
+
+
+def canonical(value: Any, ids: dict[int, int]) -> Any:
+    """The value with object identity made visible (shared and cyclic containers)."""
+    if isinstance(value, tuple):
+        return ("tuple", [canonical(v, ids) for v in value])
+    if isinstance(value, (list, dict)):
+        if id(value) in ids:
+            return ("same as", ids[id(value)])
+        ids[id(value)] = len(ids)
+        if isinstance(value, list):
+            return ("list", [canonical(v, ids) for v in value])
+        return ("dict", [(k, canonical(v, ids)) for k, v in value.items()])
+    return value
+
+
+def build(tree: Any, alias_pick: int) -> dict[str, Any]:
+    ns = notebook(SOURCE)
+    ns["data"] = [__import__("copy").deepcopy(tree)]
+    found = ns["containers"](ns["data"])
+    ns["alias"] = found[alias_pick % len(found)]
+    return ns
+
+
+def view(ns: dict[str, Any]) -> Any:
+    return canonical([ns["data"], ns["alias"], ns.get("created", "<unset>")], {})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=trees, alias_pick=st.integers(0, 30), program=ops)
+def test_remote_mutations_leave_the_same_state_as_running_locally(
+    tree: Any, alias_pick: int, program: list[Any]
+) -> None:
+    local, synced = build(tree, alias_pick), build(tree, alias_pick)
+    expected = local["mutate"](program)
+    returned = remote_run(synced["mutate"], program)
+    assert returned.value == expected
+    assert view(synced) == view(local)
