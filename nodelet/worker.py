@@ -1,13 +1,16 @@
 """The worker process: runs calls handed to it on stdin, one at a time.
 
 Started as ``python -m nodelet.worker`` by :mod:`nodelet.workers`. It reads length-prefixed
-msgpack :class:`~bulletin.wire.WorkerTask`s from stdin, unpickles each call (the only place on
-a node where user data is unpickled), runs it with stdout/stderr on the nodelet's pipes, and
-leaves a :class:`~bulletin.wire.WorkerOutcome` at ``task.result_path``. After a call it kills
+msgpack :class:`~bulletin.wire.WorkerTask`s from stdin, checks and unpickles each call (the
+only place on a node where user data is unpickled; see :mod:`bulletin.pickling.remote`),
+moves its tensors to the call's device, runs it with stdout/stderr on the nodelet's pipes, and
+leaves a :class:`~bulletin.wire.WorkerOutcome` at ``task.result_path``: the pickled return
+value (or exception) and the globals the call changed, inline or in a file. After a call it kills
 what the call spawned, restores its environment, working directory and ``sys.path``, and
 writes the task's end marker to both pipes; a task without an end marker is its last.
 
-Imports stay light (stdlib, cloudpickle, msgspec, the wire module): a worker must start fast.
+Imports stay light (stdlib, cloudpickle, msgspec, our wire and pickling modules): a worker
+must start fast.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ import traceback
 from types import TracebackType
 from typing import IO, Any
 
-import cloudpickle
 import msgspec
 
-from bulletin import wire
+from bulletin import shared, wire
+from bulletin.pickling import frame as envelope
+from bulletin.pickling import remote
 
 #: Longest error message or traceback kept (the middle of a longer one is cut).
 MAX_ERROR_TEXT = 64 * 1024
@@ -62,68 +66,103 @@ def die_with_parent() -> None:
 
 
 def run_task(task: wire.WorkerTask) -> wire.WorkerOutcome:
-    """Prepare the environment, unpickle the call and run it."""
+    """Prepare the environment, check and unpickle the call, run it, pack its outcome."""
     os.environ.update(task.env)
     # The gateway's GPU choice wins over anything in task.env.
     # NVML numbers GPUs by PCI bus; CUDA's default order (fastest first) may differ.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, task.gpu_indices))
+    where = f"node {socket.gethostname()!r}"
+    source = task.payload if task.payload is not None else task.payload_path
     try:
-        loaded = cloudpickle.loads(task.payload)
+        if source is None:
+            raise envelope.EnvelopeError("the task carries no payload")
+        remote_call = remote.open_call(source, where=where)
+    except remote.VersionSkew as exc:
+        return _failure(wire.ErrorKind.VERSION_SKEW, "VersionSkew", str(exc))
+    except (envelope.EnvelopeError, OSError) as exc:
+        return _bad_payload(exc)
+    try:
+        fn, args, kwargs = remote_call.load()
     except Exception as exc:
         return _bad_payload(exc)
-    if not (isinstance(loaded, tuple) and len(loaded) == 3):
-        return _not_a_call(loaded)
-    fn, args, kwargs = loaded
-    return call(fn, args, kwargs)
+    try:
+        remote_call.prepare(task.device)
+    except Exception as exc:
+        return _failure(
+            wire.ErrorKind.USER,
+            type_name(exc),
+            f"moving the call's tensors and modules to {task.device} failed: "
+            f"{type_name(exc)}: {exc}",
+            user_traceback(exc),
+        )
+    return call(remote_call, fn, args, kwargs, task)
 
 
-def call(fn: Any, args: Any, kwargs: Any) -> wire.WorkerOutcome:
+def call(
+    remote_call: remote.RemoteCall,
+    fn: Any,
+    args: Any,
+    kwargs: Any,
+    task: wire.WorkerTask,
+) -> wire.WorkerOutcome:
     """Run ``fn(*args, **kwargs)`` and describe how it went."""
+    value, error = None, None
     try:
         value = fn(*args, **kwargs)
     except BaseException as exc:
         # BaseException: sys.exit() or KeyboardInterrupt in user code is still the user's doing.
-        return _user_error(exc)
+        error = exc
     try:
-        result = cloudpickle.dumps(value)
-    except Exception as exc:
-        return _unpicklable_result(fn, value, exc)
-    return wire.WorkerOutcome(ok=True, result=result)
-
-
-def _user_error(exc: BaseException) -> wire.WorkerOutcome:
+        packed = remote_call.pack_outcome(value, error).packed
+    except remote.ResultError as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        return _failure(wire.ErrorKind.USER, "ResultError", f"{name}: {exc}")
+    result, result_path = _place(packed, remote_call.header, task)
+    if error is None:
+        return wire.WorkerOutcome(ok=True, result=result, result_path=result_path)
     return wire.WorkerOutcome(
         ok=False,
-        result=_pickled_or_none(exc),
+        result=result,
+        result_path=result_path,
         error_kind=wire.ErrorKind.USER,
-        error_type=type_name(exc),
-        error_message=str(exc),
-        traceback=user_traceback(exc),
+        error_type=type_name(error),
+        error_message=str(error),
+        traceback=user_traceback(error),
     )
 
 
-def _unpicklable_result(fn: Any, value: Any, exc: Exception) -> wire.WorkerOutcome:
-    name = getattr(fn, "__qualname__", repr(fn))
+def _place(
+    packed: envelope.Packed, header: wire.PickleHeader, task: wire.WorkerTask
+) -> tuple[bytes | None, str | None]:
+    """Inline when small; else a file in the shared directory (when the caller reads it there)
+    or in the spill directory (which the nodelet uploads)."""
+    if packed.nbytes <= task.inline_limit:
+        return packed.tobytes(), None
+    if header.shared_results and task.shared_dir:
+        _, path = shared.new_result(task.shared_dir, task.invocation_id)
+    else:
+        path = os.path.join(task.spill_dir or os.path.dirname(task.result_path), "result.bin")
+    packed.write(path)
+    return None, path
+
+
+def _failure(
+    kind: wire.ErrorKind, error_type: str, message: str, trace: str | None = None
+) -> wire.WorkerOutcome:
     return wire.WorkerOutcome(
-        ok=False,
-        result=_pickled_or_none(exc),
-        error_kind=wire.ErrorKind.USER,
-        error_type=type_name(exc),
-        error_message=(
-            f"the return value of {name} (a {type_name(value)}) could not be pickled: "
-            f"{type_name(exc)}: {exc}; return plain data, tensors or picklable objects"
-        ),
-        traceback=user_traceback(exc),
+        ok=False, error_kind=kind, error_type=error_type, error_message=message, traceback=trace
     )
 
 
 def _bad_payload(exc: Exception) -> wire.WorkerOutcome:
-    if isinstance(exc, ModuleNotFoundError):
+    if isinstance(exc, remote.BadCall):
+        message = str(exc)
+    elif isinstance(exc, ModuleNotFoundError):
         message = (
             f"the call needs module {exc.name!r}, which is not installed on node "
-            f"{socket.gethostname()!r}: install it on the node, or ship it with the call "
-            f"(cloudpickle.register_pickle_by_value) if it is a local helper module"
+            f"{socket.gethostname()!r}: install it on the nodes (helper modules that are not "
+            f"installed in the notebook's environment either are shipped with the call)"
         )
     else:
         message = f"the call could not be unpickled on the node: {type_name(exc)}: {exc}"
@@ -133,17 +172,6 @@ def _bad_payload(exc: Exception) -> wire.WorkerOutcome:
         error_type=type_name(exc),
         error_message=message,
         traceback="".join(traceback.format_exception(exc)),
-    )
-
-
-def _not_a_call(loaded: object) -> wire.WorkerOutcome:
-    return wire.WorkerOutcome(
-        ok=False,
-        error_kind=wire.ErrorKind.BAD_PAYLOAD,
-        error_type=type_name(loaded),
-        error_message=(
-            f"the payload is a pickled {type_name(loaded)}, not a (fn, args, kwargs) tuple"
-        ),
     )
 
 
@@ -164,13 +192,6 @@ def _trim(tb: TracebackType | None) -> TracebackType | None:
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
     return tb
-
-
-def _pickled_or_none(obj: object) -> bytes | None:
-    try:
-        return cloudpickle.dumps(obj)
-    except Exception:
-        return None
 
 
 def write_outcome(path: str, outcome: wire.WorkerOutcome) -> None:

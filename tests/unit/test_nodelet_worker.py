@@ -14,6 +14,8 @@ import msgspec
 import pytest
 
 from bulletin import wire
+from bulletin.pickling import caller, pickler
+from bulletin.pickling import frame as envelope
 from nodelet.worker import frame
 
 # The worker cannot import this test module, so functions defined here travel by value.
@@ -31,10 +33,11 @@ class Finished(msgspec.Struct):
 
 def run_worker(
     tmp_path: Path,
-    payload: bytes,
+    payload: bytes | None,
     *,
     gpu_indices: list[int] | None = None,
     env: dict[str, str] | None = None,
+    **fields: object,
 ) -> Finished:
     """Start ``python -m nodelet.worker`` as the nodelet does and hand it one task."""
     result_path = tmp_path / "outcome.msgpack"
@@ -44,6 +47,7 @@ def run_worker(
         result_path=str(result_path),
         gpu_indices=gpu_indices or [],
         env=env or {},
+        **fields,  # type: ignore[arg-type]
     )
     worker_env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     worker_env["PYTHONUNBUFFERED"] = "1"
@@ -64,7 +68,15 @@ def run_worker(
 
 
 def call(fn: object, *args: object, **kwargs: object) -> bytes:
-    return cloudpickle.dumps((fn, args, kwargs))
+    """The envelope the sdk sends for ``fn(*args, **kwargs)``."""
+    return caller.pack_call(fn, args, kwargs, sync=False).packed.tobytes()  # type: ignore[arg-type]
+
+
+def loads(result: bytes | None) -> object:
+    """The return value (or exception) in an outcome's result envelope."""
+    assert result is not None
+    returned = caller.load_outcome(envelope.open_bytes(result), None)
+    return returned.error if returned.error is not None else returned.value
 
 
 def add(a: int, b: int, *, scale: int = 1) -> dict[str, int]:
@@ -86,7 +98,7 @@ def test_success_round_trips_the_value(tmp_path: Path) -> None:
     assert done.outcome.ok is True
     assert done.outcome.error_kind is None
     assert done.outcome.result is not None
-    assert cloudpickle.loads(done.outcome.result) == {"sum": 50}
+    assert loads(done.outcome.result) == {"sum": 50}
     assert not list(tmp_path.glob("*.tmp")), "the temporary outcome file was left behind"
 
 
@@ -104,7 +116,7 @@ def test_user_exception_is_pickled_with_its_traceback(tmp_path: Path) -> None:
     assert "TrainingDiverged: loss is 3.5" in outcome.traceback
     assert "nodelet/worker.py" not in outcome.traceback  # the worker's own frames are trimmed
     assert outcome.result is not None
-    error = cloudpickle.loads(outcome.result)
+    error = loads(outcome.result)
     assert type(error).__name__ == "TrainingDiverged"
     assert str(error) == "loss is 3.5"
 
@@ -129,7 +141,7 @@ def test_unpicklable_return_value_is_a_user_error(tmp_path: Path) -> None:
     assert outcome.ok is False
     assert outcome.error_kind == wire.ErrorKind.USER
     assert outcome.error_message is not None
-    assert "return value of make_lock" in outcome.error_message
+    assert outcome.error_message.startswith("make_lock: the return value")
     assert "could not be pickled" in outcome.error_message
     assert "lock" in outcome.error_message
 
@@ -144,7 +156,10 @@ def test_missing_module_is_a_bad_payload_naming_it(tmp_path: Path) -> None:
     try:
         import bulletin_test_helpers_xyz  # type: ignore[import-not-found]
 
-        payload = call(len, [bulletin_test_helpers_xyz.Batch(3)])
+        # Packed without shipping local modules (the sdk would ship this one by value), as
+        # for a module installed on the notebook's machine but not on the node.
+        packed, _ = pickler.pack((len, ([bulletin_test_helpers_xyz.Batch(3)],), {}))
+        payload = packed.tobytes()
     finally:
         sys.path.remove(str(module_dir))
         sys.modules.pop("bulletin_test_helpers_xyz", None)
@@ -158,18 +173,27 @@ def test_missing_module_is_a_bad_payload_naming_it(tmp_path: Path) -> None:
     assert outcome.error_type == "ModuleNotFoundError"
     assert outcome.error_message is not None
     assert "'bulletin_test_helpers_xyz'" in outcome.error_message
-    assert "install it on the node" in outcome.error_message
+    assert "install it on the nodes" in outcome.error_message
     assert outcome.traceback is not None
     assert "No module named 'bulletin_test_helpers_xyz'" in outcome.traceback
     assert outcome.result is None
 
 
 def test_payload_that_is_not_a_call_is_a_bad_payload(tmp_path: Path) -> None:
-    done = run_worker(tmp_path, cloudpickle.dumps({"not": "a call"}))
+    packed, _ = pickler.pack({"not": "a call"})
+    done = run_worker(tmp_path, packed.tobytes())
     outcome = done.outcome
     assert outcome is not None
     assert outcome.error_kind == wire.ErrorKind.BAD_PAYLOAD
-    assert outcome.error_message == "the payload is a pickled dict, not a (fn, args, kwargs) tuple"
+    assert outcome.error_message == "the payload is a pickled dict, not a call"
+
+
+def test_raw_pickle_instead_of_an_envelope_is_a_bad_payload(tmp_path: Path) -> None:
+    done = run_worker(tmp_path, cloudpickle.dumps((len, ([1],), {})))
+    outcome = done.outcome
+    assert outcome is not None
+    assert outcome.error_kind == wire.ErrorKind.BAD_PAYLOAD
+    assert "not a Bulletin envelope" in (outcome.error_message or "")
 
 
 def chatty() -> str:
@@ -210,7 +234,7 @@ def test_cuda_visible_devices_comes_from_gpu_indices(
     done = run_worker(tmp_path, call(visible_devices), gpu_indices=gpu_indices)
     assert done.outcome is not None
     assert done.outcome.result is not None
-    assert cloudpickle.loads(done.outcome.result) == expected
+    assert loads(done.outcome.result) == expected
 
 
 def test_task_env_is_applied(tmp_path: Path) -> None:
@@ -219,7 +243,7 @@ def test_task_env_is_applied(tmp_path: Path) -> None:
     )
     assert done.outcome is not None
     assert done.outcome.result is not None
-    assert cloudpickle.loads(done.outcome.result) == "42"
+    assert loads(done.outcome.result) == "42"
 
 
 def test_closed_stdin_without_a_task_exits_quietly(tmp_path: Path) -> None:
@@ -325,7 +349,7 @@ def test_a_warm_worker_runs_calls_back_to_back_and_resets_between_them(tmp_path:
     assert done.stdout == b"call 0" + markers[0] + b"call 1" + markers[1]
     assert done.stderr == markers[0] + markers[1]
     first, second = (
-        cloudpickle.loads(_outcome_decoder.decode((tmp_path / f"out-{i}").read_bytes()).result)
+        loads(_outcome_decoder.decode((tmp_path / f"out-{i}").read_bytes()).result)
         for i in range(2)
     )
     assert first[0] == second[0], "the same process ran both calls"
@@ -344,7 +368,7 @@ def read_stdin() -> str:
 def test_user_code_reading_stdin_gets_eof_instead_of_hanging(tmp_path: Path) -> None:
     finished = run_worker(tmp_path, call(read_stdin))
     assert finished.outcome is not None and finished.outcome.ok
-    assert cloudpickle.loads(finished.outcome.result or b"") == "EOF"
+    assert loads(finished.outcome.result) == "EOF"
 
 
 def shout(size: int) -> None:
@@ -357,3 +381,47 @@ def test_a_huge_error_message_is_cut_in_the_middle(tmp_path: Path) -> None:
     assert outcome is not None and outcome.error_message is not None
     assert len(outcome.error_message) < 70_000 and "characters cut" in outcome.error_message
     assert len(outcome.traceback or "") < 70_000
+
+
+def test_version_skew_is_reported_as_such_before_unpickling(tmp_path: Path) -> None:
+    sent = caller.pack_call(add, (1, 2), {}, sync=False).packed
+    header = msgspec.structs.replace(sent.header, python="3.99")
+    done = run_worker(tmp_path, envelope.Packed(header, sent.pickle, sent.buffers).tobytes())
+    outcome = done.outcome
+    assert outcome is not None and outcome.ok is False
+    assert outcome.error_kind == wire.ErrorKind.VERSION_SKEW
+    assert outcome.error_message is not None
+    assert "the notebook runs Python 3.99 but node" in outcome.error_message
+
+
+def test_payload_file_in_and_big_result_spilled_to_a_file(tmp_path: Path) -> None:
+    payload = tmp_path / "payload.bin"
+    caller.pack_call(bytes, (3 << 20,), {}, sync=False).packed.write(str(payload))
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    done = run_worker(
+        tmp_path, None, payload_path=str(payload), inline_limit=1 << 20, spill_dir=str(spill)
+    )
+    outcome = done.outcome
+    assert outcome is not None and outcome.ok, done.stderr
+    assert outcome.result is None and outcome.result_path == str(spill / "result.bin")
+    returned = caller.load_outcome(envelope.open_file(outcome.result_path), None)
+    assert returned.value == bytes(3 << 20)
+
+
+def test_big_result_goes_to_the_shared_directory_when_the_caller_reads_it(
+    tmp_path: Path,
+) -> None:
+    from bulletin import shared
+
+    root = tmp_path / "nas"
+    root.mkdir()
+    shared.prepare(str(root))
+    sent = caller.pack_call(bytes, (3 << 20,), {}, sync=False, shared_results=True).packed
+    done = run_worker(
+        tmp_path, sent.tobytes(), inline_limit=1 << 20, shared_dir=str(root), spill_dir="/nope"
+    )
+    outcome = done.outcome
+    assert outcome is not None and outcome.ok, done.stderr
+    assert outcome.result_path is not None
+    assert shared.relative(str(root), outcome.result_path) is not None

@@ -323,9 +323,11 @@ def mutate(ops):
 leaves = st.integers(-3, 3) | st.text(max_size=2)
 trees = st.recursive(
     leaves,
-    lambda inner: st.lists(inner, max_size=3)
-    | st.dictionaries(st.text(max_size=2), inner, max_size=3)
-    | st.tuples(inner, inner),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(max_size=2), inner, max_size=3)
+        | st.tuples(inner, inner)
+    ),
     max_leaves=12,
 )
 ops = st.lists(
