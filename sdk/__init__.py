@@ -11,7 +11,8 @@ Quick example::
         print("hello from", socket.gethostname())  # shows up live here
         return x * 2
 
-    train_step(21)                       # runs on a GPU node, returns 42
+    train_step(21)                       # runs on a GPU node, returns 42; globals that
+                                         # train_step changed are updated here too
     call = train_step.spawn(21)          # returns at once; call.result() waits
     list(train_step.map(range(10)))      # one call per item, results in order
     sdk.Call.from_id(call.id).result()   # re-attach, e.g. after a kernel restart
@@ -37,6 +38,9 @@ from sdk.errors import (
     RemoteError,
     ResultTimeout,
     SerializationError,
+    StateSyncWarning,
+    StateTooLarge,
+    VersionSkewError,
     WorkerDiedError,
 )
 from sdk.function import Function, function
@@ -58,6 +62,9 @@ __all__ = [
     "RemoteError",
     "ResultTimeout",
     "SerializationError",
+    "StateSyncWarning",
+    "StateTooLarge",
+    "VersionSkewError",
     "WorkerDiedError",
     "connect",
     "function",

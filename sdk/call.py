@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 from bulletin import wire
+from bulletin.pickling import caller
 from sdk import outcome
 from sdk.client import Client
 from sdk.config import default_client
@@ -22,6 +26,22 @@ _log = logging.getLogger(__name__)
 CANCEL_DEADLINE_S = 3.0
 
 
+@dataclasses.dataclass
+class Prepared:
+    """A call ready to submit, and what the caller keeps until its outcome is back."""
+
+    spec: wire.CallSpec
+    sync: caller.Sync | None = None
+    payload_path: str | None = None  # a payload file in the shared directory, ours to delete
+
+    def discard(self) -> None:
+        """Delete the payload file, once the call can no longer run (again)."""
+        if self.payload_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.payload_path)
+            self.payload_path = None
+
+
 class Call(Generic[R]):
     """A remote invocation: wait for its result, cancel it, or look at its state.
 
@@ -29,11 +49,15 @@ class Call(Generic[R]):
     earlier (for instance before a kernel restart).
     """
 
-    def __init__(self, invocation_id: str, client: Client) -> None:
+    def __init__(
+        self, invocation_id: str, client: Client, *, prepared: Prepared | None = None
+    ) -> None:
         self._id = invocation_id
         self._client = client
         self._watcher = Watcher(client)
         self._final: wire.Invocation | None = None
+        self._prepared = prepared
+        self._resolved: outcome.Resolved | None = None
 
     @classmethod
     def from_id(cls, invocation_id: str, *, client: Client | None = None) -> Call[Any]:
@@ -53,17 +77,43 @@ class Call(Generic[R]):
     def result(self, timeout: float | None = None) -> R:
         """Wait for the call and return its value, printing its output live meanwhile.
 
+        The first time it returns (or raises the call's own exception), the globals the call
+        changed are applied to the notebook, as if the function had run here; later calls
+        return the same value without applying anything again.
+
         Re-raises the remote exception (see ``sdk.errors``). With ``timeout`` (seconds),
         raises ``ResultTimeout`` when the wait runs out; the call keeps running. Ctrl-C
         cancels the call and re-raises ``KeyboardInterrupt``.
         """
-        try:
-            invocation = self._wait(timeout)
-        except KeyboardInterrupt:
-            cancel_quietly(self._client, [self._id])
-            raise
-        value: R = outcome.unwrap(invocation, self._client)
+        if self._resolved is None:
+            try:
+                invocation = self._wait(timeout)
+            except KeyboardInterrupt:
+                cancel_quietly(self._client, [self._id])
+                self._release()
+                raise
+            prepared = self._prepared
+            try:
+                self._resolved = outcome.resolve(
+                    invocation, self._client, prepared.sync if prepared else None
+                )
+            finally:
+                self._release()
+        value: R = self._resolved.unwrap()
         return value
+
+    @property
+    def remote_globals(self) -> dict[str, Any]:
+        """What the call sent back for each global it changed (empty before ``result()``),
+        including those not applied because the notebook changed them meanwhile."""
+        return dict(self._resolved.remote_globals) if self._resolved else {}
+
+    def _release(self) -> None:
+        # The outcome is in (or the call is abandoned): drop the payload file and the
+        # references kept to the notebook's objects.
+        if self._prepared is not None:
+            self._prepared.discard()
+            self._prepared.sync = None
 
     def cancel(self) -> None:
         """Ask the gateway to cancel the call; cancelling a finished call changes nothing."""

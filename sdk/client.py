@@ -17,7 +17,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
-from bulletin import wire
+from bulletin import shared, wire
 from sdk.errors import (
     AuthError,
     ConfigError,
@@ -29,6 +29,7 @@ from sdk.errors import (
 
 T = TypeVar("T")
 Body = bytes | Callable[[], Iterable[bytes]] | None
+Pieces = Callable[[], Iterable[bytes | bytearray | memoryview]]
 
 _log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ _CANCELLED = msgspec.json.Decoder(wire.CancelResponse)
 _INVOCATIONS = msgspec.json.Decoder(list[wire.Invocation])
 _WATCHED = msgspec.json.Decoder(wire.WatchResponse)
 _BLOB = msgspec.json.Decoder(wire.BlobRef)
+_CLUSTER = msgspec.json.Decoder(wire.ClusterInfo)
 _PROBLEM = msgspec.json.Decoder(wire.Problem)
 
 _JSON = {"Content-Type": "application/json"}
@@ -68,7 +70,9 @@ class Client:
     Attributes that tune behaviour (class defaults, set them on an instance to change):
     ``inline_limit`` (bytes; larger payloads are uploaded as blobs first),
     ``watch_timeout_s`` (long-poll hold asked of the gateway), ``retry_deadline_s``,
-    ``backoff_initial_s`` and ``backoff_max_s`` (retrying transient failures).
+    ``backoff_initial_s`` and ``backoff_max_s`` (retrying transient failures),
+    ``use_shared_dir`` (pass big state through the cluster's shared directory when this
+    machine sees it; False: always through the gateway).
     """
 
     inline_limit: int = 1024 * 1024
@@ -76,6 +80,7 @@ class Client:
     retry_deadline_s: float = 30.0
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 2.0
+    use_shared_dir: bool = True
 
     def __init__(self, url: str, token: str, *, timeout: float = 30.0) -> None:
         if not url.startswith(("http://", "https://")):
@@ -84,6 +89,7 @@ class Client:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self._cluster: wire.ClusterInfo | None = None
         self._http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}", "User-Agent": "bulletin-sdk"},
@@ -165,16 +171,44 @@ class Client:
             timeout=max(self.timeout, hold + _LONG_POLL_MARGIN_S),
         )
 
-    def put_blob(self, data: bytes | bytearray | memoryview) -> wire.BlobRef:
-        """Upload raw bytes as a blob, streamed in slices of at most ``UPLOAD_CHUNK``."""
-        view = memoryview(data).cast("B")
-        headers = {"Content-Type": wire.OCTET_STREAM, "Content-Length": str(view.nbytes)}
+    def cluster(self) -> wire.ClusterInfo:
+        """What the gateway says about the cluster (limits, shared directory); asked once."""
+        if self._cluster is None:
+            self._cluster = self._request("GET", "/v1/cluster", read=_json(_CLUSTER))
+        return self._cluster
+
+    def shared_dir(self) -> str | None:
+        """The cluster's shared directory if this machine sees it (and ``use_shared_dir``)."""
+        info = self.cluster()
+        if self.use_shared_dir and shared.sees(info.shared_dir, info.shared_dir_id):
+            return info.shared_dir
+        return None
+
+    def put_blob(
+        self, data: bytes | bytearray | memoryview | Pieces, size: int = -1
+    ) -> wire.BlobRef:
+        """Upload a blob, streamed in slices of at most ``UPLOAD_CHUNK``: raw bytes, or a
+        function giving the pieces (called again on a retry) and their total ``size``."""
+        if callable(data):
+            pieces = data
+        else:
+            view = memoryview(data).cast("B")
+            size = view.nbytes
+
+            def pieces() -> Iterable[memoryview]:
+                return [view]
+
+        headers = {"Content-Type": wire.OCTET_STREAM, "Content-Length": str(size)}
         return self._request(
-            "PUT", "/v1/blobs", body=lambda: _slices(view), headers=headers, read=_json(_BLOB)
+            "PUT",
+            "/v1/blobs",
+            body=lambda: _slices(pieces()),
+            headers=headers,
+            read=_json(_BLOB),
         )
 
     def get_blob(self, blob_id: str) -> bytearray:
-        """Download a blob, streamed into one buffer."""
+        """Download a blob, streamed into one buffer (allocated once, at its full size)."""
         return self._request("GET", "/v1/blobs/" + quote(blob_id, safe=""), read=_collect)
 
     # ------------------------------------------------------------------ transport
@@ -300,15 +334,35 @@ def _json(decoder: msgspec.json.Decoder[T]) -> Callable[[httpx.Response], T]:
 
 
 def _collect(response: httpx.Response) -> bytearray:
-    buffer = bytearray()
-    for piece in response.iter_bytes():
-        buffer += piece
+    try:
+        size = int(response.headers.get("Content-Length", ""))
+    except ValueError:
+        size = -1
+    if size < 0:
+        buffer = bytearray()
+        for piece in response.iter_raw():
+            buffer += piece
+        return buffer
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    offset = 0
+    for piece in response.iter_raw():
+        end = offset + len(piece)
+        if end > size:
+            raise GatewayError(f"the blob is longer than its Content-Length of {size} bytes")
+        view[offset:end] = piece
+        offset = end
+    if offset != size:
+        raise _Retry(f"the blob download ended after {offset} of {size} bytes")
     return buffer
 
 
-def _slices(view: memoryview) -> Iterable[bytes]:
+def _slices(pieces: Iterable[bytes | bytearray | memoryview]) -> Iterable[bytes]:
     # memoryview slices are zero-copy; the transport accepts any bytes-like chunk.
-    pieces: Iterator[Any] = (
-        view[start : start + UPLOAD_CHUNK] for start in range(0, view.nbytes, UPLOAD_CHUNK)
-    )
-    return cast(Iterator[bytes], pieces)
+    def generate() -> Iterator[Any]:
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            for start in range(0, view.nbytes, UPLOAD_CHUNK):
+                yield view[start : start + UPLOAD_CHUNK]
+
+    return cast(Iterator[bytes], generate())

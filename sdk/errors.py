@@ -43,6 +43,16 @@ class SerializationError(BulletinError):
         self.invocation_id = invocation_id
 
 
+class StateTooLarge(SerializationError):
+    """A call (or what it sends back) is over the cluster's size limit (``max_state_bytes``);
+    the message names its biggest parts."""
+
+
+class StateSyncWarning(UserWarning):
+    """A global the call changed could not be brought back, or the notebook changed it too
+    while the call ran (the notebook's value was kept)."""
+
+
 class ResultTimeout(BulletinError, TimeoutError):
     """``Call.result(timeout=...)`` gave up waiting. The remote call keeps running."""
 
@@ -99,6 +109,11 @@ class NodeLostError(RemoteError):
 
 class WorkerDiedError(RemoteError):
     """The worker process exited without leaving a result (killed, out of memory, crashed)."""
+
+
+class VersionSkewError(RemoteError):
+    """The notebook and the worker run Python, cloudpickle or torch versions that cannot
+    exchange pickles; detected before anything is unpickled. The message says what to align."""
 
 
 class CallCancelled(BulletinError):

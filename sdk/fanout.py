@@ -14,7 +14,7 @@ from typing import Any
 
 from bulletin import wire
 from sdk import outcome
-from sdk.call import cancel_quietly, submit
+from sdk.call import Prepared, cancel_quietly, submit
 from sdk.client import Client
 from sdk.watcher import Watcher
 
@@ -26,11 +26,9 @@ BATCH_BYTES = 16 * 1024 * 1024
 WINDOW = 2 * SUBMIT_BATCH
 
 
-def run(
-    client: Client, specs: Iterator[wire.CallSpec], *, return_exceptions: bool
-) -> Iterator[Any]:
-    """Submit ``specs`` and yield their results in order. See ``Function.map``."""
-    fanout = _Fanout(client, specs)
+def run(client: Client, calls: Iterator[Prepared], *, return_exceptions: bool) -> Iterator[Any]:
+    """Submit ``calls`` and yield their results in order. See ``Function.map``."""
+    fanout = _Fanout(client, calls)
     try:
         yield from fanout.results(return_exceptions)
     finally:
@@ -39,9 +37,10 @@ def run(
 
 
 class _Fanout:
-    def __init__(self, client: Client, specs: Iterator[wire.CallSpec]) -> None:
+    def __init__(self, client: Client, calls: Iterator[Prepared]) -> None:
         self._client = client
-        self._specs = specs
+        self._calls = calls
+        self._files: dict[str, Prepared] = {}  # calls whose payload file is ours to delete
         self._exhausted = False
         self._watcher = Watcher(client)
         self._order: deque[str] = deque()  # submitted, not yet yielded, input order
@@ -60,21 +59,32 @@ class _Fanout:
 
     def cancel_unfinished(self) -> None:
         cancel_quietly(self._client, self._unfinished())
+        for prepared in self._files.values():
+            prepared.discard()
+        self._files.clear()
 
     def _top_up(self) -> None:
         # Only whole batches (or the last one): topping up after every yield would send one
         # request per item.
         while not self._exhausted and WINDOW - len(self._order) >= SUBMIT_BATCH:
             batch = self._next_batch()
-            if batch:
-                self._order.extend(submit(self._client, batch))
+            if not batch:
+                continue
+            try:
+                ids = submit(self._client, [prepared.spec for prepared in batch])
+            except BaseException:
+                for prepared in batch:
+                    prepared.discard()
+                raise
+            self._order.extend(ids)
+            self._files.update((i, p) for i, p in zip(ids, batch, strict=True) if p.payload_path)
 
-    def _next_batch(self) -> list[wire.CallSpec]:
-        batch: list[wire.CallSpec] = []
+    def _next_batch(self) -> list[Prepared]:
+        batch: list[Prepared] = []
         size = 0
-        for spec in self._specs:
-            batch.append(spec)
-            size += len(spec.payload or b"")
+        for prepared in self._calls:
+            batch.append(prepared)
+            size += len(prepared.spec.payload or b"")
             if len(batch) >= SUBMIT_BATCH or size >= BATCH_BYTES:
                 return batch
         self._exhausted = True
@@ -88,9 +98,10 @@ class _Fanout:
         return [i for i in self._order if i not in self._finished]
 
     def _outcome(self, invocation: wire.Invocation, return_exceptions: bool) -> Any:
-        error = outcome.failure(invocation, self._client)
-        if error is None:
-            return outcome.value(invocation, self._client)
-        if return_exceptions:
-            return error
-        raise error
+        prepared = self._files.pop(invocation.id, None)
+        if prepared is not None:
+            prepared.discard()
+        resolved = outcome.resolve(invocation, self._client)
+        if resolved.error is not None and return_exceptions:
+            return resolved.error
+        return resolved.unwrap()

@@ -14,16 +14,16 @@ from typing import Any, Generic, NoReturn, ParamSpec, TypeVar, overload
 
 import msgspec
 
-from bulletin import wire
+from bulletin import shared, wire
 from sdk import fanout, serialize
-from sdk.call import Call, submit
+from sdk.call import Call, Prepared, submit
 from sdk.client import Client
 from sdk.config import default_client
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_VALID = ("gpus", "max_retries", "timeout", "name")
+_VALID = ("gpus", "max_retries", "timeout", "name", "move_to_device", "sync_globals")
 MAX_RETRIES = 10
 
 
@@ -35,6 +35,8 @@ class Options:
     max_retries: int = 2
     timeout: float | None = None
     name: str | None = None
+    move_to_device: bool = True
+    sync_globals: bool = True
 
 
 class Function(Generic[P, R]):
@@ -77,10 +79,16 @@ class Function(Generic[P, R]):
         return self._fn(*args, **kwargs)
 
     def spawn(self, *args: P.args, **kwargs: P.kwargs) -> Call[R]:
-        """Start a remote call and return at once; ``Call.result()`` waits for it."""
+        """Start a remote call and return at once; ``Call.result()`` waits for it and applies
+        the globals the call changed (when ``result()`` is first called, not before)."""
         client = default_client()
-        [invocation_id] = submit(client, [self._spec(client, args, kwargs)])
-        return Call(invocation_id, client)
+        prepared = self._prepare(client, args, kwargs, sync=self._options.sync_globals)
+        try:
+            [invocation_id] = submit(client, [prepared.spec])
+        except BaseException:
+            prepared.discard()
+            raise
+        return Call(invocation_id, client, prepared=prepared)
 
     def map(self, *iterables: Iterable[Any], return_exceptions: bool = False) -> Iterator[Any]:
         """Call the function once per item of ``zip(*iterables)``; yield results in order.
@@ -89,19 +97,33 @@ class Function(Generic[P, R]):
         consumed. A failed item raises its exception when reached, unless
         ``return_exceptions`` is true, in which case the exception object is yielded.
         Unfinished calls are cancelled when the iteration stops early (an exception, Ctrl-C,
-        or a ``break``).
+        or a ``break``). Globals the function changes are not brought back by ``map`` (the
+        items run in parallel: there is no one order to apply them in); return what you need.
         """
         if not iterables:
             raise TypeError("map() needs at least one iterable")
         client = default_client()
-        specs = (self._spec(client, items, {}) for items in zip(*iterables, strict=False))
-        return fanout.run(client, specs, return_exceptions=return_exceptions)
+        calls = (
+            self._prepare(client, items, {}, sync=False) for items in zip(*iterables, strict=False)
+        )
+        return fanout.run(client, calls, return_exceptions=return_exceptions)
 
-    def _spec(
-        self, client: Client, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-    ) -> wire.CallSpec:
-        payload = serialize.dumps_call(self._fn, args, kwargs)
+    def _prepare(
+        self, client: Client, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, sync: bool
+    ) -> Prepared:
+        info = client.cluster()
+        root = client.shared_dir()
         options = self._options
+        sent = serialize.pack_call(
+            self._fn,
+            args,
+            kwargs,
+            max_bytes=info.max_state_bytes,
+            sync=sync,
+            move_to_device=options.move_to_device,
+            shared_results=root is not None,
+            max_result_bytes=info.max_state_bytes,
+        )
         spec = wire.CallSpec(
             idempotency_key=uuid.uuid4().hex,
             function_name=options.name or self._fn.__qualname__,
@@ -109,9 +131,16 @@ class Function(Generic[P, R]):
             max_retries=options.max_retries,
             timeout_s=options.timeout,
         )
-        if len(payload) > client.inline_limit:
-            return _replace(spec, payload_blob=client.put_blob(payload).id)
-        return _replace(spec, payload=payload)
+        packed = sent.packed
+        size = packed.nbytes
+        if size <= min(client.inline_limit, info.inline_limit):
+            return Prepared(_replace(spec, payload=packed.tobytes()), sent.sync)
+        if root is not None:
+            relative, path = shared.new_payload(root)
+            packed.write(path)
+            return Prepared(_replace(spec, payload_file=relative), sent.sync, path)
+        blob = client.put_blob(packed.pieces, size)
+        return Prepared(_replace(spec, payload_blob=blob.id), sent.sync)
 
 
 def _replace(spec: wire.CallSpec, **changes: Any) -> wire.CallSpec:
@@ -125,6 +154,8 @@ def function(
     max_retries: int = 2,
     timeout: float | None = None,
     name: str | None = None,
+    move_to_device: bool = True,
+    sync_globals: bool = True,
 ) -> Callable[[Callable[P, R]], Function[P, R]]: ...
 
 
@@ -139,6 +170,9 @@ def function(*args: Any, **kwargs: Any) -> Any:
     failures (node lost, worker died), 0 to 10; an exception raised by the function itself
     is never retried. ``timeout``: seconds a call may run, or None. ``name``: the name shown
     in listings and the dashboard (default: the function's qualified name).
+    ``move_to_device``: move tensors and modules among the arguments and globals to the
+    call's GPU before it runs (they always come back on the CPU). ``sync_globals``: bring
+    back the globals the call changed and apply them here (see docs/notebook-state.md).
 
     Arguments are checked here, when the decorator is applied::
 
@@ -176,6 +210,8 @@ def _options(kwargs: Mapping[str, Any]) -> Options:
         max_retries=_max_retries(kwargs.get("max_retries", 2)),
         timeout=_timeout(kwargs.get("timeout")),
         name=_name(kwargs.get("name")),
+        move_to_device=_flag("move_to_device", kwargs.get("move_to_device", True)),
+        sync_globals=_flag("sync_globals", kwargs.get("sync_globals", True)),
     )
 
 
@@ -217,6 +253,12 @@ def _timeout(value: Any) -> float | None:
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {value}")
     return seconds
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _name(value: Any) -> str | None:

@@ -1,12 +1,16 @@
-"""What a finished invocation stands for: its return value, or the exception to raise."""
+"""What a finished invocation stands for: its return value, or the exception to raise; and
+the globals it changed, applied to the notebook's namespace on the way."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
-from bulletin import wire
-from sdk import serialize
+from bulletin import shared, wire
+from bulletin.pickling import caller, frame
 from sdk.client import Client
 from sdk.errors import (
     CallCancelled,
@@ -14,64 +18,110 @@ from sdk.errors import (
     NodeLostError,
     RemoteError,
     SerializationError,
+    StateSyncWarning,
+    VersionSkewError,
     WorkerDiedError,
 )
 
 
+@dataclass
+class Resolved:
+    """A terminal invocation, loaded: its value or the exception it stands for, and what it
+    sent back for each global it changed."""
+
+    value: Any = None
+    error: Exception | None = None
+    remote_globals: dict[str, Any] = field(default_factory=dict)
+
+    def unwrap(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 def unwrap(invocation: wire.Invocation, client: Client) -> Any:
     """The value a terminal invocation returned; raises the exception it stands for."""
-    error = failure(invocation, client)
-    if error is not None:
-        raise error
-    return value(invocation, client)
+    return resolve(invocation, client).unwrap()
 
 
-def failure(invocation: wire.Invocation, client: Client) -> Exception | None:
-    """The exception a terminal invocation stands for, or None if it succeeded."""
+def resolve(
+    invocation: wire.Invocation, client: Client, sync: caller.Sync | None = None
+) -> Resolved:
+    """Load a terminal invocation's outcome. With ``sync`` (kept when the call was sent), the
+    state it changed is applied in place and its changed globals are bound in the namespace,
+    on success and on failure alike, as if the function had run here."""
     state, iid = invocation.state, invocation.id
-    if state == wire.State.SUCCEEDED:
-        return None
     if state == wire.State.CANCELLED:
-        return CallCancelled(f"Call {iid} was cancelled.", invocation_id=iid)
+        return Resolved(error=CallCancelled(f"Call {iid} was cancelled.", invocation_id=iid))
     if state == wire.State.TIMED_OUT:
         detail = f": {invocation.error_message}" if invocation.error_message else ""
-        return CallTimedOut(f"Call {iid} ran past its timeout{detail}.", invocation_id=iid)
-    if invocation.error_kind == wire.ErrorKind.USER:
-        return _user_exception(invocation, client)
-    return _infrastructure_failure(invocation)
+        error = CallTimedOut(f"Call {iid} ran past its timeout{detail}.", invocation_id=iid)
+        return Resolved(error=error)
+    if state == wire.State.FAILED and invocation.error_kind != wire.ErrorKind.USER:
+        return Resolved(error=_infrastructure_failure(invocation))
+    returned = _load(invocation, client, sync)
+    if state == wire.State.SUCCEEDED:
+        if returned is None:
+            missing = RemoteError(f"Call {iid} succeeded but no result came back.")
+            return Resolved(error=missing)
+        return Resolved(value=returned.value, remote_globals=returned.changed)
+    changed = returned.changed if returned is not None else {}
+    error_object = returned.error if returned is not None else None
+    return Resolved(error=_user_exception(invocation, error_object), remote_globals=changed)
 
 
-def value(invocation: wire.Invocation, client: Client) -> Any:
-    """Unpickle the return value of a succeeded invocation."""
-    data = _result(invocation, client)
-    if data is None:
-        raise RemoteError(f"Call {invocation.id} succeeded but no result came back.")
+def _load(
+    invocation: wire.Invocation, client: Client, sync: caller.Sync | None
+) -> caller.Returned | None:
+    opened, path = _open(invocation, client)
+    if opened is None:
+        return None
     try:
-        return serialize.loads(data)
-    except Exception as exc:
-        raise SerializationError(
-            f"The result of call {invocation.id} cannot be unpickled here "
-            f"({type(exc).__name__}: {exc}). Install the module it needs in this environment, "
-            "or return plain Python data.",
-            invocation_id=invocation.id,
-        ) from None
+        node = f"node {invocation.node!r}" if invocation.node else "the worker"
+        problem = frame.skew(opened.header, they=node, we="this notebook")
+        if problem is not None:
+            raise VersionSkewError(
+                f"The result of call {invocation.id} cannot be loaded here: {problem}",
+                invocation_id=invocation.id,
+            )
+        try:
+            returned = caller.load_outcome(opened, sync)
+        except Exception as exc:
+            raise SerializationError(
+                f"The result of call {invocation.id} cannot be unpickled here "
+                f"({type(exc).__name__}: {exc}). Install the module it needs in this "
+                "environment, or return plain Python data.",
+                invocation_id=invocation.id,
+            ) from None
+    finally:
+        if path is not None:  # a result file in the shared directory: ours to delete
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    for note in returned.notes:
+        warnings.warn(f"call {invocation.id}: {note}", StateSyncWarning, stacklevel=4)
+    return returned
 
 
-def _result(invocation: wire.Invocation, client: Client) -> bytes | bytearray | None:
+def _open(invocation: wire.Invocation, client: Client) -> tuple[frame.Opened | None, str | None]:
     if invocation.result is not None:
-        return invocation.result
+        return frame.open_bytes(invocation.result), None
     if invocation.result_blob is not None:
-        return client.get_blob(invocation.result_blob)
-    return None
+        return frame.open_bytes(client.get_blob(invocation.result_blob)), None
+    if invocation.result_file is not None:
+        root = client.shared_dir() or client.cluster().shared_dir
+        if root is None:
+            raise RemoteError(
+                f"The result of call {invocation.id} is in the cluster's shared directory, "
+                "which this machine does not see.",
+                invocation_id=invocation.id,
+            )
+        path = shared.resolve(root, invocation.result_file)
+        return frame.open_file(path), path
+    return None, None
 
 
-def _user_exception(invocation: wire.Invocation, client: Client) -> Exception:
+def _user_exception(invocation: wire.Invocation, error: BaseException | None) -> Exception:
     """The user's own exception, re-created with its type and the remote traceback."""
-    data = _result(invocation, client)
-    try:
-        error = serialize.loads(data) if data is not None else None
-    except Exception:
-        error = None
     if not isinstance(error, Exception):
         return _remote_error(RemoteError, invocation, "its exception cannot be unpickled here.")
     traceback = invocation.traceback or ""
@@ -97,6 +147,10 @@ _KIND_TEXT = {
         RemoteError,
         "the worker could not unpickle the call; install the missing module on the cluster "
         "or define what it needs in the notebook.",
+    ),
+    wire.ErrorKind.VERSION_SKEW: (
+        VersionSkewError,
+        "the notebook and the node run versions that cannot exchange pickles.",
     ),
 }
 

@@ -1,11 +1,13 @@
-"""Pickling calls for the cluster and unpickling what comes back.
+"""Pickling calls for the cluster, with errors that name the variable at fault.
 
-The payload of a call is ``cloudpickle.dumps((fn, args, kwargs), protocol=5)`` with ``fn``
-the user's original function: cloudpickle ships it by value together with the globals it
-references, and modules installed on both sides by reference. When that fails, the whole
-object graph is probed piece by piece to name the culprit (an argument, or a global or
-closure variable of the function or of a helper it calls), because cloudpickle's own error
-("cannot pickle '_thread.lock' object") does not say which variable held it.
+The payload of a call is an envelope (``bulletin.pickling``) of ``(fn, args, kwargs)`` with
+``fn`` the user's original function: cloudpickle ships it by value together with the globals
+it references (and local helper modules), installed modules by reference, tensors and arrays
+as out-of-band buffers. When pickling fails, the object graph is probed piece by piece to name
+the culprit (an argument, or a global or closure variable of the function or of a helper it
+calls), because cloudpickle's own error ("cannot pickle '_thread.lock' object") does not say
+which variable held it. A call over the size limit is refused the same way, naming its
+biggest parts.
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import cloudpickle
+from bulletin.pickling import caller
+from bulletin.pickling.pickler import human, size_of
+from sdk.errors import SerializationError, StateTooLarge
 
-from sdk.errors import SerializationError
-
-PROTOCOL = 5
 _ADVICE = (
     "Create such objects inside the function instead of referencing them from the notebook, "
     "or pass something that pickles (a path, a config, plain data) and build the object "
@@ -27,32 +28,54 @@ _ADVICE = (
 )
 
 
-def dumps_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bytes:
-    """The payload of one call. Raises ``SerializationError`` naming what cannot be pickled."""
+def pack_call(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    *,
+    max_bytes: int,
+    **flags: Any,
+) -> caller.Sent:
+    """The envelope of one call. Raises ``SerializationError`` naming what cannot be pickled,
+    ``StateTooLarge`` naming the biggest parts of a call over ``max_bytes``."""
     try:
-        return cloudpickle.dumps((fn, args, dict(kwargs)), protocol=PROTOCOL)
+        sent = caller.pack_call(fn, args, dict(kwargs), **flags)
     except Exception as exc:
         raise SerializationError(_explain(fn, args, kwargs, exc)) from None
-
-
-def loads(data: bytes | bytearray) -> Any:
-    """Unpickle a result (or a pickled exception) that came back from the cluster."""
-    return cloudpickle.loads(data)
+    total = sent.packed.state_bytes
+    if max_bytes and total > max_bytes:
+        raise StateTooLarge(_too_large(fn, args, kwargs, total, max_bytes))
+    return sent
 
 
 def _explain(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any], exc: Exception
 ) -> str:
-    name = getattr(fn, "__qualname__", repr(fn))
     culprit = _culprit_in_arguments(args, kwargs)
     function = _function_behind(fn)
     if culprit is None and function is not None:
-        culprit = _culprit_in_function(function, set())
+        culprit = _culprit_in_function(function, function, set())
     if culprit is None:
+        name = getattr(fn, "__qualname__", repr(fn))
         return f"Cannot send the call to {name} to the cluster: {_reason(exc)}. {_ADVICE}"
+    return f"{culprit} cannot be sent to the node: {_reason(exc)}. {_ADVICE}"
+
+
+def _too_large(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any], total: int, limit: int
+) -> str:
+    parts = [(f"argument {i} ({_kind(v)})", v) for i, v in enumerate(args)]
+    parts += [(f"keyword argument {k!r} ({_kind(v)})", v) for k, v in kwargs.items()]
+    function = _function_behind(fn)
+    if function is not None:
+        parts += _all_references(function, function, set())
+    sizes = sorted(((size_of(value), label) for label, value in parts), reverse=True)
+    biggest = ", ".join(f"{label}: {human(size)}" for size, label in sizes[:3] if size)
     return (
-        f"Cannot send the call to {name} to the cluster: {culprit} cannot be pickled "
-        f"({_reason(exc)}). {_ADVICE}"
+        f"The call to {getattr(fn, '__qualname__', fn)!s} is {human(total)}, over the "
+        f"cluster's limit of {human(limit)} (max_state_bytes); biggest parts: {biggest}. "
+        "Send less (save big data to a file the nodes can read and pass its path), or ask "
+        "the admin to raise the limit."
     )
 
 
@@ -66,35 +89,54 @@ def _culprit_in_arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> s
     return None
 
 
-def _culprit_in_function(fn: types.FunctionType, seen: set[int]) -> str | None:
+def _culprit_in_function(
+    fn: types.FunctionType, called: types.FunctionType, seen: set[int]
+) -> str | None:
     """Describe the first unpicklable variable ``fn`` references, looking into helpers."""
     seen.add(id(fn))
-    for label, value in _references(fn):
+    for label, value in _references(fn, called):
         if _pickles(value):
             continue
         helper = _function_behind(value)
         if helper is not None and id(helper) not in seen:
-            deeper = _culprit_in_function(helper, seen)
+            deeper = _culprit_in_function(helper, called, seen)
             if deeper is not None:
                 return deeper
-        return f"{label} of {fn.__qualname__} ({_kind(value)})"
+        return f"{label} ({_kind(value)})"
     return None
 
 
-def _references(fn: types.FunctionType) -> Iterator[tuple[str, Any]]:
+def _all_references(
+    fn: types.FunctionType, called: types.FunctionType, seen: set[int]
+) -> list[tuple[str, Any]]:
+    """Every variable shipped with ``fn``, through the helpers it calls."""
+    seen.add(id(fn))
+    found = []
+    for label, value in _references(fn, called):
+        helper = _function_behind(value)
+        if helper is not None:
+            if id(helper) not in seen:
+                found += _all_references(helper, called, seen)
+            continue
+        found.append((f"{label} ({_kind(value)})", value))
+    return found
+
+
+def _references(fn: types.FunctionType, called: types.FunctionType) -> Iterator[tuple[str, Any]]:
     """The variables cloudpickle ships with ``fn``: globals, closure cells, defaults."""
+    of = "" if fn is called else f" (used by {fn.__qualname__})"
     for name in dict.fromkeys(_global_names(fn.__code__)):
         if name in fn.__globals__ and not isinstance(fn.__globals__[name], types.ModuleType):
-            yield f"the global variable {name!r}", fn.__globals__[name]
+            yield f"global {name!r}{of}", fn.__globals__[name]
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
         try:
-            yield f"the closure variable {name!r}", cell.cell_contents
+            yield f"closure variable {name!r} of {fn.__qualname__}", cell.cell_contents
         except ValueError:  # an empty cell: the variable was never assigned
             continue
     for index, default in enumerate(fn.__defaults__ or ()):
-        yield f"default value {index} of a parameter", default
+        yield f"default value {index} of a parameter of {fn.__qualname__}", default
     for name, default in (fn.__kwdefaults__ or {}).items():
-        yield f"the default of parameter {name!r}", default
+        yield f"the default of parameter {name!r} of {fn.__qualname__}", default
 
 
 def _global_names(code: types.CodeType) -> Iterator[str]:
@@ -114,7 +156,7 @@ def _function_behind(value: Any) -> types.FunctionType | None:
 
 def _pickles(value: Any) -> bool:
     try:
-        cloudpickle.dumps(value, protocol=PROTOCOL)
+        size_of(value)  # the envelope's own pickler: tensors are not copied
     except Exception:
         return False
     return True
@@ -123,8 +165,8 @@ def _pickles(value: Any) -> bool:
 def _kind(value: Any) -> str:
     kind = type(value)
     if kind.__module__ == "builtins":
-        return f"a {kind.__qualname__}"
-    return f"a {kind.__module__}.{kind.__qualname__}"
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _reason(exc: Exception) -> str:
