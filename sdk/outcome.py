@@ -13,6 +13,7 @@ from bulletin import shared, wire
 from bulletin.pickling import caller, frame
 from sdk.client import Client
 from sdk.errors import (
+    BulletinError,
     CallCancelled,
     CallTimedOut,
     NodeLostError,
@@ -59,7 +60,12 @@ def resolve(
         return Resolved(error=error)
     if state == wire.State.FAILED and invocation.error_kind != wire.ErrorKind.USER:
         return Resolved(error=_infrastructure_failure(invocation))
-    returned = _load(invocation, client, sync)
+    try:
+        returned = _load(invocation, client, sync)
+    except BulletinError as exc:
+        if state == wire.State.SUCCEEDED:
+            return Resolved(error=exc)
+        returned = None  # the failure is still described by the invocation's text
     if state == wire.State.SUCCEEDED:
         if returned is None:
             missing = RemoteError(f"Call {iid} succeeded but no result came back.")
@@ -73,7 +79,13 @@ def resolve(
 def _load(
     invocation: wire.Invocation, client: Client, sync: caller.Sync | None
 ) -> caller.Returned | None:
-    opened, path = _open(invocation, client)
+    try:
+        opened, path = _open(invocation, client)
+    except frame.EnvelopeError as exc:
+        raise SerializationError(
+            f"The result of call {invocation.id} cannot be unpickled here: {exc}",
+            invocation_id=invocation.id,
+        ) from None
     if opened is None:
         return None
     try:

@@ -10,6 +10,8 @@ import cloudpickle
 import msgspec
 
 from bulletin import wire
+from bulletin.pickling import caller
+from bulletin.pickling import frame as envelope
 from nodelet.workers import WorkerPool
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -33,7 +35,7 @@ def greet(name: str) -> str:
 def _task(tmp_path: Path, fn: object, *args: object) -> wire.WorkerTask:
     return wire.WorkerTask(
         invocation_id="inv",
-        payload=cloudpickle.dumps((fn, args, {})),
+        payload=caller.pack_call(fn, args, {}, sync=False).packed.tobytes(),
         result_path=str(tmp_path / "outcome.msgpack"),
     )
 
@@ -58,7 +60,7 @@ async def _acquire_hands_out_a_spare_and_refills(tmp_path: Path) -> None:
         outcome = msgspec.msgpack.decode(
             (tmp_path / "outcome.msgpack").read_bytes(), type=wire.WorkerOutcome
         )
-        assert cloudpickle.loads(outcome.result or b"") == "ADA"
+        assert caller.load_outcome(envelope.open_bytes(outcome.result or b""), None).value == "ADA"
     finally:
         maintainer.cancel()
         await pool.close()

@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import cloudpickle
+import msgspec
 import pytest
 
 import sdk
 from bulletin import wire
+from bulletin.pickling import pickler
 from sdk import outcome
 
 TRACEBACK = "Traceback (most recent call last):\n  File \"<cell>\", line 3\nKeyError: 'lr'\n"
@@ -23,12 +24,22 @@ def client() -> Iterator[sdk.Client]:
         yield client
 
 
+def envelope(value: Any = None, error: BaseException | None = None) -> bytes:
+    """A worker's outcome envelope: (value, error, changed, deleted, notes, touched)."""
+    packed, _ = pickler.pack((value, error, {}, [], [], []))
+    return packed.tobytes()
+
+
+def failure(invocation: wire.Invocation, client: sdk.Client) -> Exception | None:
+    return outcome.resolve(invocation, client).error
+
+
 def finished(state: str, **fields: Any) -> wire.Invocation:
     return wire.Invocation(id="i-7", state=wire.State(state), node="gpu-3", **fields)
 
 
 def test_success_is_the_value(client: sdk.Client) -> None:
-    invocation = finished("succeeded", result=cloudpickle.dumps({"loss": 0.25}))
+    invocation = finished("succeeded", result=envelope({"loss": 0.25}))
     assert outcome.unwrap(invocation, client) == {"loss": 0.25}
 
 
@@ -39,7 +50,7 @@ def test_user_exception_is_reraised_with_its_type_and_traceback(client: sdk.Clie
         error_type="KeyError",
         error_message="'lr'",
         traceback=TRACEBACK,
-        result=cloudpickle.dumps(KeyError("lr")),
+        result=envelope(error=KeyError("lr")),
     )
     with pytest.raises(KeyError) as info:
         outcome.unwrap(invocation, client)
@@ -50,7 +61,7 @@ def test_user_exception_is_reraised_with_its_type_and_traceback(client: sdk.Clie
     assert TRACEBACK in info.value.__notes__[0]
 
 
-@pytest.mark.parametrize("result", [None, b"not a pickle"])
+@pytest.mark.parametrize("result", [None, b"not an envelope", envelope()])
 def test_user_exception_that_cannot_be_unpickled(client: sdk.Client, result: bytes | None) -> None:
     invocation = finished(
         "failed",
@@ -88,15 +99,15 @@ def test_infrastructure_failures(
         error_message="No module named 'helpers'" if kind == wire.ErrorKind.BAD_PAYLOAD else None,
         attempts=3,
     )
-    error = outcome.failure(invocation, client)
+    error = failure(invocation, client)
     assert type(error) is exception
     assert error.invocation_id == "i-7"
     assert says in str(error)
 
 
 def test_timed_out_and_cancelled(client: sdk.Client) -> None:
-    timed_out = outcome.failure(finished("timed_out"), client)
-    cancelled = outcome.failure(finished("cancelled"), client)
+    timed_out = failure(finished("timed_out"), client)
+    cancelled = failure(finished("cancelled"), client)
     assert isinstance(timed_out, sdk.CallTimedOut)
     assert isinstance(cancelled, sdk.CallCancelled)
     assert timed_out.invocation_id == cancelled.invocation_id == "i-7"
@@ -105,6 +116,19 @@ def test_timed_out_and_cancelled(client: sdk.Client) -> None:
 def test_a_result_that_cannot_be_unpickled_here(client: sdk.Client) -> None:
     with pytest.raises(sdk.SerializationError, match="result of call i-7 cannot be unpickled"):
         outcome.unwrap(finished("succeeded", result=b"\x80\x05garbage"), client)
+    with pytest.raises(sdk.SerializationError, match="result of call i-7 cannot be unpickled"):
+        garbled = envelope(1)[:-1] + b"\x00"  # the pickle's STOP opcode gone
+        outcome.unwrap(finished("succeeded", result=garbled), client)
+
+
+def test_a_result_from_a_worker_with_another_python_is_refused_before_unpickling(
+    client: sdk.Client,
+) -> None:
+    packed, _ = pickler.pack((1, None, {}, [], [], []))
+    header = msgspec.structs.replace(packed.header, python="3.99")
+    skewed = type(packed)(header, packed.pickle, packed.buffers).tobytes()
+    with pytest.raises(sdk.VersionSkewError, match="node 'gpu-3' runs Python 3.99"):
+        outcome.unwrap(finished("succeeded", result=skewed), client)
 
 
 def test_every_error_is_a_bulletin_error() -> None:

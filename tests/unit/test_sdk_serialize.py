@@ -12,7 +12,8 @@ import cloudpickle
 import pytest
 
 import sdk
-from sdk.serialize import dumps_call, loads
+from bulletin.pickling import remote
+from sdk.serialize import pack_call
 
 lock = threading.Lock()
 scale = 3
@@ -49,6 +50,10 @@ def by_value() -> Iterator[None]:
     cloudpickle.unregister_pickle_by_value(module)
 
 
+def dumps_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], limit: int = 0) -> bytes:
+    return pack_call(fn, args, kwargs, max_bytes=limit, sync=False).packed.tobytes()
+
+
 def explain(fn: Any, *args: Any, **kwargs: Any) -> str:
     with pytest.raises(sdk.SerializationError) as info:
         dumps_call(fn, args, kwargs)
@@ -57,24 +62,24 @@ def explain(fn: Any, *args: Any, **kwargs: Any) -> str:
 
 
 def test_payload_is_the_original_function_and_its_arguments() -> None:
-    fn, args, kwargs = cloudpickle.loads(dumps_call(plain, (2,), {"y": 1}))
+    fn, args, kwargs = remote.open_call(dumps_call(plain, (2,), {"y": 1}), where="here").load()
     assert (args, kwargs) == ((2,), {"y": 1})
     assert fn(*args, **kwargs) == 7
 
 
 def test_a_global_lock_is_named() -> None:
     message = explain(uses_lock)
-    assert "the global variable 'lock' of uses_lock (a _thread.lock) cannot be pickled" in message
+    assert message.startswith("global 'lock' (_thread.lock) cannot be sent to the node: ")
     assert "cannot pickle '_thread.lock' object" in message
     assert "inside the function" in message
 
 
 def test_a_global_used_through_a_helper_is_named() -> None:
-    assert "the global variable 'lock' of helper" in explain(calls_helper)
+    assert "global 'lock' (used by helper) (_thread.lock)" in explain(calls_helper)
 
 
 def test_a_global_used_in_a_comprehension_is_named() -> None:
-    assert "the global variable 'lock' of in_a_comprehension" in explain(in_a_comprehension)
+    assert "global 'lock' (_thread.lock) cannot" in explain(in_a_comprehension)
 
 
 def test_a_global_of_a_decorated_helper_is_named() -> None:
@@ -83,7 +88,7 @@ def test_a_global_of_a_decorated_helper_is_named() -> None:
     def caller() -> None:
         remote_helper.local()
 
-    assert "the global variable 'lock' of helper" in explain(caller)
+    assert "global 'lock' (used by helper)" in explain(caller)
 
 
 def test_a_closure_variable_is_named() -> None:
@@ -93,18 +98,18 @@ def test_a_closure_variable_is_named() -> None:
         with event_lock:
             pass
 
-    assert "the closure variable 'event_lock' of " in explain(closure)
+    assert "closure variable 'event_lock' of " in explain(closure)
     assert "_thread.RLock" in explain(closure)
 
 
 def test_an_argument_is_named() -> None:
     message = explain(plain, 1, threading.Lock())
-    assert "argument 1 (a _thread.lock) cannot be pickled" in message
+    assert "argument 1 (_thread.lock) cannot be sent to the node" in message
 
 
 def test_a_keyword_argument_is_named() -> None:
     message = explain(plain, 1, y=(i for i in range(3)))
-    assert "keyword argument 'y' (a generator) cannot be pickled" in message
+    assert "keyword argument 'y' (generator) cannot be sent to the node" in message
 
 
 def test_a_default_value_is_named() -> None:
@@ -114,5 +119,31 @@ def test_a_default_value_is_named() -> None:
     assert "default value 0 of a parameter of " in explain(with_default)
 
 
-def test_results_unpickle() -> None:
-    assert loads(bytearray(cloudpickle.dumps({"loss": 0.5}))) == {"loss": 0.5}
+def test_a_sqlite_connection_is_named_with_its_type() -> None:
+    import sqlite3
+
+    conn = sqlite3.connect(":memory:")
+    try:
+
+        def query() -> Any:
+            return conn.execute("select 1").fetchall()
+
+        message = explain(query)
+    finally:
+        conn.close()
+    assert "closure variable 'conn' of " in message
+    assert "(sqlite3.Connection) cannot be sent to the node: TypeError" in message
+
+
+def test_a_call_over_the_limit_names_its_biggest_parts() -> None:
+    big = bytearray(3 << 20)
+
+    def uses(x: Any) -> int:
+        return len(big) + len(x)
+
+    with pytest.raises(sdk.StateTooLarge) as info:
+        dumps_call(uses, (b"y" * (1 << 20),), {}, limit=2 << 20)
+    message = str(info.value)
+    assert "over the cluster's limit of 2.0 MiB (max_state_bytes)" in message
+    assert "closure variable 'big' of " in message and "(bytearray): 3.0 MiB" in message
+    assert "argument 0 (bytes): 1.0 MiB" in message

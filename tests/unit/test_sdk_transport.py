@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import cloudpickle
 import httpx
 import msgspec
 import pytest
@@ -15,6 +14,7 @@ import respx
 
 import sdk
 from bulletin import wire
+from bulletin.pickling import remote
 from sdk import config
 from sdk.client import UPLOAD_CHUNK, error_for
 
@@ -27,6 +27,10 @@ BLOB_ID = "9f1c2a52-4a1e-4d7c-9a55-0d9a3b2f6e11"
 
 def double(x: object) -> object:
     return x
+
+
+# What a gateway without a shared directory says of itself.
+CLUSTER = {"inline_limit": 1 << 20, "max_state_bytes": 16 << 30}
 
 
 @pytest.fixture
@@ -56,6 +60,7 @@ def test_submit_retries_503_with_the_same_idempotency_keys(client: sdk.Client) -
         return httpx.Response(201, content=msgspec.json.encode(wire.SubmitResponse(ids=["i-1"])))
 
     with respx.mock(base_url=URL) as router:
+        router.get("/v1/cluster").mock(return_value=httpx.Response(200, json=CLUSTER))
         router.post("/v1/invocations").mock(side_effect=answer)
         call = sdk.function(gpus=1, timeout=9)(double).spawn(21)
 
@@ -68,13 +73,14 @@ def test_submit_retries_503_with_the_same_idempotency_keys(client: sdk.Client) -
     assert (spec.gpus, spec.timeout_s, spec.function_name) == (1, 9.0, "double")
     assert spec.payload is not None
     assert spec.payload_blob is None
-    fn, args, kwargs = cloudpickle.loads(spec.payload)
-    assert fn is double  # the original function, not the sdk.Function wrapper
+    fn, args, kwargs = remote.open_call(spec.payload, where="here").load()
+    assert fn.__qualname__ == "double" and not isinstance(fn, sdk.Function)
     assert (args, kwargs) == ((21,), {})
 
 
 def test_persistent_connect_error_is_gateway_unreachable(client: sdk.Client) -> None:
     with respx.mock(base_url=URL) as router:
+        router.get("/v1/cluster").mock(return_value=httpx.Response(200, json=CLUSTER))
         route = router.post("/v1/invocations").mock(side_effect=httpx.ConnectError("refused"))
         start = time.monotonic()
         with pytest.raises(sdk.GatewayUnreachable) as info:
@@ -129,6 +135,7 @@ def test_big_payload_is_uploaded_first_in_chunks(client: sdk.Client) -> None:
 
     big = bytes(9 * 1024 * 1024)
     with respx.mock(base_url=URL) as router:
+        router.get("/v1/cluster").mock(return_value=httpx.Response(200, json=CLUSTER))
         router.put("/v1/blobs").mock(side_effect=store)
         router.post("/v1/invocations").mock(side_effect=submit)
         sdk.function()(double).spawn(big)
@@ -139,8 +146,8 @@ def test_big_payload_is_uploaded_first_in_chunks(client: sdk.Client) -> None:
     assert sum(chunks) == len(body) == int(uploaded["length"])
     assert specs[0].payload is None
     assert specs[0].payload_blob == BLOB_ID
-    fn, args, _ = cloudpickle.loads(body)
-    assert fn is double
+    fn, args, _ = remote.open_call(body, where="here").load()
+    assert fn.__qualname__ == "double" and fn(4) == double(4)  # shipped by value
     assert args == (big,)
 
 
