@@ -52,7 +52,8 @@ def test_unknown_keyword_suggests_the_closest(key: str, suggestion: str) -> None
     message = str(info.value)
     assert repr(key) in message
     assert f"Did you mean {suggestion!r}?" in message
-    assert "Valid arguments: gpus, max_retries, timeout, name, move_to_device, sync_globals." in message
+    valid = "gpus, max_retries, timeout, name, move_to_device, sync_globals"
+    assert f"Valid arguments: {valid}." in message
 
 
 def test_unknown_keyword_without_a_close_one_lists_the_valid() -> None:

@@ -127,7 +127,7 @@ def test_a_result_from_a_worker_with_another_python_is_refused_before_unpickling
     packed, _ = pickler.pack((1, None, {}, [], [], []))
     header = msgspec.structs.replace(packed.header, python="3.99")
     skewed = type(packed)(header, packed.pickle, packed.buffers).tobytes()
-    with pytest.raises(sdk.VersionSkewError, match="node 'gpu-3' runs Python 3.99"):
+    with pytest.raises(sdk.VersionSkewError, match=r"node 'gpu-3' runs Python 3\.99"):
         outcome.unwrap(finished("succeeded", result=skewed), client)
 
 
