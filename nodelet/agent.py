@@ -17,19 +17,21 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from bulletin import wire
-from nodelet.attempt import Attempt
+from bulletin import shared, wire
+from nodelet.attempt import Attempt, NodeFacts
 from nodelet.backoff import Backoff
 from nodelet.client import GatewayClient
 from nodelet.config import NodeletConfig
 from nodelet.errors import AuthRejected, GatewayUnavailable, NodeletError
-from nodelet.gpus import choose_provider
+from nodelet.gpus import GpuProvider, choose_provider
 from nodelet.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
 #: How long shutdown waits for killed attempts to wind down.
 SHUTDOWN_GRACE_S = 1.0
+#: How long the check that this node sees the shared directory may take (a hung NFS mount).
+SHARED_CHECK_S = 10.0
 _T = TypeVar("_T")
 
 
@@ -63,10 +65,20 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
     work_dir = config.work_dir or tempfile.mkdtemp(prefix="bulletin-nodelet-")
     client = GatewayClient(config.gateway_url, config.token, timeout_s=config.http_timeout_s)
     pool = WorkerPool(config.spare_workers, cwd=work_dir)
+    gpus = choose_provider(config.fake_gpus, node=config.name)
     try:
-        registration = await _unless_stopped(_register(client, config), stop)
+        registration = await _unless_stopped(_register(client, config, gpus), stop)
         if registration is not None:
-            node = Node(config, client, pool, registration, work_dir=work_dir)
+            facts = NodeFacts(
+                node=config.name,
+                work_dir=work_dir,
+                inline_limit=registration.inline_limit,
+                log_flush_s=config.log_flush_s,
+                gpus=gpus,
+                cluster_shared_dir=registration.shared_dir,
+                shared_dir=await shared_dir_seen(registration),
+            )
+            node = Node(config, client, pool, registration, facts)
             await node.run(stop)
     finally:
         await pool.close()
@@ -88,9 +100,11 @@ async def _unless_stopped(work: Coroutine[Any, Any, _T], stop: asyncio.Event) ->
     return task.result()
 
 
-async def _register(client: GatewayClient, config: NodeletConfig) -> wire.RegisterResponse:
+async def _register(
+    client: GatewayClient, config: NodeletConfig, provider: GpuProvider
+) -> wire.RegisterResponse:
     """Register, retrying while the gateway is down."""
-    gpus = await asyncio.to_thread(choose_provider(config.fake_gpus, node=config.name).discover)
+    gpus = await asyncio.to_thread(provider.discover)
     request = wire.RegisterRequest(
         name=config.name, gpus=gpus, cpu_slots=config.effective_cpu_slots
     )
@@ -112,6 +126,31 @@ async def _register(client: GatewayClient, config: NodeletConfig) -> wire.Regist
         return response
 
 
+async def shared_dir_seen(registration: wire.RegisterResponse) -> str | None:
+    """The cluster's shared directory if this node sees it (the same path holding the same
+    cluster id), else None, with a warning: such a node cannot run calls whose payload is a
+    file there, and sends big results as blobs."""
+    root = registration.shared_dir
+    if root is None:
+        return None
+    check = asyncio.to_thread(shared.sees, root, registration.shared_dir_id)
+    try:
+        seen = await asyncio.wait_for(check, SHARED_CHECK_S)
+    except TimeoutError:
+        seen = False
+    if seen:
+        log.info("the cluster's shared directory %s is mounted here", root)
+        return root
+    log.warning(
+        "this node does not see the cluster's shared directory %s (missing, or holding another "
+        "cluster's id in %s): calls whose payload is a file there will fail on this node; "
+        "mount the shared directory at the same path on every node",
+        root,
+        shared.MARKER,
+    )
+    return None
+
+
 class Node:
     """A registered node: runs its attempts and its three background loops."""
 
@@ -121,8 +160,7 @@ class Node:
         client: GatewayClient,
         pool: WorkerPool,
         registration: wire.RegisterResponse,
-        *,
-        work_dir: str,
+        facts: NodeFacts,
     ) -> None:
         self.config = config
         self.registration = registration
@@ -130,7 +168,7 @@ class Node:
         self.attempts: dict[tuple[str, int], Attempt] = {}
         self._client = client
         self._pool = pool
-        self._work_dir = work_dir
+        self._facts = facts
 
     def running(self) -> list[wire.Attempt]:
         """The attempts this node still runs; killed ones are already given up."""
@@ -183,14 +221,7 @@ class Node:
         key = (assignment.invocation_id, assignment.epoch)
         if key in self.attempts:
             return  # already running: the gateway did not see it in `running` yet
-        attempt = Attempt(
-            assignment,
-            client=self._client,
-            pool=self._pool,
-            work_dir=self._work_dir,
-            inline_limit=self.registration.inline_limit,
-            log_flush_s=self.config.log_flush_s,
-        )
+        attempt = Attempt(assignment, client=self._client, pool=self._pool, facts=self._facts)
         self.attempts[key] = attempt
         attempt.start().add_done_callback(lambda _: self.attempts.pop(key, None))
         log.info(

@@ -1,7 +1,11 @@
 """One attempt at one invocation, from ``start`` to ``complete``.
 
-The nodelet never unpickles anything here: payload and result are opaque bytes passed between
-the gateway and the worker process.
+The nodelet never unpickles anything here: payload and result are opaque bytes (envelopes)
+passed between the gateway and the worker process. A small payload goes to the worker inline;
+a big one as a file: the shared directory's, or a download into the attempt's directory. A
+big result comes back as a file: one in the shared directory is passed on by name, one in the
+attempt's directory (the worker's ``spill_dir``) is streamed up as a blob before the
+directory is removed.
 """
 
 from __future__ import annotations
@@ -16,14 +20,16 @@ import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 
-from bulletin import wire
+from bulletin import shared, wire
 from nodelet.backoff import Backoff
 from nodelet.client import GatewayClient
-from nodelet.errors import GatewayUnavailable, NodeletError, StaleAttempt
+from nodelet.errors import GatewayRejected, GatewayUnavailable, NodeletError, StaleAttempt
+from nodelet.gpus import GpuProvider
 from nodelet.logs import LogShipper
 from nodelet.workers import Worker, WorkerPool
 
@@ -36,6 +42,31 @@ _T = TypeVar("_T")
 _outcome_decoder = msgspec.msgpack.Decoder(wire.WorkerOutcome)
 
 
+@dataclass(frozen=True, slots=True)
+class NodeFacts:
+    """What every attempt of a node shares."""
+
+    node: str
+    #: Attempts make their directories here.
+    work_dir: str
+    #: The gateway's inline limit: results up to it go inline, bigger ones as files.
+    inline_limit: int
+    log_flush_s: float
+    gpus: GpuProvider
+    #: The cluster's shared directory as the gateway names it, whether this node sees it or not.
+    cluster_shared_dir: str | None = None
+    #: The same, only when this node sees it (``bulletin.shared.sees``).
+    shared_dir: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What to complete the attempt with, and the worker's result file if it left one."""
+
+    request: wire.CompleteRequest
+    result_path: str | None = None
+
+
 class Attempt:
     """Runs one assignment end to end in a worker process; :meth:`kill` abandons it."""
 
@@ -45,17 +76,13 @@ class Attempt:
         *,
         client: GatewayClient,
         pool: WorkerPool,
-        work_dir: str,
-        inline_limit: int,
-        log_flush_s: float,
+        facts: NodeFacts,
     ) -> None:
         self.assignment = assignment
         self.ref = wire.Attempt(invocation_id=assignment.invocation_id, epoch=assignment.epoch)
         self._client = client
         self._pool = pool
-        self._work_dir = work_dir
-        self._inline_limit = inline_limit
-        self._log_flush_s = log_flush_s
+        self._facts = facts
         self._worker: Worker | None = None
         self.task: asyncio.Task[None] | None = None
         self.killed = False
@@ -98,23 +125,72 @@ class Attempt:
             await self._reap()
 
     async def _run(self) -> None:
-        assignment = self.assignment
         # Marking the attempt started is not on the call's critical path: the worker starts
         # at once, and a revoked attempt (409) is killed as soon as the answer comes.
         started = asyncio.create_task(self._start(), name=f"{self.name}-start")
+        # Holds the downloaded payload and the worker's spilled result until it is uploaded.
+        attempt_dir = tempfile.mkdtemp(prefix="attempt-", dir=self._facts.work_dir)
         try:
-            payload = assignment.payload
-            if payload is None:
-                payload = await self._client.payload(assignment.invocation_id, assignment.epoch)
-            attempt_dir = tempfile.mkdtemp(prefix="attempt-", dir=self._work_dir)
             try:
-                request = await self._execute(payload, attempt_dir)
+                task = await self._task(attempt_dir)
+                if isinstance(task, Report):
+                    report = task  # the call cannot run on this node
+                else:
+                    report = await self._execute(task)
+                await started
             finally:
-                shutil.rmtree(attempt_dir, ignore_errors=True)
-            await started
+                started.cancel()
+            await self._complete(report, attempt_dir)
         finally:
-            started.cancel()
-        await self._complete(request)
+            shutil.rmtree(attempt_dir, ignore_errors=True)
+
+    async def _task(self, attempt_dir: str) -> wire.WorkerTask | Report:
+        """The worker's task, with the payload inline or in a file; a failure report when
+        the payload is in a shared directory this node does not see."""
+        assignment, facts = self.assignment, self._facts
+        payload, payload_path = assignment.payload, None
+        if assignment.payload_file is not None:
+            payload_path = self._shared_payload(assignment.payload_file)
+            if payload_path is None:
+                return self._failed(
+                    wire.ErrorKind.BAD_PAYLOAD,
+                    f"the call's payload is a file in the cluster's shared directory "
+                    f"{facts.cluster_shared_dir!r}, which node {facts.node!r} does not see: "
+                    "mount the shared directory at the same path on every node (a job for the "
+                    "cluster's admin)",
+                )
+        elif payload is None:
+            payload_path = os.path.join(attempt_dir, "payload.bin")
+            await _retrying(self._client.payload_to_file, *self._ids, payload_path)
+        return wire.WorkerTask(
+            invocation_id=self.ref.invocation_id,
+            payload=payload,
+            payload_path=payload_path,
+            result_path=os.path.join(attempt_dir, "outcome.msgpack"),
+            gpu_indices=list(assignment.gpu_indices),
+            device=facts.gpus.device(assignment.gpu_indices),
+            inline_limit=facts.inline_limit,
+            shared_dir=facts.shared_dir,
+            spill_dir=attempt_dir,
+            # Random per call: the user's own output cannot end the call early.
+            end_marker=b"\x00\x00bulletin-end-" + secrets.token_hex(8).encode() + b"\x00",
+        )
+
+    def _shared_payload(self, relative: str) -> str | None:
+        if self._facts.shared_dir is None:
+            return None
+        return shared.resolve(self._facts.shared_dir, relative)
+
+    @property
+    def _ids(self) -> tuple[str, int]:
+        return self.ref.invocation_id, self.ref.epoch
+
+    def _failed(self, kind: wire.ErrorKind | None, message: str) -> Report:
+        return Report(
+            wire.CompleteRequest(
+                epoch=self.ref.epoch, state="failed", error_kind=kind, error_message=message
+            )
+        )
 
     async def _start(self) -> None:
         try:
@@ -127,19 +203,11 @@ class Attempt:
             # The call may still complete: the gateway accepts it from an assigned attempt.
             log.warning("%s: could not mark it started (%s); running it anyway", self, exc)
 
-    async def _execute(self, payload: bytes, attempt_dir: str) -> wire.CompleteRequest:
+    async def _execute(self, task: wire.WorkerTask) -> Report:
         key = (self.assignment.owner, tuple(self.assignment.gpu_indices))
         worker = self._worker = await self._pool.acquire(key)
-        task = wire.WorkerTask(
-            invocation_id=self.ref.invocation_id,
-            payload=payload,
-            result_path=os.path.join(attempt_dir, "outcome.msgpack"),
-            gpu_indices=list(self.assignment.gpu_indices),
-            # Random per call: the user's own output cannot end the call early.
-            end_marker=b"\x00\x00bulletin-end-" + secrets.token_hex(8).encode() + b"\x00",
-        )
         shipper = LogShipper(
-            self._client, self.ref, flush_s=self._log_flush_s, on_stale=worker.kill
+            self._client, self.ref, flush_s=self._facts.log_flush_s, on_stale=worker.kill
         )
         tasks = self._ship_output(shipper, worker, task.end_marker)
         try:
@@ -200,28 +268,23 @@ class Attempt:
         await exited
         return not done, False
 
-    def _report(
-        self, result_path: str, returncode: int | None, timed_out: bool
-    ) -> wire.CompleteRequest:
+    def _report(self, result_path: str, returncode: int | None, timed_out: bool) -> Report:
         epoch = self.ref.epoch
         if timed_out:
-            return wire.CompleteRequest(
-                epoch=epoch,
-                state="timed_out",
-                error_message=(
-                    f"the call exceeded its time limit of {self.assignment.timeout_s:g} s "
-                    "and was killed"
-                ),
+            return Report(
+                wire.CompleteRequest(
+                    epoch=epoch,
+                    state="timed_out",
+                    error_message=(
+                        f"the call exceeded its time limit of {self.assignment.timeout_s:g} s "
+                        "and was killed"
+                    ),
+                )
             )
         outcome = _read_outcome(result_path)
         if outcome is None:
-            return wire.CompleteRequest(
-                epoch=epoch,
-                state="failed",
-                error_kind=wire.ErrorKind.WORKER_DIED,
-                error_message=describe_exit(returncode),
-            )
-        return wire.CompleteRequest(
+            return self._failed(wire.ErrorKind.WORKER_DIED, describe_exit(returncode))
+        request = wire.CompleteRequest(
             epoch=epoch,
             state="succeeded" if outcome.ok else "failed",
             error_kind=outcome.error_kind,
@@ -230,16 +293,64 @@ class Attempt:
             traceback=outcome.traceback,
             result=outcome.result,
         )
+        return Report(request, outcome.result_path)
 
-    async def _complete(self, request: wire.CompleteRequest) -> None:
-        if request.result is not None and len(request.result) > self._inline_limit:
-            blob = await _retrying(self._upload, request.result)
-            request = msgspec.structs.replace(request, result=None, result_blob=blob.id)
-        await _retrying(self._client.complete, self.ref.invocation_id, request)
+    async def _complete(self, report: Report, attempt_dir: str) -> None:
+        request = report.request
+        if report.result_path is not None:
+            request = await self._result_file(request, report.result_path, attempt_dir)
+        elif request.result is not None and len(request.result) > self._facts.inline_limit:
+            request = await self._result_blob(request, self._client.upload_result, request.result)
+        try:
+            await _retrying(self._client.complete, self.ref.invocation_id, request)
+        except StaleAttempt:
+            if request.result_file is not None and self._facts.shared_dir is not None:
+                # Nobody will read a discarded result: do not leave it to the sweeper.
+                with contextlib.suppress(OSError):
+                    os.unlink(shared.resolve(self._facts.shared_dir, request.result_file))
+            raise
         log.info("%s completed: %s", self, request.state)
 
-    async def _upload(self, result: bytes) -> wire.BlobRef:
-        return await self._client.upload_result(self.ref.invocation_id, self.ref.epoch, result)
+    async def _result_file(
+        self, request: wire.CompleteRequest, path: str, attempt_dir: str
+    ) -> wire.CompleteRequest:
+        """Pass on a result file in the shared directory by name; stream one the worker
+        spilled into the attempt's directory up as a blob; refuse any other."""
+        root = self._facts.shared_dir
+        name = shared.relative(root, path) if root is not None else None
+        if name is not None and not name.startswith(shared.RESULTS + "/"):
+            name = None
+        if name is None and not _within(path, attempt_dir):
+            return self._failed(
+                wire.ErrorKind.WORKER_DIED,
+                f"the worker left its result in {path}, outside its spill_dir and the shared "
+                "directory's results: refused",
+            ).request
+        if not await asyncio.to_thread(os.path.isfile, path):
+            return self._failed(
+                wire.ErrorKind.WORKER_DIED, f"the worker's result file {path} is missing"
+            ).request
+        if name is not None:
+            return msgspec.structs.replace(request, result=None, result_file=name)
+        return await self._result_blob(request, self._client.upload_result_file, path)
+
+    async def _result_blob(
+        self,
+        request: wire.CompleteRequest,
+        upload: Callable[[str, int, Any], Awaitable[wire.BlobRef]],
+        source: Any,
+    ) -> wire.CompleteRequest:
+        """The request with its result uploaded as a blob (``upload(id, epoch, source)``);
+        a failed one if the gateway refuses the result as too big."""
+        try:
+            blob = await _retrying(upload, *self._ids, source)
+        except GatewayRejected as exc:
+            if exc.status != 413:
+                raise
+            return self._failed(
+                wire.ErrorKind.USER, f"the call's result could not be stored: {exc.detail}"
+            ).request
+        return msgspec.structs.replace(request, result=None, result_blob=blob.id)
 
     async def _reap(self) -> None:
         worker = self._worker
@@ -258,6 +369,11 @@ async def _drain(pumps: list[asyncio.Task[None]]) -> None:
     for pump in pumps:
         if pump.done() and not pump.cancelled() and pump.exception() is not None:
             log.warning("reading worker output failed: %s", pump.exception())
+
+
+def _within(path: str, directory: str) -> bool:
+    real = os.path.realpath(path)
+    return real.startswith(os.path.realpath(directory) + os.sep)
 
 
 def _read_outcome(path: str) -> wire.WorkerOutcome | None:

@@ -6,8 +6,10 @@ Every request carries the node token and an explicit timeout; every failure is m
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -24,8 +26,8 @@ from nodelet.errors import (
 
 _T = TypeVar("_T")
 
-#: Result uploads are streamed in chunks of at most this size.
-UPLOAD_CHUNK = 4 * 1024 * 1024
+#: Payload downloads and result uploads are streamed in chunks of at most this size.
+TRANSFER_CHUNK = 4 * 1024 * 1024
 
 _register_decoder = msgspec.json.Decoder(wire.RegisterResponse)
 _heartbeat_decoder = msgspec.json.Decoder(wire.HeartbeatResponse)
@@ -78,24 +80,52 @@ class GatewayClient:
     async def start(self, invocation_id: str, epoch: int) -> None:
         await self._post(_route(invocation_id, "start"), wire.StartRequest(epoch=epoch))
 
-    async def payload(self, invocation_id: str, epoch: int) -> bytes:
-        """Download the pickled call of an assignment whose payload was not inline."""
-        response = await self._send(
-            "GET", _route(invocation_id, "payload"), params={"epoch": epoch}
-        )
-        return response.content
+    async def payload_to_file(self, invocation_id: str, epoch: int, path: str) -> int:
+        """Stream the payload of an assignment that was not inline into ``path`` (created, or
+        truncated on a retry), a chunk at a time; returns its size. Never the whole payload
+        in memory."""
+        route = _route(invocation_id, "payload")
+        size = 0
+        try:
+            async with self._http.stream(
+                "GET", route, params={"epoch": epoch}, timeout=self.timeout_s
+            ) as response:
+                if response.is_error:
+                    await response.aread()
+                    raise _error_for("GET", route, response)
+                with open(path, "wb") as file:
+                    pending = bytearray()
+                    async for piece in response.aiter_bytes():
+                        pending += piece
+                        if len(pending) >= TRANSFER_CHUNK:
+                            size += await _write(file, pending)
+                    size += await _write(file, pending)
+        except httpx.HTTPError as exc:
+            raise _unavailable("GET", route, exc) from exc
+        return size
 
     async def logs(self, invocation_id: str, request: wire.LogsRequest) -> None:
         await self._post(_route(invocation_id, "logs"), request)
 
     async def upload_result(self, invocation_id: str, epoch: int, data: bytes) -> wire.BlobRef:
         """Stream a result too big to inline; the answer names the blob for ``complete``."""
+        return await self._put_result(invocation_id, epoch, _chunks(data), len(data))
+
+    async def upload_result_file(self, invocation_id: str, epoch: int, path: str) -> wire.BlobRef:
+        """Stream the result in the file at ``path`` up as a blob, a chunk at a time (never
+        the whole file in memory). Each call reads the file afresh, so it may be retried."""
+        size = await asyncio.to_thread(os.path.getsize, path)
+        return await self._put_result(invocation_id, epoch, _file_chunks(path), size)
+
+    async def _put_result(
+        self, invocation_id: str, epoch: int, content: AsyncIterator[bytes], size: int
+    ) -> wire.BlobRef:
         response = await self._send(
             "PUT",
             _route(invocation_id, "result"),
             params={"epoch": epoch},
-            content=_chunks(data),
-            headers={"Content-Type": wire.OCTET_STREAM, "Content-Length": str(len(data))},
+            content=content,
+            headers={"Content-Type": wire.OCTET_STREAM, "Content-Length": str(size)},
         )
         return _decode(_blob_decoder, response)
 
@@ -129,12 +159,24 @@ class GatewayClient:
         try:
             response = await self._http.request(method, path, timeout=timeout, **kwargs)
         except httpx.HTTPError as exc:
-            # Timeouts stringify as "": the type name alone says what happened.
-            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            raise GatewayUnavailable(f"{method} {path} failed: {reason}") from exc
+            raise _unavailable(method, path, exc) from exc
         if response.is_error:
             raise _error_for(method, path, response)
         return response
+
+
+async def _write(file: BinaryIO, pending: bytearray) -> int:
+    """Write out and empty ``pending``, in a thread: a slow disk must not stall heartbeats."""
+    written = len(pending)
+    await asyncio.to_thread(file.write, pending)
+    pending.clear()
+    return written
+
+
+def _unavailable(method: str, path: str, exc: httpx.HTTPError) -> GatewayUnavailable:
+    # Timeouts stringify as "": the type name alone says what happened.
+    reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return GatewayUnavailable(f"{method} {path} failed: {reason}")
 
 
 def _route(invocation_id: str, action: str) -> str:
@@ -154,8 +196,14 @@ def _decode(decoder: msgspec.json.Decoder[_T], response: httpx.Response) -> _T:
 
 async def _chunks(data: bytes) -> AsyncIterator[bytes]:
     view = memoryview(data)
-    for offset in range(0, len(data), UPLOAD_CHUNK):
-        yield bytes(view[offset : offset + UPLOAD_CHUNK])
+    for offset in range(0, len(data), TRANSFER_CHUNK):
+        yield bytes(view[offset : offset + TRANSFER_CHUNK])
+
+
+async def _file_chunks(path: str) -> AsyncIterator[bytes]:
+    with open(path, "rb") as file:
+        while chunk := await asyncio.to_thread(file.read, TRANSFER_CHUNK):
+            yield chunk
 
 
 def _error_for(method: str, path: str, response: httpx.Response) -> NodeletError:

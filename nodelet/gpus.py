@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Sequence
 from typing import Protocol
 
 import pynvml
@@ -20,9 +21,17 @@ FAKE_GPU_MEMORY_MB = 16384
 class GpuProvider(Protocol):
     def discover(self) -> list[wire.GpuInfo]: ...
 
+    def device(self, gpu_indices: Sequence[int]) -> str:
+        """The torch device a call on these GPUs moves its tensors to ("cuda:0", "cpu")."""
+        ...
+
 
 class NvmlProvider:
     """The node's NVIDIA GPUs, read through NVML (nvidia-ml-py)."""
+
+    def device(self, gpu_indices: Sequence[int]) -> str:
+        # The worker sees only its GPUs (CUDA_VISIBLE_DEVICES): the first is cuda:0.
+        return "cuda:0" if gpu_indices else "cpu"
 
     def discover(self) -> list[wire.GpuInfo]:
         pynvml.nvmlInit()
@@ -56,6 +65,9 @@ class FakeGpuProvider:
             raise ValueError(f"fake GPU count must be >= 0, got {count}")
         self.count = count
         self.node = node or socket.gethostname()
+
+    def device(self, gpu_indices: Sequence[int]) -> str:
+        return "cpu"  # a fake GPU is backed by the CPU
 
     def discover(self) -> list[wire.GpuInfo]:
         return [

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from bulletin import wire
 from nodelet.worker import frame
@@ -78,12 +78,20 @@ class Worker:
         return await self.process.wait()
 
 
-async def spawn_worker(*, cwd: str | None = None, env: Mapping[str, str] | None = None) -> Worker:
-    """Start one worker process; it waits for its task on stdin."""
+#: How a worker process is started.
+WORKER_COMMAND = (sys.executable, "-m", "nodelet.worker")
+
+
+async def spawn_worker(
+    *,
+    cwd: str | None = None,
+    env: Mapping[str, str] | None = None,
+    command: Sequence[str] = WORKER_COMMAND,
+) -> Worker:
+    """Start one worker process (``command``, which speaks the protocol of
+    :mod:`nodelet.worker`); it waits for its task on stdin."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "nodelet.worker",
+        *command,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -118,8 +126,10 @@ class WorkerPool:
         env: Mapping[str, str] | None = None,
         max_warm: int = 8,
         warm_idle_s: float = 300.0,
+        command: Sequence[str] = WORKER_COMMAND,
     ) -> None:
         self.spares = spares
+        self.command = tuple(command)
         self.max_warm = max_warm
         self.warm_idle_s = warm_idle_s
         self._cwd = cwd
@@ -218,7 +228,7 @@ class WorkerPool:
                 self._idle.append(worker)
 
     async def _spawn(self) -> Worker:
-        return await spawn_worker(cwd=self._cwd, env=self._env)
+        return await spawn_worker(cwd=self._cwd, env=self._env, command=self.command)
 
     async def _discard(self, worker: Worker) -> None:
         # An idle worker that died on its own usually failed to start; its stderr says why.

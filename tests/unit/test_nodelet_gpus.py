@@ -49,3 +49,11 @@ def test_without_nvidia_gpus_falls_back_to_two_fakes(caplog: pytest.LogCaptureFi
     assert len(gpus) == 2
     assert all(g.fake for g in gpus)
     assert "using 2 fake GPUs" in caplog.text
+
+
+def test_calls_on_real_gpus_move_their_tensors_to_cuda_and_all_others_stay_on_the_cpu() -> None:
+    # The worker sees only its own GPUs (CUDA_VISIBLE_DEVICES): the first of them is cuda:0.
+    assert NvmlProvider().device([3, 5]) == "cuda:0"
+    assert NvmlProvider().device([]) == "cpu"
+    assert FakeGpuProvider(2).device([1]) == "cpu"
+    assert FakeGpuProvider(2).device([]) == "cpu"
