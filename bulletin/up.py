@@ -155,7 +155,12 @@ def _run(
     port = settings.port or free_port()
     url = f"http://{settings.host}:{port}"
     env = {"BULLETIN_DATABASE_URL": database_url, "BULLETIN_LOG_LEVEL": settings.log_level}
-    children.append(_spawn(["-m", "gateway", "--host", settings.host, "--port", str(port)], env))
+    # One machine: a directory of the state dir is the shared directory every "node" sees,
+    # so big notebook state goes through files instead of the database.
+    shared_dir = state / "shared"
+    shared_dir.mkdir(exist_ok=True)
+    gateway = ["-m", "gateway", "--host", settings.host, "--port", str(port)]
+    children.append(_spawn([*gateway, "--shared-dir", str(shared_dir)], env))
     _wait_healthy(url, children[0])
     write_client_config(state / "client.toml", url, user_token)
     nodelet = [

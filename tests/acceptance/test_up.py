@@ -31,6 +31,8 @@ CALL = textwrap.dedent("""
         call = double.spawn(21)
         print("id:", call.id)
         print("result:", call.result())
+        print("big:", len(double(bytes(3 << 20))))  # 6 MiB back, through the shared dir
+        print("shared:", sdk.connect().shared_dir())
 """)
 
 
@@ -80,6 +82,7 @@ def test_up_serves_calls_stops_cleanly_and_reuses_its_data(tmp_path: Path) -> No
     try:
         out = run_call(sys.executable, state)
         assert "working on 21" in out and "result: 42" in out
+        assert "big: 6291456" in out and f"shared: {state / 'shared'}" in out
         call_id = out.split("id: ", 1)[1].split()[0]
         stop_and_check_nothing_is_left(proc, state)
         assert "Bulletin stopped." in log.read_text()
