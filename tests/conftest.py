@@ -136,8 +136,9 @@ class Cluster:
         return path
 
     def start_nodelet(
-        self, name: str = "node-a", fake_gpus: int = 2, cpu_slots: int = 2, **options: str
+        self, name: str = "node-a", fake_gpus: int | None = 2, cpu_slots: int = 2, **options: str
     ) -> subprocess.Popen[bytes]:
+        """Start a nodelet; ``fake_gpus=None`` uses the machine's NVIDIA GPUs."""
         args = [
             "-m",
             "nodelet",
@@ -147,11 +148,11 @@ class Cluster:
             str(self.node_token(name)),
             "--name",
             name,
-            "--fake-gpus",
-            str(fake_gpus),
             "--cpu-slots",
             str(cpu_slots),
         ]
+        if fake_gpus is not None:
+            args += ["--fake-gpus", str(fake_gpus)]
         for key, value in options.items():
             args += [f"--{key}", value]
         proc = self._spawn(name, args, {})

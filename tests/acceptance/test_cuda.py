@@ -1,0 +1,50 @@
+"""The CUDA paths, for real: a nodelet on the machine's NVIDIA GPUs (NVML, no fakes) runs a
+call whose notebook state moves to the GPU and comes back on the CPU. Skipped without CUDA;
+run on a GPU machine with ``pytest -m cuda``."""
+
+from __future__ import annotations
+
+import pytest
+
+import sdk
+from tests.conftest import Cluster
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and a CUDA torch"),
+]
+
+
+@pytest.fixture
+def gpu_cluster(gateway: Cluster) -> Cluster:
+    gateway.start_nodelet(fake_gpus=None)
+    sdk.connect(gateway.url, gateway.token)
+    return gateway
+
+
+def test_state_runs_on_the_gpu_and_comes_back_on_the_cpu(gpu_cluster: Cluster) -> None:
+    namespace = {"__name__": "__main__", "torch": torch}
+    exec(
+        "model = torch.nn.Linear(8, 8)\n"
+        "weight = model.weight\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "outputs = []\n"
+        "def train(x):\n"
+        "    where = (str(x.device), str(model.weight.device), torch.cuda.current_device())\n"
+        "    loss = model(x).pow(2).sum()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    outputs.append(model(x))\n"
+        "    return where\n",
+        namespace,
+    )
+    before = namespace["weight"].detach().clone()
+    train = sdk.function(gpus=1)(namespace["train"])
+    assert train(torch.randn(4, 8)) == ("cuda:0", "cuda:0", 0)
+    weight = namespace["weight"]
+    assert namespace["model"].weight is weight and weight.device.type == "cpu"
+    assert weight.requires_grad and not torch.equal(weight.detach(), before)
+    assert namespace["opt"].param_groups[0]["params"][0] is weight
+    [output] = namespace["outputs"]
+    assert output.device.type == "cpu" and output.requires_grad
