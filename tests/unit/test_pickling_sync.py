@@ -377,3 +377,26 @@ def test_remote_mutations_leave_the_same_state_as_running_locally(
     returned = remote_run(synced["mutate"], program)
     assert returned.value == expected
     assert view(synced) == view(local)
+
+
+def test_an_outcome_over_the_limit_names_its_biggest_parts() -> None:
+    ns = notebook(
+        """
+        blob = b""
+
+        def grow():
+            global blob
+            blob = bytes(3 << 20)
+            return "small"
+        """
+    )
+    sent = caller.pack_call(ns["grow"], (), {}, sync=True, max_result_bytes=2 << 20)
+    call = remote.open_call(sent.packed.tobytes(), where="node 'test'")
+    fn, _, _ = call.load()
+    call.prepare("cpu")
+    value = fn()
+    with pytest.raises(remote.ResultError) as info:
+        call.pack_outcome(value, None)
+    message = str(info.value)
+    assert "over the limit of 2.0 MiB (max_state_bytes)" in message
+    assert "global 'blob' (bytes): 3.0 MiB" in message
