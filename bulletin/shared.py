@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import re
 import secrets
+import threading
 import time
 import uuid
 
@@ -98,3 +100,27 @@ def sweep(root: str, older_than_s: float) -> int:
                         os.unlink(entry.path)
                         removed += 1
     return removed
+
+
+_doomed: queue.SimpleQueue[str] = queue.SimpleQueue()
+_remover: threading.Thread | None = None
+_remover_lock = threading.Lock()
+
+
+def remove_later(path: str) -> None:
+    """Delete a file in a background thread: unlinking a GiB file frees its page cache, which
+    takes a noticeable fraction of a second that the caller need not wait for. A file left
+    behind when the process exits first is swept by the gateway."""
+    global _remover
+    _doomed.put(path)
+    with _remover_lock:
+        if _remover is None:
+            _remover = threading.Thread(target=_remove_forever, name="bulletin-remove", daemon=True)
+            _remover.start()
+
+
+def _remove_forever() -> None:
+    while True:
+        path = _doomed.get()
+        with contextlib.suppress(OSError):
+            os.unlink(path)

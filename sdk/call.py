@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
-from bulletin import wire
+from bulletin import shared, wire
 from bulletin.pickling import caller
 from sdk import outcome
 from sdk.client import Client
@@ -37,8 +35,7 @@ class Prepared:
     def discard(self) -> None:
         """Delete the payload file, once the call can no longer run (again)."""
         if self.payload_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.payload_path)
+            shared.remove_later(self.payload_path)
             self.payload_path = None
 
 

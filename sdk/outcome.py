@@ -4,7 +4,6 @@ the globals it changed, applied to the notebook's namespace on the way."""
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,8 +106,7 @@ def _load(
             ) from None
     finally:
         if path is not None:  # a result file in the shared directory: ours to delete
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            shared.remove_later(path)
     for note in returned.notes:
         warnings.warn(f"call {invocation.id}: {note}", StateSyncWarning, stacklevel=4)
     return returned

@@ -10,6 +10,7 @@ between. The header is read and checked (:func:`skew`) before anything is unpick
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import sys
@@ -147,6 +148,7 @@ def python_version() -> str:
     return f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
+@functools.cache
 def torch_version() -> str | None:
     """The installed torch's version without its local part (``2.13.0+cpu`` -> ``2.13.0``),
     looked up without importing torch; None when torch is not installed."""
