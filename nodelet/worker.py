@@ -113,6 +113,8 @@ def call(
     except BaseException as exc:
         # BaseException: sys.exit() or KeyboardInterrupt in user code is still the user's doing.
         error = exc
+    finally:
+        remote_call.finish()
     try:
         packed = remote_call.pack_outcome(value, error).packed
     except remote.ResultError as exc:

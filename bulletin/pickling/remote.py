@@ -66,6 +66,7 @@ class RemoteCall:
         self._bindings: dict[str, Any] = {}
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] = {}
+        self._default_device = False
 
     def load(self) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
         """Unpickle the call (the only place a worker unpickles user data)."""
@@ -81,12 +82,17 @@ class RemoteCall:
         return fn, self.args, self.kwargs
 
     def prepare(self, device: str) -> None:
-        """Move tensors and modules to ``device`` (unless the caller opted out), then take
-        the snapshots changes are measured against."""
+        """Move tensors and modules to ``device`` and make it torch's default device for the
+        call (unless the caller opted out), then take the snapshots changes are measured
+        against. ``finish`` undoes the default device."""
         roots: list[Any] = [self.args, self.kwargs]
         if self.namespace is not None:
             roots += [v for k, v in self.namespace.items() if not _dunder(k)]
-        replaced = tensors.move(roots, device) if self.header.move_to_device else {}
+        replaced: dict[int, Any] = {}
+        if self.header.move_to_device:
+            replaced = tensors.move(roots, device)
+            # Tensors the function makes (torch.randn(...)) land next to the moved ones.
+            self._default_device = tensors.set_default_device(device, self.header.torch)
         if self.namespace is None:
             return
         for index, obj in self._memo.items():
@@ -96,6 +102,12 @@ class RemoteCall:
                 self._tracked[id(obj)] = _Tracked(index, kind, obj, _snapshot(kind, obj))
         self._memo = {}
         self._bindings = {k: v for k, v in self.namespace.items() if not _dunder(k)}
+
+    def finish(self) -> None:
+        """Undo what ``prepare`` changed in the process (the default device)."""
+        if self._default_device:
+            tensors.set_default_device(None, None)
+            self._default_device = False
 
     def pack_outcome(self, value: Any, error: BaseException | None) -> Outcome:
         """Pickle ``(value, error, changed globals, deleted globals, notes, touched)``.

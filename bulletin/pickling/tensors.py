@@ -112,6 +112,20 @@ def move(roots: Iterable[Any], device: str) -> dict[int, Any]:
     return replaced
 
 
+def set_default_device(device: str | None, torch_used: str | None) -> bool:
+    """Make ``device`` torch's default device (None: back to the CPU). Only when torch is
+    in use (imported, or named by the call's header) and the device is not the CPU; returns
+    whether it was set."""
+    if device is not None and (device == "cpu" or (torch_used is None and not torch_module())):
+        return False
+    if device is None and torch_module() is None:
+        return False
+    import torch
+
+    torch.set_default_device(device)
+    return True
+
+
 def _move_tensor(tensor: Any, target: Any) -> None:
     """Move ``tensor`` keeping the Python object: swap its data (CPU to CUDA), or swap the
     whole tensor where torch cannot (other devices)."""

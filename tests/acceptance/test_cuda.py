@@ -31,7 +31,7 @@ def test_state_runs_on_the_gpu_and_comes_back_on_the_cpu(gpu_cluster: Cluster) -
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         "outputs = []\n"
         "def train(x):\n"
-        "    where = (str(x.device), str(model.weight.device), torch.cuda.current_device())\n"
+        "    where = (str(x.device), str(model.weight.device), str(torch.randn(1).device))\n"
         "    loss = model(x).pow(2).sum()\n"
         "    loss.backward()\n"
         "    opt.step()\n"
@@ -41,7 +41,7 @@ def test_state_runs_on_the_gpu_and_comes_back_on_the_cpu(gpu_cluster: Cluster) -
     )
     before = namespace["weight"].detach().clone()
     train = sdk.function(gpus=1)(namespace["train"])
-    assert train(torch.randn(4, 8)) == ("cuda:0", "cuda:0", 0)
+    assert train(torch.randn(4, 8)) == ("cuda:0", "cuda:0", "cuda:0")
     weight = namespace["weight"]
     assert namespace["model"].weight is weight and weight.device.type == "cpu"
     assert weight.requires_grad and not torch.equal(weight.detach(), before)

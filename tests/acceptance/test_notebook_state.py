@@ -234,7 +234,7 @@ def test_a_200_mib_tensor_goes_to_the_node_and_comes_back_changed(
     # Consumed files are deleted (in the background: unlinking 200 MiB takes a while).
     for sub in ("results", "payloads"):
         folder = tmp_path / "nas" / "bulletin" / sub
-        wait_until(lambda: not any(folder.iterdir()), 10, f"{sub} to be deleted")
+        wait_until(lambda d=folder: not any(d.iterdir()), 10, f"{sub} to be deleted")
 
 
 def test_ctrl_c_in_the_notebook_stops_the_remote_call_and_its_children(

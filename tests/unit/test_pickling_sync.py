@@ -26,6 +26,8 @@ def remote_run(fn: Any, *args: Any, device: str = "cpu", **flags: Any) -> caller
         value = rfn(*rargs, **rkwargs)
     except Exception as exc:
         error = exc
+    finally:
+        call.finish()
     packed = call.pack_outcome(value, error).packed
     return caller.load_outcome(frame.open_bytes(packed.tobytes()), sent.sync)
 

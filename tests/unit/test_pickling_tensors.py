@@ -156,14 +156,16 @@ def test_the_call_runs_with_its_state_on_the_assigned_device_unless_opted_out() 
         weights = torch.ones(3, requires_grad=True)
 
         def where(x):
-            return str(x.device), str(weights.device), weights.requires_grad
+            made = torch.zeros(1)  # made by the function: on the default device
+            return str(x.device), str(weights.device), weights.requires_grad, str(made.device)
         """
     )
     moved = remote_run(ns["where"], torch.zeros(2), device="meta")
-    assert moved.value == ("meta", "meta", True)
+    assert moved.value == ("meta", "meta", True, "meta")
     assert ns["weights"].device.type == "cpu"
+    assert torch.zeros(1).device.type == "cpu"  # the default device is restored after
     kept = remote_run(ns["where"], torch.zeros(2), device="meta", move_to_device=False)
-    assert kept.value == ("cpu", "cpu", True)
+    assert kept.value == ("cpu", "cpu", True, "cpu")
 
 
 def test_header_names_torch_only_when_the_call_holds_torch_objects() -> None:
