@@ -89,6 +89,7 @@ def run_task(task: wire.WorkerTask) -> wire.WorkerOutcome:
     try:
         remote_call.prepare(task.device)
     except Exception as exc:
+        remote_call.finish()
         return _failure(
             wire.ErrorKind.USER,
             type_name(exc),
@@ -115,12 +116,29 @@ def call(
         error = exc
     finally:
         remote_call.finish()
+    name = getattr(fn, "__qualname__", repr(fn))
     try:
-        packed = remote_call.pack_outcome(value, error).packed
+        outcome = remote_call.pack_outcome(value, error)
+        result, result_path = _place(outcome.packed, remote_call.header, task)
     except remote.ResultError as exc:
-        name = getattr(fn, "__qualname__", repr(fn))
         return _failure(wire.ErrorKind.USER, "ResultError", f"{name}: {exc}")
-    result, result_path = _place(packed, remote_call.header, task)
+    except Exception as exc:  # a full disk, a shared directory gone read-only...
+        return _failure(
+            wire.ErrorKind.USER,
+            "ResultError",
+            f"{name}: its outcome could not be written: {type_name(exc)}: {exc}",
+            user_traceback(exc),
+        )
+    if error is None and outcome.problem is not None:
+        # The return value cannot travel, but the state it changed does.
+        return wire.WorkerOutcome(
+            ok=False,
+            result=result,
+            result_path=result_path,
+            error_kind=wire.ErrorKind.USER,
+            error_type="ResultError",
+            error_message=f"{name}: {outcome.problem}",
+        )
     if error is None:
         return wire.WorkerOutcome(ok=True, result=result, result_path=result_path)
     return wire.WorkerOutcome(

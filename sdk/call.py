@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
@@ -55,6 +56,7 @@ class Call(Generic[R]):
         self._final: wire.Invocation | None = None
         self._prepared = prepared
         self._resolved: outcome.Resolved | None = None
+        self._resolving = threading.Lock()
 
     @classmethod
     def from_id(cls, invocation_id: str, *, client: Client | None = None) -> Call[Any]:
@@ -82,22 +84,27 @@ class Call(Generic[R]):
         raises ``ResultTimeout`` when the wait runs out; the call keeps running. Ctrl-C
         cancels the call and re-raises ``KeyboardInterrupt``.
         """
-        if self._resolved is None:
-            try:
-                invocation = self._wait(timeout)
-            except KeyboardInterrupt:
-                cancel_quietly(self._client, [self._id])
-                self._release()
-                raise
-            prepared = self._prepared
-            try:
-                self._resolved = outcome.resolve(
-                    invocation, self._client, prepared.sync if prepared else None
-                )
-            finally:
-                self._release()
+        with self._resolving:  # one thread loads and applies the outcome; others wait
+            if self._resolved is None:
+                self._resolve(timeout)
+        assert self._resolved is not None
         value: R = self._resolved.unwrap()
         return value
+
+    def _resolve(self, timeout: float | None) -> None:
+        try:
+            invocation = self._wait(timeout)
+        except KeyboardInterrupt:
+            cancel_quietly(self._client, [self._id])
+            self._release()
+            raise
+        prepared = self._prepared
+        try:
+            self._resolved = outcome.resolve(
+                invocation, self._client, prepared.sync if prepared else None
+            )
+        finally:
+            self._release()
 
     @property
     def remote_globals(self) -> dict[str, Any]:

@@ -62,7 +62,9 @@ def resolve(
     try:
         returned = _load(invocation, client, sync)
     except BulletinError as exc:
-        if state == wire.State.SUCCEEDED:
+        # Kept on the Call: its traceback would keep _load's frame (and the memo) alive.
+        exc = exc.with_traceback(None)
+        if state == wire.State.SUCCEEDED or isinstance(exc, VersionSkewError):
             return Resolved(error=exc)
         returned = None  # the failure is still described by the invocation's text
     if state == wire.State.SUCCEEDED:
@@ -72,7 +74,8 @@ def resolve(
         return Resolved(value=returned.value, remote_globals=returned.changed)
     changed = returned.changed if returned is not None else {}
     error_object = returned.error if returned is not None else None
-    return Resolved(error=_user_exception(invocation, error_object), remote_globals=changed)
+    raised = _user_exception(invocation, error_object, sent=returned is not None)
+    return Resolved(error=raised, remote_globals=changed)
 
 
 def _load(
@@ -85,28 +88,33 @@ def _load(
             f"The result of call {invocation.id} cannot be unpickled here: {exc}",
             invocation_id=invocation.id,
         ) from None
+    except OSError as exc:
+        raise SerializationError(
+            f"The result of call {invocation.id} in the shared directory cannot be read "
+            f"({exc.strerror or exc}): a result file is deleted once a caller has loaded it, "
+            "and swept after the gateway's shared_ttl_s.",
+            invocation_id=invocation.id,
+        ) from None
     if opened is None:
         return None
+    node = f"node {invocation.node!r}" if invocation.node else "the worker"
+    problem = frame.skew(opened.header, they=node, we="this notebook")
+    if problem is not None:
+        raise VersionSkewError(
+            f"The result of call {invocation.id} cannot be loaded here: {problem}",
+            invocation_id=invocation.id,
+        )
     try:
-        node = f"node {invocation.node!r}" if invocation.node else "the worker"
-        problem = frame.skew(opened.header, they=node, we="this notebook")
-        if problem is not None:
-            raise VersionSkewError(
-                f"The result of call {invocation.id} cannot be loaded here: {problem}",
-                invocation_id=invocation.id,
-            )
-        try:
-            returned = caller.load_outcome(opened, sync)
-        except Exception as exc:
-            raise SerializationError(
-                f"The result of call {invocation.id} cannot be unpickled here "
-                f"({type(exc).__name__}: {exc}). Install the module it needs in this "
-                "environment, or return plain Python data.",
-                invocation_id=invocation.id,
-            ) from None
-    finally:
-        if path is not None:  # a result file in the shared directory: ours to delete
-            shared.remove_later(path)
+        returned = caller.load_outcome(opened, sync)
+    except Exception as exc:
+        raise SerializationError(
+            f"The result of call {invocation.id} cannot be unpickled here "
+            f"({type(exc).__name__}: {exc}). Install the module it needs in this "
+            "environment, or return plain Python data.",
+            invocation_id=invocation.id,
+        ) from None
+    if path is not None:  # a result file in the shared directory, loaded: ours to delete
+        shared.remove_later(path)
     for note in returned.notes:
         warnings.warn(f"call {invocation.id}: {note}", StateSyncWarning, stacklevel=4)
     return returned
@@ -130,10 +138,16 @@ def _open(invocation: wire.Invocation, client: Client) -> tuple[frame.Opened | N
     return None, None
 
 
-def _user_exception(invocation: wire.Invocation, error: BaseException | None) -> Exception:
-    """The user's own exception, re-created with its type and the remote traceback."""
+def _user_exception(
+    invocation: wire.Invocation, error: BaseException | None, *, sent: bool
+) -> Exception:
+    """The user's own exception, re-created with its type and the remote traceback; when
+    it could not travel, or the call failed otherwise (its return value could not be
+    sent), an ``sdk.RemoteError`` with the text."""
     if not isinstance(error, Exception):
-        return _remote_error(RemoteError, invocation, "its exception cannot be unpickled here.")
+        raised = sent and invocation.error_type != "ResultError"
+        why = "its exception could not be brought here (it does not pickle or unpickle)."
+        return _remote_error(RemoteError, invocation, why if raised else "")
     traceback = invocation.traceback or ""
     # A type with __slots__ refuses the attribute; the note still shows the traceback.
     with contextlib.suppress(AttributeError):

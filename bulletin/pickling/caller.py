@@ -4,6 +4,7 @@ See ``remote.py`` for how changes are found and sent."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import inspect
 import io
@@ -67,7 +68,13 @@ def pack_call(
     packed, pickler = pack((fn, args, kwargs), sync=sync, **flags)
     if not sync:
         return Sent(packed, None)
-    memo = {index: obj for index, obj in pickler.memo.copy().values()}
+    # Not the temporaries that hold tensor memory for the buffers (a GPU tensor's CPU copy):
+    # only objects that were the notebook's can be named by what comes back.
+    memo = {
+        index: obj
+        for index, obj in pickler.memo.copy().values()
+        if not _holds_buffer(obj)
+    }
     namespace = fn.__globals__
     names: set[str] = set()
     for obj in memo.values():
@@ -75,6 +82,12 @@ def pack_call(
             names.update(code_names(obj.__code__))
     shipped = {name: namespace.get(name, MISSING) for name in names}
     return Sent(packed, Sync(memo, namespace, shipped))
+
+
+def _holds_buffer(obj: Any) -> bool:
+    if isinstance(obj, pickle.PickleBuffer):
+        return True
+    return type(obj) is tuple and any(isinstance(item, pickle.PickleBuffer) for item in obj)
 
 
 def code_names(code: types.CodeType) -> Iterator[str]:
@@ -88,14 +101,26 @@ def code_names(code: types.CodeType) -> Iterator[str]:
 def load_outcome(opened: frame.Opened, sync: Sync | None) -> Returned:
     """Unpickle an outcome; apply its state changes (in place) and globals (to the namespace)."""
     unpickler = _Unpickler(io.BytesIO(opened.pickle), opened.buffers, sync)
-    value, error, changed, deleted, notes, _touched = unpickler.load()
+    value, pickled_error, changed, deleted, notes, _touched = unpickler.load()
     # Containers keyed by objects are filled last, after those objects got their state.
     for _, apply in sorted(unpickler.deferred, key=lambda item: item[0]):
         apply()
-    returned = Returned(value, error, changed, deleted, list(notes))
+    returned = Returned(value, _error(pickled_error), changed, deleted, list(notes))
     if sync is not None:
         returned.notes += apply_globals(sync, changed, deleted)
     return returned
+
+
+def _error(data: bytes | None) -> BaseException | None:
+    """The call's exception, or None when it did not raise or cannot be loaded here (its
+    text still describes it)."""
+    if data is None:
+        return None
+    try:
+        error = pickle.loads(data)
+    except Exception:
+        return None
+    return error if isinstance(error, BaseException) else None
 
 
 def apply_globals(sync: Sync, changed: dict[str, Any], deleted: list[str]) -> list[str]:
@@ -195,7 +220,8 @@ def _set_list(obj: Any, state: list[Any]) -> None:
 
 def _set_dict(obj: Any, state: list[tuple[Any, Any]]) -> None:
     obj.clear()
-    obj.update(state)
+    for key, value in state:  # not update(): Counter.update adds counts
+        obj[key] = value
 
 
 def _set_set(obj: Any, state: list[Any]) -> None:
@@ -208,19 +234,26 @@ def _set_deque(obj: Any, state: list[Any]) -> None:
     obj.extend(state)
 
 
-def _set_object(obj: Any, state: Any) -> None:
-    setstate = getattr(obj, "__setstate__", None)
-    if setstate is not None:
-        setstate(state)
-        return
-    slots: dict[str, Any] = {}
-    if isinstance(state, tuple) and len(state) == 2:
-        state, slots = state[0], state[1] or {}
-    if hasattr(obj, "__dict__"):
-        obj.__dict__.clear()
-        obj.__dict__.update(state or {})
-    for name, value in slots.items():
-        object.__setattr__(obj, name, value)
+def _set_object(obj: Any, state: tuple[dict[str, Any], list[str]]) -> None:
+    """Set the attributes the call set and delete those it deleted, bypassing __setattr__
+    and __setstate__ as unpickling does; the others are left alone."""
+    changed, deleted = state
+    attributes = getattr(obj, "__dict__", None)
+    for name, value in changed.items():
+        if attributes is not None and not _is_slot(obj, name):
+            attributes[name] = value
+        else:
+            object.__setattr__(obj, name, value)
+    for name in deleted:
+        if attributes is not None and name in attributes:
+            del attributes[name]
+        else:
+            with contextlib.suppress(AttributeError):
+                object.__delattr__(obj, name)
+
+
+def _is_slot(obj: Any, name: str) -> bool:
+    return any(name in (getattr(k, "__slots__", ()) or ()) for k in type(obj).__mro__)
 
 
 _APPLY: dict[str, Callable[[Any, Any], None]] = {

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import cloudpickle
+
 from bulletin.pickling import frame, tensors
 from bulletin.pickling.pickler import Pickler, human, pack, size_of
 
@@ -48,10 +50,12 @@ class _Tracked:
 
 @dataclass
 class Outcome:
-    """The packed outcome, and why parts of it were left out."""
+    """The packed outcome; notes say what was left out; ``problem`` why the return value
+    could not be sent (the call then fails, with its state applied)."""
 
     packed: frame.Packed
     notes: list[str]
+    problem: str | None = None
 
 
 class RemoteCall:
@@ -64,6 +68,7 @@ class RemoteCall:
         self._memo: dict[int, Any] = {}
         self._tracked: dict[int, _Tracked] = {}
         self._bindings: dict[str, Any] = {}
+        self.fn: Any = None
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] = {}
         self._default_device = False
@@ -75,7 +80,7 @@ class RemoteCall:
         if not (isinstance(loaded, tuple) and len(loaded) == 3 and callable(loaded[0])):
             raise BadCall(f"the payload is a pickled {type(loaded).__name__}, not a call")
         fn, args, kwargs = loaded
-        self.args, self.kwargs = tuple(args), dict(kwargs)
+        self.fn, self.args, self.kwargs = fn, tuple(args), dict(kwargs)
         if self.header.sync and inspect.isfunction(fn):
             self._memo = unpickler.memo.copy()
             self.namespace = fn.__globals__
@@ -85,7 +90,7 @@ class RemoteCall:
         """Move tensors and modules to ``device`` and make it torch's default device for the
         call (unless the caller opted out), then take the snapshots changes are measured
         against. ``finish`` undoes the default device."""
-        roots: list[Any] = [self.args, self.kwargs]
+        roots: list[Any] = [self.fn, self.args, self.kwargs]
         if self.namespace is not None:
             roots += [v for k, v in self.namespace.items() if not _dunder(k)]
         replaced: dict[int, Any] = {}
@@ -110,51 +115,61 @@ class RemoteCall:
             self._default_device = False
 
     def pack_outcome(self, value: Any, error: BaseException | None) -> Outcome:
-        """Pickle ``(value, error, changed globals, deleted globals, notes, touched)``.
+        """Pickle ``(value, error, changed globals, deleted globals, notes, touched)``; the
+        error travels as its own pickle, so one that cannot be loaded there does not take
+        the state with it.
 
-        Globals that cannot be pickled are left out with a note; a return value that cannot
-        be pickled, or an outcome over the caller's size limit, raises ``ResultError``.
+        What cannot be pickled is left out and said why: a global or another changed object
+        of the notebook (a note), the return value (``Outcome.problem``: the call fails, its
+        state still comes back). An outcome over the caller's size limit raises
+        ``ResultError``.
         """
         changed, deleted, deep, shallow = self._changes()
         notes: list[str] = []
-        # Changed objects of the caller that no changed global reaches any more (an alias
-        # still sees them in the notebook): sent as well, so every in-place change arrives.
+        problem = None
+        # Changed objects of the caller that no changed global reaches any more (an alias,
+        # an argument, a closure still holds them): sent as well, so every change arrives.
         touched = [
             t.obj
             for key, t in self._tracked.items()
             if key in shallow and t.kind not in _IMMUTABLE and t.obj is not self.namespace
         ]
+        pickled_error = _pickled_error(error)
 
         def make(file: io.BytesIO, buffers: list[pickle.PickleBuffer]) -> Pickler:
             return _SyncPickler(file, buffers, self._tracked, deep, shallow)
 
         while True:
             try:
-                outcome = (value, error, changed, deleted, notes, touched)
+                outcome = (value, pickled_error, changed, deleted, notes, touched)
                 packed, _ = pack(outcome, make=make, sync=self.header.sync)
                 break
             except Exception as exc:
-                culprit = _unpicklable(value, error, changed, make)
-                if culprit == "error":
-                    error = None  # its type, message and traceback still travel as text
-                    continue
-                if culprit == "value":
-                    raise ResultError(
-                        f"the return value (a {_type(value)}) could not be pickled: "
-                        f"{_reason(exc)}; return plain data, tensors or picklable objects"
-                    ) from None
+                culprit = _unpicklable(value, changed, touched, make)
                 if culprit is None:
                     raise ResultError(f"the outcome could not be pickled: {_reason(exc)}") from None
-                notes.append(
-                    f"global {culprit!r} ({_type(changed[culprit])}) was changed by the call "
-                    f"but cannot be sent back: {_reason(exc)}; it keeps its old value here"
-                )
-                del changed[culprit]
-                touched = [obj for obj in touched if _pickles(obj, make)]
+                if culprit == "":
+                    problem = (
+                        f"the return value (a {_type(value)}) could not be pickled: "
+                        f"{_reason(exc)}; return plain data, tensors or picklable objects"
+                    )
+                    value = None
+                elif isinstance(culprit, str):
+                    notes.append(
+                        f"global {culprit!r} ({_type(changed[culprit])}) was changed by the "
+                        f"call but cannot be sent back: {_reason(exc)}; it keeps its old value"
+                    )
+                    del changed[culprit]
+                else:
+                    notes.append(
+                        f"a {_type(touched[culprit])} of the notebook was changed by the call "
+                        f"but cannot be sent back: {_reason(exc)}; it keeps its old contents"
+                    )
+                    del touched[culprit]
         limit = self.header.max_result_bytes
         if limit and packed.state_bytes > limit:
             raise ResultError(self._too_large(value, changed, packed.state_bytes, limit))
-        return Outcome(packed, notes)
+        return Outcome(packed, notes, problem)
 
     # ------------------------------------------------------------------ internals
 
@@ -245,7 +260,8 @@ class _SyncPickler(Pickler):
             if key not in self._shallow:
                 return ("r", entry.index)
             return ("a", entry.index, obj.view(type(obj)))
-        return ("u", entry.index, entry.kind, type(obj).__qualname__, _state(entry.kind, obj))
+        state = _state(entry.kind, obj, entry.before)
+        return ("u", entry.index, entry.kind, type(obj).__qualname__, state)
 
 
 # ------------------------------------------------------------------ kinds of tracked objects
@@ -268,10 +284,12 @@ def _kind(obj: Any) -> str | None:
         return "frozenset"
     torch = tensors.torch_module()
     if torch is not None and isinstance(obj, torch.Tensor):
-        return "tensor"
+        # Sparse, quantized, nested and meta tensors only come back when rebound.
+        return "tensor" if tensors.dense(obj) else None
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(obj, numpy.ndarray):
-        return "array" if obj.dtype != object and obj.flags.c_contiguous else None
+        contiguous = obj.flags.c_contiguous or obj.flags.f_contiguous
+        return "array" if obj.dtype != object and contiguous else None
     if _plain_instance(obj):
         return "object"
     return None
@@ -295,8 +313,10 @@ def _snapshot(kind: str, obj: Any) -> Any:
     if kind == "dict":
         return list(obj.items())
     if kind == "bytearray":
-        return bytes(obj)
+        return (len(obj), zlib.crc32(obj))
     if kind == "tensor":
+        # The version counter misses writes through .data and some kernels' in-place
+        # updates (batch norm's running statistics): the contents are fingerprinted too.
         return (
             type(obj),
             obj._version,
@@ -305,9 +325,10 @@ def _snapshot(kind: str, obj: Any) -> Any:
             obj.dtype,
             obj.device,
             obj.requires_grad,
+            tensors.fingerprint(obj),
         )
     if kind == "array":
-        return (obj.shape, obj.dtype, zlib.crc32(obj.data))
+        return (obj.shape, obj.dtype, obj.strides, zlib.crc32(obj.ravel(order="K")))
     return _instance_items(obj)
 
 
@@ -325,7 +346,7 @@ def _same(kind: str, before: Any, obj: Any) -> bool:
 
 
 def _instance_items(obj: Any) -> list[Any]:
-    items = list(vars(obj).items())
+    items = list(getattr(obj, "__dict__", {}).items())
     for slot in _slots(type(obj)):
         items.append((slot, getattr(obj, slot, _MISSING)))
     return items
@@ -349,31 +370,54 @@ def _children(kind: str, obj: Any) -> list[Any]:
     return []
 
 
-def _state(kind: str, obj: Any) -> Any:
+def _state(kind: str, obj: Any, before: Any) -> Any:
     if kind in ("list", "deque", "set"):
         return list(obj)
     if kind == "dict":
         return list(obj.items())
     if kind == "bytearray":
         return bytes(obj)
-    return obj.__getstate__()
+    # An instance: only the attributes the call set or deleted, so attributes its pickled
+    # state leaves out (caches, locks) and __setstate__ side effects are not disturbed.
+    old = {name: value for name, value in before}
+    now = _instance_items(obj)
+    changed = {name: value for name, value in now if old.get(name, _MISSING) is not value}
+    present = {name for name, value in now if value is not _MISSING}
+    deleted = [name for name, value in before if value is not _MISSING and name not in present]
+    return {name: v for name, v in changed.items() if v is not _MISSING}, deleted
 
 
 def _unpicklable(
     value: Any,
-    error: BaseException | None,
     changed: dict[str, Any],
+    touched: list[Any],
     make: Callable[[io.BytesIO, list[pickle.PickleBuffer]], Pickler],
-) -> str | None:
-    """What in an outcome cannot be pickled: "error", "value", a global's name, or None."""
-    if error is not None and not _pickles(error, make):
-        return "error"
+) -> str | int | None:
+    """What in an outcome cannot be pickled: "" (the value), a global's name, the index of
+    a touched object, or None."""
     if not _pickles(value, make):
-        return "value"
+        return ""
     for name, obj in changed.items():
         if not _pickles(obj, make):
             return name
+    for index, obj in enumerate(touched):
+        if not _pickles(obj, make):
+            return index
     return None
+
+
+def _pickled_error(error: BaseException | None) -> bytes | None:
+    """The exception pickled on its own, if it also unpickles (a custom exception whose
+    __init__ takes other arguments than it passes to Exception does not); else None, and
+    its type, message and traceback travel as text only."""
+    if error is None:
+        return None
+    try:
+        data = cloudpickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(data)
+    except Exception:
+        return None
+    return data
 
 
 def _pickles(obj: Any, make: Callable[[io.BytesIO, list[pickle.PickleBuffer]], Pickler]) -> bool:

@@ -13,9 +13,13 @@ torch is never imported here: a tensor can only exist if the user's code importe
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import pickle
 import sys
+import types
+import zlib
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -33,18 +37,58 @@ def is_plain_tensor(obj: Any) -> bool:
     return torch is not None and type(obj) is torch.Tensor
 
 
+def dense(tensor: Any) -> bool:
+    """Whether a tensor has plain memory (strided, not quantized, nested or meta)."""
+    torch = torch_module()
+    assert torch is not None
+    return bool(
+        tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_nested
+        and tensor.device.type != "meta"
+    )
+
+
+#: Fingerprint rows: 512 64-bit words (4 KiB) are xor-reduced to one word on the tensor's
+#: device; the row hashes (1/512 of the tensor) are checksummed on the CPU.
+_ROW = 512
+
+
+def fingerprint(tensor: Any) -> int:
+    """A checksum of a dense tensor's contents, computed where it lives (a GPU tensor is not
+    copied to the CPU whole). It changes when any 64-bit word changes; reordering words
+    within one 4 KiB row goes unnoticed."""
+    torch = torch_module()
+    assert torch is not None
+    data = tensor.detach()
+    if data.numel() == 0:
+        return 0
+    data = data.contiguous().reshape(-1)
+    nbytes = data.numel() * data.element_size()
+    if nbytes % 8 or not hasattr(torch, "hash_tensor"):
+        return zlib.crc32(_cpu_bytes(data))
+    words = data.view(torch.int64)
+    rows = words.numel() // _ROW * _ROW
+    parts = [torch.hash_tensor(words[:rows].view(-1, _ROW), dim=1)] if rows else []
+    if rows < words.numel():
+        parts.append(torch.hash_tensor(words[rows:]).reshape(1))
+    return zlib.crc32(_cpu_bytes(torch.cat(parts)))
+
+
+def _cpu_bytes(data: Any) -> bytes:
+    data = data.to("cpu").contiguous()
+    size = data.numel() * data.element_size()
+    return bytes((ctypes.c_char * size).from_address(data.data_ptr()))
+
+
 def reduce(tensor: Any, keep: list[Any]) -> Any:
     """A pickle reduction of a plain tensor as raw out-of-band bytes, or NotImplemented for
     what only torch knows how to pickle (sparse, quantized, meta, nested tensors)."""
     torch = torch_module()
     assert torch is not None
     data = tensor.detach()
-    if (
-        data.layout != torch.strided
-        or data.is_quantized
-        or data.is_nested
-        or data.device.type == "meta"
-    ):
+    if not dense(data) or 0 in data.stride():
+        # torch's own pickling keeps a broadcast (expanded) tensor's storage small.
         return NotImplemented
     if data.device.type != "cpu":
         data = data.to("cpu")
@@ -80,11 +124,12 @@ def rebuild_empty(dtype: str, shape: tuple[int, ...], requires_grad: bool) -> An
 def move(roots: Iterable[Any], device: str) -> dict[int, Any]:
     """Move every tensor and module reachable from ``roots`` to ``device``, in place.
 
-    Reached through lists, tuples, sets, dicts and instances of classes defined in the
-    notebook. A tensor keeps its identity (its ``.data`` is replaced), so aliases and
-    containers still hold it, and keeps ``requires_grad`` and being a leaf. A module is moved
-    with ``Module.to``; parameters and buffers that it replaced by new objects are returned
-    as ``{id(old): new}``.
+    Reached through lists, tuples, sets, dicts, instances of classes defined in the
+    notebook, optimizers' state, and the closures and defaults of notebook functions. A
+    tensor keeps its identity (its data is swapped), so aliases and containers still hold
+    it, and keeps ``requires_grad`` and being a leaf. A module is moved with ``Module.to``;
+    parameters and buffers that it replaced by new objects are returned as
+    ``{id(old): new}``.
     """
     torch = torch_module()
     if torch is None:
@@ -103,6 +148,16 @@ def move(roots: Iterable[Any], device: str) -> dict[int, Any]:
                 _move_tensor(obj, target)
         elif isinstance(obj, torch.nn.Module):
             replaced.update(_move_module(obj, target))
+        elif isinstance(obj, torch.optim.Optimizer):
+            stack.extend(_optimizer_state(obj))
+        elif isinstance(obj, types.FunctionType):
+            # What a notebook function carries: closure cells and default values.
+            if obj.__module__ == "__main__":
+                stack.extend(_cells(obj))
+                stack.extend(obj.__defaults__ or ())
+                stack.extend((obj.__kwdefaults__ or {}).values())
+        elif isinstance(obj, functools.partial):
+            stack.extend([obj.func, *obj.args, *obj.keywords.values()])
         elif isinstance(obj, dict):
             stack.extend(obj.values())
         elif isinstance(obj, _CONTAINERS):
@@ -138,9 +193,39 @@ def _move_tensor(tensor: Any, target: Any) -> None:
         torch.utils.swap_tensors(tensor, moved)
 
 
+def _optimizer_state(optimizer: Any) -> list[Any]:
+    """An optimizer's per-parameter state tensors, except the step counts torch keeps on the
+    CPU unless the group is capturable or fused (as Optimizer.load_state_dict does)."""
+    found = []
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("capturable") or group.get("fused"))
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if key != "step" or on_device:
+                    found.append(value)
+    return found
+
+
+def _cells(fn: types.FunctionType) -> list[Any]:
+    found = []
+    for cell in fn.__closure__ or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            found.append(cell.cell_contents)
+    return found
+
+
 def _move_module(module: Any, target: Any) -> dict[int, Any]:
+    """``Module.to`` with parameters swapped in place (as they are between CPU and CUDA by
+    default, and for every device here), so optimizers keyed by them still find them."""
+    import torch
+
     before = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    module.to(target)
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to(target)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
     after = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     return {
         id(old): after[name]

@@ -402,3 +402,91 @@ def test_an_outcome_over_the_limit_names_its_biggest_parts() -> None:
     message = str(info.value)
     assert "over the limit of 2.0 MiB (max_state_bytes)" in message
     assert "global 'blob' (bytes): 3.0 MiB" in message
+
+
+def test_counter_slots_and_partial_attribute_state_are_applied_exactly() -> None:
+    ns = notebook(
+        """
+        from collections import Counter
+        from dataclasses import dataclass
+
+        @dataclass(slots=True)
+        class Point:
+            x: int
+            y: int
+
+        class Cached:
+            def __init__(self):
+                self.n = 0
+                self.cache = {"warm": True}
+
+            def __getstate__(self):  # the cache is not pickled
+                return {"n": self.n}
+
+        counts = Counter(a=1)
+        point = Point(1, 2)
+        cached = Cached()
+
+        def work():
+            counts["b"] += 2
+            point.x = 10
+            cached.n += 1
+        """
+    )
+    point, cached = ns["point"], ns["cached"]
+    remote_run(ns["work"])
+    assert ns["counts"] == {"a": 1, "b": 2}
+    assert ns["point"] is point and (point.x, point.y) == (10, 2)
+    assert ns["cached"] is cached and cached.n == 1 and cached.cache == {"warm": True}
+
+
+def test_state_comes_back_when_the_exception_cannot_or_the_value_cannot() -> None:
+    ns = notebook(
+        """
+        import threading
+        losses = []
+
+        class Diverged(Exception):
+            def __init__(self, step, loss):  # unpicklable: Exception.args is (message,)
+                super().__init__(f"step {step}: loss {loss}")
+
+        def train():
+            losses.append(0.5)
+            raise Diverged(3, 0.5)
+
+        def make_lock():
+            losses.append(0.25)
+            return threading.Lock()
+        """
+    )
+    returned = remote_run(ns["train"])
+    assert returned.error is None and ns["losses"] == [0.5]  # the error travels as text
+    sent = caller.pack_call(ns["make_lock"], (), {}, sync=True)
+    call = remote.open_call(sent.packed.tobytes(), where="node 'test'")
+    fn, _, _ = call.load()
+    call.prepare("cpu")
+    outcome = call.pack_outcome(fn(), None)
+    assert outcome.problem is not None and "return value (a _thread.lock)" in outcome.problem
+    caller.load_outcome(frame.open_bytes(outcome.packed.tobytes()), sent.sync)
+    assert ns["losses"] == [0.5, 0.25]
+
+
+def test_an_argument_changed_in_place_comes_back_unless_it_cannot() -> None:
+    ns = notebook(
+        """
+        import threading
+
+        def grow(items):
+            items.append(len(items))
+            return "grown"
+
+        def spoil(items):
+            items.append(threading.Lock())
+            return "spoilt"
+        """
+    )
+    items: list[Any] = []
+    assert remote_run(ns["grow"], items).value == "grown"
+    returned = remote_run(ns["spoil"], items)
+    assert returned.value == "spoilt" and items == [0]
+    assert any("list of the notebook was changed" in note for note in returned.notes)

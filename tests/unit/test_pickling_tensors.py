@@ -175,3 +175,65 @@ def test_header_names_torch_only_when_the_call_holds_torch_objects() -> None:
     assert with_tensor.header.torch == torch.__version__.split("+")[0]
     with_module = caller.pack_call(lambda m: m, (torch.nn.ReLU(),), {}, sync=False).packed
     assert with_module.header.torch == torch.__version__.split("+")[0]
+
+
+def test_writes_the_version_counter_misses_still_come_back() -> None:
+    ns = notebook(
+        """
+        import numpy, torch
+        w = torch.zeros(3, requires_grad=True)
+        bn = torch.nn.BatchNorm1d(2)
+        fortran = numpy.zeros((3, 3), order="F")
+
+        def step():
+            (w * 2).sum().backward()
+            w.data -= 0.5 * w.grad  # a manual SGD step: invisible to w._version
+            bn.train()
+            bn(torch.randn(8, 2) + 5)  # running statistics updated in the kernel
+            fortran[0, 0] = 7
+        """
+    )
+    mean = ns["bn"].running_mean
+    remote_run(ns["step"])
+    assert torch.equal(ns["w"].detach(), torch.full((3,), -1.0))
+    assert ns["bn"].running_mean is mean and float(mean.mean()) > 0.1
+    assert ns["fortran"][0, 0] == 7
+
+
+def test_a_broadcast_tensor_travels_at_its_storage_size_and_sparse_ones_travel() -> None:
+    ns = notebook(
+        """
+        import torch
+        wide = torch.zeros(1).expand(1 << 24)  # 64 MiB as a dense tensor, 4 bytes stored
+        sparse = torch.eye(3).to_sparse()
+
+        def use():
+            return float(wide.sum()), int(sparse.to_dense().sum())
+        """
+    )
+    packed = caller.pack_call(ns["use"], (), {}, sync=True).packed
+    assert packed.nbytes < 1 << 20
+    assert remote_run(ns["use"]).value == (0.0, 3)
+
+
+def test_optimizer_state_and_closures_move_to_the_device() -> None:
+    ns = notebook(
+        """
+        import torch
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+
+        def make():
+            scale = torch.ones(2)
+
+            def where():
+                state = opt.state[model.weight]
+                return str(state["exp_avg"].device), str(state["step"].device), str(scale.device)
+
+            return where
+        where = make()
+        """
+    )
+    assert remote_run(ns["where"], device="meta").value == ("meta", "cpu", "meta")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import cloudpickle
 import msgspec
 import pytest
 
@@ -25,8 +26,9 @@ def client() -> Iterator[sdk.Client]:
 
 
 def envelope(value: Any = None, error: BaseException | None = None) -> bytes:
-    """A worker's outcome envelope: (value, error, changed, deleted, notes, touched)."""
-    packed, _ = pickler.pack((value, error, {}, [], [], []))
+    """A worker's outcome envelope: (value, pickled error, changed, deleted, notes, touched)."""
+    pickled = None if error is None else cloudpickle.dumps(error)
+    packed, _ = pickler.pack((value, pickled, {}, [], [], []))
     return packed.tobytes()
 
 
