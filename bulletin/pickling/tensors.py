@@ -104,12 +104,17 @@ def reduce(tensor: Any, keep: list[Any]) -> Any:
     return rebuild, (pickle.PickleBuffer(raw), dtype, shape, tensor.requires_grad)
 
 
+#: Tensors smaller than this are copied out of the received envelope, so that a few small
+#: tensors kept by the caller do not keep a whole downloaded envelope alive.
+COPY_BELOW = 1 << 20
+
+
 def rebuild(buffer: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
-    """A tensor over ``buffer``'s memory (no copy)."""
+    """A tensor over ``buffer``'s memory (no copy), or a copy of it when it is small."""
     import torch
 
     view = memoryview(buffer).cast("B")
-    if view.readonly:  # only when loaded without out-of-band buffers
+    if view.readonly or view.nbytes < COPY_BELOW:
         view = memoryview(bytearray(view))
     tensor = torch.frombuffer(view, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
