@@ -88,13 +88,16 @@ def new_result(root: str, invocation_id: str) -> tuple[str, str]:
     return rel, os.path.join(root, rel)
 
 
-def sweep(root: str, older_than_s: float) -> int:
-    """Delete payload and result files older than ``older_than_s``; returns how many."""
+def sweep(root: str, older_than_s: float, keep: frozenset[str] = frozenset()) -> int:
+    """Delete payload and result files older than ``older_than_s``, except those named in
+    ``keep`` (relative to the root); returns how many."""
     cutoff = time.time() - older_than_s
     removed = 0
     for sub in (PAYLOADS, RESULTS):
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(os.path.join(root, sub)):
+                if f"{sub}/{entry.name}" in keep:
+                    continue
                 with contextlib.suppress(OSError):
                     if entry.is_file() and entry.stat().st_mtime < cutoff:
                         os.unlink(entry.path)

@@ -63,7 +63,7 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
     }
     if config.shared_dir:
         tasks["shared-sweep"] = asyncio.create_task(
-            cluster.sweep_forever(config), name="shared-sweep"
+            cluster.sweep_forever(config, pool), name="shared-sweep"
         )
     try:
         yield

@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import asyncpg
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from bulletin import shared, wire
-from gateway import auth
+from gateway import auth, db
 from gateway.config import GatewayConfig
 from gateway.http import reply
 
@@ -28,13 +29,17 @@ async def prepare(config: GatewayConfig) -> str | None:
     return cluster_id
 
 
-async def sweep_forever(config: GatewayConfig) -> None:
+async def sweep_forever(config: GatewayConfig, pool: asyncpg.Pool) -> None:
     """Delete payload and result files older than ``shared_ttl_s``, at start and then every
-    ``sweep_interval_s``. Several replicas may sweep at once: deleting twice is harmless."""
+    ``sweep_interval_s``, but not the payload of a call that may still run (queued for
+    long, or retried). Several replicas may sweep at once: deleting twice is harmless."""
     while True:
         try:
-            removed = await asyncio.to_thread(shared.sweep, config.shared_dir, config.shared_ttl_s)
-        except OSError as exc:  # the NAS is away for a while: try again next round
+            keep = frozenset(await db.live_payload_files(pool))
+            removed = await asyncio.to_thread(
+                shared.sweep, config.shared_dir, config.shared_ttl_s, keep
+            )
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:  # next round
             log.warning("could not sweep the shared directory %s: %s", config.shared_dir, exc)
         else:
             if removed:

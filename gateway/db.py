@@ -264,6 +264,15 @@ async def owned_blobs(conn: Conn, owner_id: int, blob_ids: Iterable[str]) -> set
     return {str(r["id"]) for r in rows}
 
 
+async def live_payload_files(conn: Conn) -> set[str]:
+    """Payload files (relative to the shared directory) of calls that may still run."""
+    rows = await conn.fetch(
+        "SELECT payload_file FROM invocations"
+        " WHERE payload_file IS NOT NULL AND state IN ('queued', 'assigned', 'running')"
+    )
+    return {r["payload_file"] for r in rows}
+
+
 # ------------------------------------------------------------------------------ user reads
 
 

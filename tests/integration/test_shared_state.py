@@ -221,3 +221,24 @@ def test_blobs_over_max_state_bytes_get_413_and_leave_nothing_stored(
         )
         assert r.status_code == 413 and "max_state_bytes" in r.json()["detail"]
         assert asyncio.run(_blob_rows(database_url)) == (1, 2)  # the one complete upload
+
+
+def test_the_sweep_keeps_the_payload_of_a_call_that_may_still_run(
+    database_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    root = tmp_path / "nas"
+    cluster = Cluster(database_url, tmp_path)
+    # Files live 2 s; the sweep runs every half second.
+    with running(cluster, request, shared_dir=root, options={"shared-ttl-s": "2"}):
+        user = Http(cluster.url, cluster.token)
+        queued, orphan = root / shared.PAYLOADS / "queued.bin", root / shared.PAYLOADS / "x.bin"
+        for path in (queued, orphan):
+            path.write_bytes(b"state")
+        [invocation_id] = submit(
+            user, call(payload=None, payload_file="bulletin/payloads/queued.bin")
+        )
+        wait_until(lambda: not orphan.exists(), 10, "the orphan to be swept")
+        assert queued.exists()  # no node: the call is still queued, its payload must stay
+        cancelled = user.post("/v1/invocations/cancel", wire.CancelRequest(ids=[invocation_id]))
+        assert cancelled.status_code == 200, cancelled.text
+        wait_until(lambda: not queued.exists(), 10, "the cancelled call's payload to be swept")
