@@ -99,12 +99,12 @@ class Call(Generic[R]):
             self._release()
             raise
         prepared = self._prepared
-        try:
-            self._resolved = outcome.resolve(
-                invocation, self._client, prepared.sync if prepared else None
-            )
-        finally:
-            self._release()
+        # Interrupted or failed (Ctrl-C while a big result downloads, the gateway away), the
+        # outcome is not applied yet: keep what applying it needs, result() may be retried.
+        self._resolved = outcome.resolve(
+            invocation, self._client, prepared.sync if prepared else None
+        )
+        self._release()
 
     @property
     def remote_globals(self) -> dict[str, Any]:
