@@ -17,6 +17,8 @@ import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import cloudpickle
+
 from bulletin.pickling import caller
 from bulletin.pickling.pickler import human, size_of
 from sdk.errors import SerializationError, StateTooLarge
@@ -123,20 +125,37 @@ def _all_references(
 
 
 def _references(fn: types.FunctionType, called: types.FunctionType) -> Iterator[tuple[str, Any]]:
-    """The variables cloudpickle ships with ``fn``: globals, closure cells, defaults."""
+    """The variables cloudpickle ships with ``fn``; a local helper module is shipped whole,
+    so its attributes stand in for it."""
     of = "" if fn is called else f" (used by {fn.__qualname__})"
+    for name, label, value in _variables(fn, of):
+        if not isinstance(value, types.ModuleType):
+            yield label, value
+        elif _by_value(value):
+            for attribute, inner in vars(value).items():
+                if not attribute.startswith("__"):
+                    yield f"{name}.{attribute} (of local module {name!r}{of})", inner
+
+
+def _variables(fn: types.FunctionType, of: str) -> Iterator[tuple[str, str, Any]]:
+    """(name, label, value) of the globals, closure cells and defaults of ``fn``."""
     for name in dict.fromkeys(_global_names(fn.__code__)):
-        if name in fn.__globals__ and not isinstance(fn.__globals__[name], types.ModuleType):
-            yield f"global {name!r}{of}", fn.__globals__[name]
+        if name in fn.__globals__:
+            yield name, f"global {name!r}{of}", fn.__globals__[name]
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
         try:
-            yield f"closure variable {name!r} of {fn.__qualname__}", cell.cell_contents
+            yield name, f"closure variable {name!r} of {fn.__qualname__}", cell.cell_contents
         except ValueError:  # an empty cell: the variable was never assigned
             continue
     for index, default in enumerate(fn.__defaults__ or ()):
-        yield f"default value {index} of a parameter of {fn.__qualname__}", default
+        yield "", f"default value {index} of a parameter of {fn.__qualname__}", default
     for name, default in (fn.__kwdefaults__ or {}).items():
-        yield f"the default of parameter {name!r} of {fn.__qualname__}", default
+        yield name, f"the default of parameter {name!r} of {fn.__qualname__}", default
+
+
+def _by_value(module: types.ModuleType) -> bool:
+    check = getattr(cloudpickle.cloudpickle, "_is_registered_pickle_by_value", None)
+    return bool(check(module)) if check is not None else False
 
 
 def _global_names(code: types.CodeType) -> Iterator[str]:

@@ -490,3 +490,33 @@ def test_an_argument_changed_in_place_comes_back_unless_it_cannot() -> None:
     returned = remote_run(ns["spoil"], items)
     assert returned.value == "spoilt" and items == [0]
     assert any("list of the notebook was changed" in note for note in returned.notes)
+
+
+def test_everything_but_tensors_works_without_torch() -> None:
+    import subprocess
+    import sys
+
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.modules["torch"] = None  # any import of torch now fails
+        from tests.unit.test_pickling_sync import notebook, remote_run
+        ns = notebook(
+            '''
+            items = []
+            def grow(n):
+                items.extend(range(n))
+                return len(items)
+            '''
+        )
+        returned = remote_run(ns["grow"], 3)
+        assert returned.value == 3 and ns["items"] == [0, 1, 2], returned
+        assert returned.error is None
+        import nodelet.worker, sdk  # the worker and the sdk import without torch
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.stdout == "ok\n", done.stderr

@@ -147,3 +147,24 @@ def test_a_call_over_the_limit_names_its_biggest_parts() -> None:
     assert "over the cluster's limit of 2.0 MiB (max_state_bytes)" in message
     assert "closure variable 'big' of " in message and "(bytearray): 3.0 MiB" in message
     assert "argument 0 (bytes): 1.0 MiB" in message
+
+
+def test_an_unpicklable_attribute_of_a_local_helper_module_is_named(tmp_path: Any) -> None:
+    (tmp_path / "lab_helpers_q.py").write_text(
+        "import threading\nLOCK = threading.Lock()\n\ndef scale(x):\n    return 2 * x\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import lab_helpers_q  # type: ignore[import-not-found]
+
+        def uses_module(x: int) -> int:
+            return int(lab_helpers_q.scale(x))
+
+        message = explain(uses_module, 1)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("lab_helpers_q", None)
+        cloudpickle.unregister_pickle_by_value(lab_helpers_q)
+    assert message.startswith(
+        "lab_helpers_q.LOCK (of local module 'lab_helpers_q') (_thread.lock) cannot be sent"
+    )
