@@ -26,6 +26,8 @@ OCTET_STREAM = "application/octet-stream"
 # Constrained types for what clients send: values PostgreSQL can store (int4, text without
 # NUL bytes, uuid), rejected with a 422 at decoding rather than failing deep in the database.
 Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+#: A time as seconds since the epoch that PostgreSQL can store (no NaN, no infinity).
+Epoch = Annotated[float, msgspec.Meta(ge=0, le=1e11)]
 Text = Annotated[str, msgspec.Meta(pattern="^[^\\x00]*$")]
 Name = Annotated[str, msgspec.Meta(pattern="^[^\\x00]*$", max_length=200)]
 Id = Annotated[
@@ -107,13 +109,21 @@ class SubmitResponse(_Msg, frozen=True, kw_only=True):
 
 
 class Timeline(_Msg, frozen=True, kw_only=True):
-    """When each step of an invocation happened (seconds since the epoch, DB clock)."""
+    """When each step of an invocation's last attempt happened, in seconds since the epoch;
+    None where not reached. ``worker_acquired``, ``started`` and ``finished`` are the node's
+    clock, the rest the database's."""
 
     submitted: float | None = None
     scheduled: float | None = None
-    delivered: float | None = None
-    started: float | None = None
-    finished: float | None = None
+    delivered: float | None = None  # the node took the assignment
+    worker_acquired: float | None = None  # the node had a worker process for it
+    started: float | None = None  # the user's code started
+    finished: float | None = None  # the user's code returned or raised
+    stored: float | None = None  # the outcome was committed (the call became terminal)
+    fetched: float | None = None  # the caller first fetched the terminal invocation
+    #: Whether the worker was already running when the call arrived (a spare or a worker
+    #: kept warm from an earlier call); False: a process was started for it.
+    warm: bool | None = None
 
 
 class Invocation(_Msg, frozen=True, kw_only=True):
@@ -317,6 +327,11 @@ class CompleteRequest(_Msg, frozen=True, kw_only=True):
     result: bytes | None = None
     result_blob: Id | None = None
     result_file: SharedResult | None = None
+    # The node's clock: when it had a worker, when the user's code started and finished.
+    worker_acquired: Epoch | None = None
+    started: Epoch | None = None
+    finished: Epoch | None = None
+    warm: bool | None = None
 
 
 # ------------------------------------------------------------- worker process (nodelet <-> worker)
@@ -353,6 +368,9 @@ class WorkerOutcome(_Msg, frozen=True, kw_only=True):
     result: bytes | None = None
     # Absolute path of a file holding the result envelope when it was too big to inline.
     result_path: str | None = None
+    # When the user's code started and finished (time.time() on the node).
+    started: float | None = None
+    finished: float | None = None
     error_kind: ErrorKind | None = None
     error_type: str | None = None
     error_message: str | None = None

@@ -286,8 +286,11 @@ def _invocation_columns(result: str = "i.result") -> str:
         " extract(epoch FROM i.submitted_at) AS t_submitted,"
         " extract(epoch FROM i.scheduled_at) AS t_scheduled,"
         " extract(epoch FROM i.delivered_at) AS t_delivered,"
-        " extract(epoch FROM i.started_at) AS t_started,"
-        " extract(epoch FROM i.finished_at) AS t_finished"
+        " extract(epoch FROM i.worker_acquired_at) AS t_worker_acquired,"
+        " extract(epoch FROM i.code_started_at) AS t_started,"
+        " extract(epoch FROM i.code_finished_at) AS t_finished,"
+        " extract(epoch FROM i.finished_at) AS t_stored,"
+        " extract(epoch FROM i.fetched_at) AS t_fetched, i.warm"
     )
 
 
@@ -316,10 +319,27 @@ def to_invocation(row: asyncpg.Record) -> wire.Invocation:
             submitted=_f(row["t_submitted"]),
             scheduled=_f(row["t_scheduled"]),
             delivered=_f(row["t_delivered"]),
+            worker_acquired=_f(row["t_worker_acquired"]),
             started=_f(row["t_started"]),
             finished=_f(row["t_finished"]),
+            stored=_f(row["t_stored"]),
+            fetched=_f(row["t_fetched"]),
+            warm=row["warm"],
         ),
     )
+
+
+async def mark_fetched(conn: Conn, ids: Sequence[str]) -> dict[str, float]:
+    """Record that the caller fetched these terminal invocations (the first time only);
+    returns when, for those that were not marked before."""
+    rows = await conn.fetch(
+        "UPDATE invocations SET fetched_at = clock_timestamp()"
+        " WHERE id = ANY($1::uuid[]) AND fetched_at IS NULL"
+        " AND state IN ('succeeded', 'failed', 'timed_out', 'cancelled')"
+        " RETURNING id, extract(epoch FROM fetched_at) AS t",
+        [uuid.UUID(i) for i in ids],
+    )
+    return {str(r["id"]): float(r["t"]) for r in rows}
 
 
 async def get_invocations(conn: Conn, owner_id: int, ids: Sequence[str]) -> list[wire.Invocation]:
@@ -502,6 +522,7 @@ async def assign(
         "UPDATE invocations i SET state = 'assigned', node_id = d.node_id,"
         " gpu_indices = d.gpus::int[], attempts = i.attempts + 1, epoch = i.epoch + 1,"
         " log_ack = -1, scheduled_at = clock_timestamp(), delivered_at = NULL, started_at = NULL,"
+        " worker_acquired_at = NULL, code_started_at = NULL, code_finished_at = NULL, warm = NULL,"
         " lease_expires_at = clock_timestamp() + make_interval(secs => $4)"
         " FROM unnest($1::uuid[], $2::bigint[], $3::text[]) AS d(id, node_id, gpus)"
         " WHERE i.id = d.id AND i.state = 'queued' RETURNING i.id, i.node_id",
@@ -753,7 +774,9 @@ async def complete(
         status = await conn.execute(
             "UPDATE invocations i SET state = $4, error_kind = $5, error_type = $6,"
             " error_message = $7, traceback = $8, result = $9, result_blob = $10,"
-            " result_file = $11, finished_at = clock_timestamp(), lease_expires_at = NULL"
+            " result_file = $11, finished_at = clock_timestamp(), lease_expires_at = NULL,"
+            " worker_acquired_at = to_timestamp($12), code_started_at = to_timestamp($13),"
+            " code_finished_at = to_timestamp($14), warm = $15"
             f" WHERE {_FENCE} AND ($10::uuid IS NULL OR EXISTS (SELECT 1 FROM blobs b"
             "  WHERE b.id = $10 AND b.owner_id = i.owner_id AND b.complete))",
             uuid.UUID(invocation_id),
@@ -767,6 +790,10 @@ async def complete(
             request.result,
             None if request.result_blob is None else uuid.UUID(request.result_blob),
             request.result_file,
+            request.worker_acquired,
+            request.started,
+            request.finished,
+            request.warm,
         )
         if not status.endswith(" 1"):
             return False

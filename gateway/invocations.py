@@ -116,7 +116,24 @@ async def _one(request: Request, owner: int, invocation_id: str) -> wire.Invocat
 
 async def get_invocation(request: Request) -> Response:
     owner = await auth.user_id(request)
-    return reply(await _one(request, owner, request.path_params["id"]))
+    [found] = await _fetched(request, [await _one(request, owner, request.path_params["id"])])
+    return reply(found)
+
+
+async def _fetched(request: Request, found: list[wire.Invocation]) -> list[wire.Invocation]:
+    """Stamp the first fetch of terminal invocations on their timeline."""
+    fresh = [i.id for i in found if i.state.terminal and i.timeline.fetched is None]
+    if not fresh:
+        return found
+    stamped = await db.mark_fetched(request.app.state.relaxed, fresh)
+    return [
+        msgspec.structs.replace(
+            i, timeline=msgspec.structs.replace(i.timeline, fetched=stamped[i.id])
+        )
+        if i.id in stamped
+        else i
+        for i in found
+    ]
 
 
 async def list_invocations(request: Request) -> Response:
@@ -169,7 +186,7 @@ async def watch(request: Request) -> Response:
             if await sub.wait(min(remaining, config.recheck_s)) and len(cursors) > 1:
                 # Fan-out: let a few more completions land so one answer carries many.
                 await asyncio.sleep(FAN_IN_LINGER_S)
-    found = _within_answer_size(found)
+    found = await _fetched(request, _within_answer_size(found))
     with_logs = [(f.id, seen[f.id]) for f in found if f.log_count > seen[f.id]]
     logs = await db.logs_after(pool, with_logs, MAX_LOG_CHUNKS) if with_logs else []
     return reply(wire.WatchResponse(invocations=found, logs=logs))

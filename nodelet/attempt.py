@@ -20,7 +20,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import msgspec
@@ -206,6 +206,7 @@ class Attempt:
     async def _execute(self, task: wire.WorkerTask) -> Report:
         key = (self.assignment.owner, tuple(self.assignment.gpu_indices))
         worker = self._worker = await self._pool.acquire(key)
+        acquired = time.time()
         shipper = LogShipper(
             self._client, self.ref, flush_s=self._facts.log_flush_s, on_stale=worker.kill
         )
@@ -221,6 +222,8 @@ class Attempt:
         if shipper.stale is not None:
             raise shipper.stale
         report = self._report(task.result_path, worker.returncode, timed_out)
+        timing = {"worker_acquired": acquired, "warm": worker.warm}
+        report = replace(report, request=msgspec.structs.replace(report.request, **timing))
         if finished and not self.killed:
             self._worker = None
             self._pool.release(worker, key)
@@ -292,6 +295,8 @@ class Attempt:
             error_message=outcome.error_message,
             traceback=outcome.traceback,
             result=outcome.result,
+            started=outcome.started,
+            finished=outcome.finished,
         )
         return Report(request, outcome.result_path)
 

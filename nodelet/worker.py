@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from types import TracebackType
 from typing import IO, Any
@@ -109,26 +110,30 @@ def call(
 ) -> wire.WorkerOutcome:
     """Run ``fn(*args, **kwargs)`` and describe how it went."""
     value, error = None, None
+    started = time.time()
     try:
         value = fn(*args, **kwargs)
     except BaseException as exc:
         # BaseException: sys.exit() or KeyboardInterrupt in user code is still the user's doing.
         error = exc
     finally:
+        finished = time.time()
         remote_call.finish()
     name = getattr(fn, "__qualname__", repr(fn))
     try:
         outcome = remote_call.pack_outcome(value, error)
         result, result_path = _place(outcome.packed, remote_call.header, task)
     except remote.ResultError as exc:
-        return _failure(wire.ErrorKind.USER, "ResultError", f"{name}: {exc}")
+        failed = _failure(wire.ErrorKind.USER, "ResultError", f"{name}: {exc}")
+        return msgspec.structs.replace(failed, started=started, finished=finished)
     except Exception as exc:  # a full disk, a shared directory gone read-only...
-        return _failure(
+        failed = _failure(
             wire.ErrorKind.USER,
             "ResultError",
             f"{name}: its outcome could not be written: {type_name(exc)}: {exc}",
             user_traceback(exc),
         )
+        return msgspec.structs.replace(failed, started=started, finished=finished)
     if error is None and outcome.problem is not None:
         # The return value cannot travel, but the state it changed does.
         return wire.WorkerOutcome(
@@ -138,13 +143,19 @@ def call(
             error_kind=wire.ErrorKind.USER,
             error_type="ResultError",
             error_message=f"{name}: {outcome.problem}",
+            started=started,
+            finished=finished,
         )
     if error is None:
-        return wire.WorkerOutcome(ok=True, result=result, result_path=result_path)
+        return wire.WorkerOutcome(
+            ok=True, result=result, result_path=result_path, started=started, finished=finished
+        )
     return wire.WorkerOutcome(
         ok=False,
         result=result,
         result_path=result_path,
+        started=started,
+        finished=finished,
         error_kind=wire.ErrorKind.USER,
         error_type=type_name(error),
         error_message=str(error),

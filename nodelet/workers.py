@@ -33,6 +33,9 @@ class Worker:
 
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         self.process = process
+        #: Whether the worker was already running when a call got it (a spare, or warm from
+        #: an earlier call); False when it was started for the call.
+        self.warm = False
 
     @property
     def pid(self) -> int:
@@ -147,6 +150,8 @@ class WorkerPool:
         for entry in reversed(self._warm):
             if entry[0] == key and entry[1].returncode is None:
                 self._warm.remove(entry)
+                log.debug("warm-pool hit: worker %d, warm from a call of %s", entry[1].pid, key)
+                entry[1].warm = True
                 return entry[1]
         if key is not None:
             self._evict_overlapping(key)
@@ -154,9 +159,14 @@ class WorkerPool:
         while self._idle:
             worker = self._idle.popleft()
             if worker.returncode is None:
+                log.debug("warm-pool miss for %s: spare worker %d", key, worker.pid)
+                worker.warm = True
                 return worker
             await self._discard(worker)
-        return await self._spawn()
+        worker = await self._spawn()
+        log.info("warm-pool miss for %s: no spare worker, started %d for the call", key, worker.pid)
+        worker.warm = False
+        return worker
 
     def _evict_overlapping(self, key: WarmKey) -> None:
         """Kill warm workers of other keys on any of ``key``'s GPUs: they may hold memory

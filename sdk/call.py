@@ -107,6 +107,15 @@ class Call(Generic[R]):
         self._release()
 
     @property
+    def timings(self) -> wire.Timeline:
+        """When each step of the call happened (epoch seconds, None where not reached):
+        ``submitted, scheduled, delivered, worker_acquired, started, finished, stored,
+        fetched``, and ``warm`` (whether its worker process was already running)."""
+        if self._final is not None and self._final.timeline.fetched is not None:
+            return self._final.timeline
+        return self.info().timeline
+
+    @property
     def remote_globals(self) -> dict[str, Any]:
         """What the call sent back for each global it changed (empty before ``result()``),
         including those not applied because the notebook changed them meanwhile."""

@@ -55,6 +55,9 @@ class Function(Generic[P, R]):
     def __init__(self, fn: Callable[P, R], options: Options) -> None:
         self._fn = fn
         self._options = options
+        #: The call made by the most recent blocking call of this function (its
+        #: ``timings``, ``id``...), None before the first.
+        self.last_call: Call[R] | None = None
         functools.update_wrapper(self, fn)
 
     def __repr__(self) -> str:
@@ -71,8 +74,10 @@ class Function(Generic[P, R]):
         return self._options
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run remotely and return the result; Ctrl-C cancels the remote call."""
-        return self.spawn(*args, **kwargs).result()
+        """Run remotely and return the result; Ctrl-C cancels the remote call. The call is
+        kept as ``last_call`` (see ``Call.timings``)."""
+        call = self.last_call = self.spawn(*args, **kwargs)
+        return call.result()
 
     def local(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call the original function in this process."""

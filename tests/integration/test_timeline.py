@@ -1,0 +1,47 @@
+"""Every call's time-to-first-loss timeline, through a real cluster: each step stamped in
+order, warm versus cold workers, the first fetch, and the sdk's call.timings / last_call."""
+
+from __future__ import annotations
+
+import sdk
+from tests.conftest import Cluster
+
+
+def double(x: int) -> int:
+    return 2 * x
+
+
+STEPS = ("submitted", "scheduled", "delivered", "worker_acquired", "started", "finished")
+
+
+def test_a_blocking_call_records_every_step_in_order(cluster: Cluster) -> None:
+    fn = sdk.function()(double)
+    assert fn.last_call is None
+    assert fn(21) == 42
+    call = fn.last_call
+    assert call is not None
+    timings = call.timings
+    stamps = [getattr(timings, step) for step in STEPS]
+    assert all(stamp is not None for stamp in stamps), timings
+    # One machine: the node's clock and the database's are the same clock.
+    assert stamps == sorted(stamps), timings
+    assert timings.stored is not None and timings.finished <= timings.stored  # type: ignore[operator]
+    assert timings.fetched is not None and timings.stored <= timings.fetched
+    assert timings.warm is True  # the nodelet keeps spare workers started
+    assert sdk.Call.from_id(call.id).timings == timings  # the API returns the same timeline
+
+
+def test_a_call_without_a_spare_worker_is_cold_and_the_next_one_warm(gateway: Cluster) -> None:
+    gateway.start_nodelet(**{"spare-workers": "0"})
+    sdk.connect(gateway.url, gateway.token)
+    fn = sdk.function(gpus=1)(double)
+    assert fn(1) == 2
+    first = fn.last_call
+    assert fn(2) == 4
+    second = fn.last_call
+    assert first is not None and second is not None
+    assert first.timings.warm is False  # a worker process was started for it
+    assert second.timings.warm is True  # the same owner on the same GPU: kept warm
+    cold = first.timings.started - first.timings.worker_acquired  # type: ignore[operator]
+    assert cold >= 0
+    assert "warm-pool miss" in (gateway.dir / "node-a.log").read_text()
