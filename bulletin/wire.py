@@ -65,6 +65,8 @@ class ErrorKind(enum.StrEnum):
     WORKER_DIED = "worker_died"  # the worker process exited without a result
     BAD_PAYLOAD = "bad_payload"  # the worker could not unpickle the call
     VERSION_SKEW = "version_skew"  # caller and worker run incompatible Python/cloudpickle/torch
+    OUT_OF_MEMORY = "out_of_memory"  # killed at the call's memory limit
+    WORKER_CRASHED = "worker_crashed"  # the worker died by a signal or os._exit mid-call
 
 
 class Stream(enum.IntEnum):
@@ -270,16 +272,34 @@ class Assignment(_Msg, frozen=True, kw_only=True):
     owner: str = ""
 
 
+class GpuHealthReport(_Msg, frozen=True, kw_only=True):
+    """One GPU's health at a heartbeat (None where the GPU cannot say)."""
+
+    index: Int32
+    utilization_pct: Int32 | None = None
+    memory_used_mb: Int32 | None = None
+    temperature_c: Int32 | None = None
+    ecc_double_bit: Int32 | None = None
+    xid_errors: list[Int32] = msgspec.field(default_factory=list)
+    #: Why the GPU must leave service (a critical XID, uncorrectable ECC errors, lost).
+    critical: Name | None = None
+
+
 class HeartbeatRequest(_Msg, frozen=True, kw_only=True):
-    """Renews the node's liveness and the leases of the attempts it still runs."""
+    """Renews the node's liveness and the leases of the attempts it still runs, and
+    reports its GPUs' health."""
 
     running: list[Attempt]
+    gpu_health: list[GpuHealthReport] = msgspec.field(default_factory=list)
 
 
 class HeartbeatResponse(_Msg, frozen=True, kw_only=True):
     # Attempts the node must stop: cancelled, reassigned or no longer leased to it.
     revoked: list[Attempt]
     lease_s: float
+    # Whether the node gets no new work (an admin drained it, or a GPU failed), and why.
+    draining: bool = False
+    drain_reason: str | None = None
 
 
 class PollRequest(_Msg, frozen=True, kw_only=True):

@@ -47,6 +47,7 @@ HTTP_STRUCTS = [
     wire.RegisterResponse,
     wire.GpuInfo,
     wire.HeartbeatRequest,
+    wire.GpuHealthReport,
     wire.HeartbeatResponse,
     wire.Attempt,
     wire.PollRequest,
