@@ -17,6 +17,9 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
     name: str = msgspec.field(default_factory=socket.gethostname)
     #: Offer N CPU-backed fake GPUs instead of the NVIDIA GPUs found (none found: 2 fakes).
     fake_gpus: int | None = None
+    #: Fake GPUs only: a file of injected faults ("0 xid 79", "1 ecc 2", "0 lost"), re-read
+    #: at each health sample (see nodelet/gpus.py); for tests and drills.
+    fake_gpu_faults: str = ""
     #: Slots for CPU-only calls (gpus=0); 0 means one per core.
     cpu_slots: int = 0
     #: Idle worker processes kept started ahead of demand.
