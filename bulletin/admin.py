@@ -46,6 +46,23 @@ async def add_node(database_url: str, name: str) -> str:
         return token
 
 
+async def drain(database_url: str, name: str, reason: str | None) -> bool:
+    """Give node NAME no new work (its running calls finish); False if there is none."""
+    async with _connection(database_url) as conn:
+        return await db.set_draining(conn, name, True, reason or "drained by an admin")
+
+
+async def undrain(database_url: str, name: str) -> bool:
+    """Let node NAME take work again; False if there is none."""
+    async with _connection(database_url) as conn:
+        return await db.set_draining(conn, name, False, None)
+
+
+async def nodes(database_url: str) -> list[db.NodeStatus]:
+    async with _connection(database_url) as conn:
+        return await db.node_statuses(conn)
+
+
 async def token_valid(database_url: str, token: str) -> bool:
     async with _connection(database_url) as conn:
         return await db.lookup_token(conn, auth.token_hash(token)) is not None

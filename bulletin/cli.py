@@ -262,5 +262,59 @@ def node_add(name: str, database_url: str) -> None:
     click.echo(asyncio.run(admin.add_node(database_url, name)))
 
 
+@node.command("drain")
+@click.argument("name")
+@click.option("--reason", default="", help="Why, shown in 'bulletin node list'.")
+@database_option
+def node_drain(name: str, reason: str, database_url: str) -> None:
+    """Give node NAME no new work; the calls it runs finish. Undo with 'node undrain'."""
+    from bulletin import admin
+
+    if not asyncio.run(admin.drain(database_url, name, reason or None)):
+        raise click.ClickException(f"no node named {name!r} (see 'bulletin node list')")
+    click.echo(f"node {name} is draining: it gets no new work")
+
+
+@node.command("undrain")
+@click.argument("name")
+@database_option
+def node_undrain(name: str, database_url: str) -> None:
+    """Let node NAME take work again (after a GPU fault is dealt with, or maintenance)."""
+    from bulletin import admin
+
+    if not asyncio.run(admin.undrain(database_url, name)):
+        raise click.ClickException(f"no node named {name!r} (see 'bulletin node list')")
+    click.echo(f"node {name} takes work again")
+
+
+@node.command("list")
+@database_option
+def node_list(database_url: str) -> None:
+    """Nodes, whether they take work, and their GPUs' last reported health."""
+    import time
+
+    from bulletin import admin
+
+    for status in asyncio.run(admin.nodes(database_url)):
+        heard = (
+            "never heard from"
+            if status.last_heartbeat is None
+            else f"heard {time.time() - status.last_heartbeat:.0f} s ago"
+        )
+        state = f"DRAINING ({status.drain_reason})" if status.draining else "in service"
+        click.echo(
+            f"{status.name}: {status.gpus} GPUs, {status.cpu_slots} CPU slots, {heard}, {state}"
+        )
+        for gpu in status.gpu_health:
+            parts = [
+                f"{gpu.utilization_pct}% busy" if gpu.utilization_pct is not None else None,
+                f"{gpu.memory_used_mb} MiB used" if gpu.memory_used_mb is not None else None,
+                f"{gpu.temperature_c} C" if gpu.temperature_c is not None else None,
+                f"{gpu.ecc_double_bit} uncorrectable ECC" if gpu.ecc_double_bit else None,
+                f"CRITICAL: {gpu.critical}" if gpu.critical else None,
+            ]
+            click.echo(f"  GPU {gpu.index}: " + ", ".join(p for p in parts if p))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     cli.main(args=list(argv) if argv is not None else None, prog_name="bulletin")

@@ -476,12 +476,13 @@ _GPU_LIST = msgspec.json.Decoder(list[wire.GpuInfo])
 async def live_nodes(
     conn: Conn, heartbeat_timeout_s: float, *, lock: bool = False
 ) -> list[NodeRow]:
-    """Nodes heard from within the timeout; with ``lock``, their rows stay locked until the
-    transaction ends (the scheduler plans and commits under these locks)."""
+    """Nodes heard from within the timeout and not draining: those that may get new work.
+    With ``lock``, their rows stay locked until the transaction ends (the scheduler plans and
+    commits under these locks)."""
     rows = await conn.fetch(
         "SELECT id, name, gpus::text AS gpus, cpu_slots FROM nodes"
-        " WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) ORDER BY id"
-        + (" FOR UPDATE" if lock else ""),
+        " WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) AND NOT draining"
+        " ORDER BY id" + (" FOR UPDATE" if lock else ""),
         heartbeat_timeout_s,
     )
     return [NodeRow(r["id"], r["name"], _GPU_LIST.decode(r["gpus"]), r["cpu_slots"]) for r in rows]
@@ -573,13 +574,37 @@ def _attempt_arrays(running: Sequence[wire.Attempt]) -> tuple[list[str], list[in
     return [a.invocation_id for a in running], [a.epoch for a in running]
 
 
+_HEALTH = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class Drain:
+    draining: bool
+    reason: str | None
+
+
 async def heartbeat(
-    conn: asyncpg.Connection, node_id: int, running: Sequence[wire.Attempt], lease_s: float
-) -> list[wire.Attempt]:
-    """Mark the node alive, renew the leases it still holds, return the attempts it must stop."""
+    conn: asyncpg.Connection,
+    node_id: int,
+    running: Sequence[wire.Attempt],
+    lease_s: float,
+    health: Sequence[wire.GpuHealthReport] = (),
+) -> tuple[list[wire.Attempt], Drain]:
+    """Mark the node alive, store its GPUs' health (a critical GPU drains the node), renew
+    the leases it still holds; return the attempts it must stop and whether it drains."""
+    critical = "; ".join(f"GPU {h.index}: {h.critical}" for h in health if h.critical)
     async with conn.transaction():
-        await conn.execute(
-            "UPDATE nodes SET last_heartbeat = clock_timestamp() WHERE id = $1", node_id
+        row = await conn.fetchrow(
+            "UPDATE nodes SET last_heartbeat = clock_timestamp(),"
+            " gpu_health = CASE WHEN $2 THEN $3::jsonb ELSE gpu_health END,"
+            " health_at = CASE WHEN $2 THEN clock_timestamp() ELSE health_at END,"
+            " drain_reason = CASE WHEN $4 <> '' AND NOT draining THEN $4 ELSE drain_reason END,"
+            " draining = draining OR $4 <> ''"
+            " WHERE id = $1 RETURNING draining, drain_reason",
+            node_id,
+            bool(health),
+            _HEALTH.encode(list(health)).decode(),
+            critical,
         )
         held = await conn.fetch(
             "UPDATE invocations i"
@@ -592,7 +617,56 @@ async def heartbeat(
             lease_s,
         )
     kept = {str(r["id"]) for r in held}
-    return [a for a in running if a.invocation_id not in kept]
+    revoked = [a for a in running if a.invocation_id not in kept]
+    drain = Drain(bool(row["draining"]), row["drain_reason"]) if row else Drain(False, None)
+    return revoked, drain
+
+
+async def set_draining(conn: Conn, name: str, draining: bool, reason: str | None) -> bool:
+    """Drain (no new work) or undrain a node by name; False if there is no such node."""
+    status = await conn.execute(
+        "UPDATE nodes SET draining = $2, drain_reason = $3 WHERE name = $1",
+        name,
+        draining,
+        reason if draining else None,
+    )
+    if status.endswith(" 1") and not draining:
+        await _notify(conn, "q")  # it may take work again
+    return status.endswith(" 1")
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    name: str
+    gpus: int
+    cpu_slots: int
+    last_heartbeat: float | None
+    draining: bool
+    drain_reason: str | None
+    gpu_health: list[wire.GpuHealthReport]
+
+
+async def node_statuses(conn: Conn) -> list[NodeStatus]:
+    rows = await conn.fetch(
+        "SELECT name, jsonb_array_length(gpus) AS gpus, cpu_slots,"
+        " extract(epoch FROM last_heartbeat) AS heard, draining, drain_reason,"
+        " gpu_health::text AS health FROM nodes ORDER BY name"
+    )
+    return [
+        NodeStatus(
+            r["name"],
+            r["gpus"],
+            r["cpu_slots"],
+            _f(r["heard"]),
+            r["draining"],
+            r["drain_reason"],
+            _HEALTH_LIST.decode(r["health"]),
+        )
+        for r in rows
+    ]
+
+
+_HEALTH_LIST = msgspec.json.Decoder(list[wire.GpuHealthReport])
 
 
 async def revoked(conn: Conn, node_id: int, running: Sequence[wire.Attempt]) -> list[wire.Attempt]:

@@ -63,8 +63,15 @@ async def heartbeat(request: Request) -> Response:
     req = await body(request, wire.HeartbeatRequest)
     lease_s = request.app.state.config.lease_s
     async with request.app.state.relaxed.acquire() as conn:
-        revoked = await db.heartbeat(conn, node_id, req.running, lease_s)
-    return reply(wire.HeartbeatResponse(revoked=revoked, lease_s=lease_s))
+        revoked, drain = await db.heartbeat(conn, node_id, req.running, lease_s, req.gpu_health)
+    return reply(
+        wire.HeartbeatResponse(
+            revoked=revoked,
+            lease_s=lease_s,
+            draining=drain.draining,
+            drain_reason=drain.reason,
+        )
+    )
 
 
 async def poll(request: Request) -> Response:

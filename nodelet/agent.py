@@ -23,7 +23,7 @@ from nodelet.backoff import Backoff
 from nodelet.client import GatewayClient
 from nodelet.config import NodeletConfig
 from nodelet.errors import AuthRejected, GatewayUnavailable, NodeletError
-from nodelet.gpus import GpuProvider, choose_provider
+from nodelet.gpus import GpuHealth, GpuProvider, choose_provider
 from nodelet.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,9 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
     work_dir = config.work_dir or tempfile.mkdtemp(prefix="bulletin-nodelet-")
     client = GatewayClient(config.gateway_url, config.token, timeout_s=config.http_timeout_s)
     pool = WorkerPool(config.spare_workers, cwd=work_dir)
-    gpus = choose_provider(config.fake_gpus, node=config.name)
+    gpus = choose_provider(
+        config.fake_gpus, node=config.name, fault_file=config.fake_gpu_faults or None
+    )
     try:
         registration = await _unless_stopped(_register(client, config, gpus), stop)
         if registration is not None:
@@ -83,6 +85,7 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
     finally:
         await pool.close()
         await client.aclose()
+        await asyncio.to_thread(gpus.close)
         if not config.work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
 
@@ -151,8 +154,20 @@ async def shared_dir_seen(registration: wire.RegisterResponse) -> str | None:
     return None
 
 
+def _report(health: GpuHealth) -> wire.GpuHealthReport:
+    return wire.GpuHealthReport(
+        index=health.index,
+        utilization_pct=health.utilization_pct,
+        memory_used_mb=health.memory_used_mb,
+        temperature_c=health.temperature_c,
+        ecc_double_bit=health.ecc_double_bit,
+        xid_errors=list(health.xid_errors),
+        critical=None if health.critical is None else health.critical[:200],
+    )
+
+
 class Node:
-    """A registered node: runs its attempts and its three background loops."""
+    """A registered node: runs its attempts and its background loops."""
 
     def __init__(
         self,
@@ -169,6 +184,11 @@ class Node:
         self._client = client
         self._pool = pool
         self._facts = facts
+        # The GPUs' latest health sample, and critical reports not yet delivered (an XID is
+        # in one sample only: it must not be lost to the next sample before a heartbeat).
+        self._health: dict[int, wire.GpuHealthReport] = {}
+        self._critical: dict[int, wire.GpuHealthReport] = {}
+        self._draining: bool | None = None
 
     def running(self) -> list[wire.Attempt]:
         """The attempts this node still runs; killed ones are already given up."""
@@ -183,6 +203,7 @@ class Node:
             asyncio.create_task(self._poll_loop(), name="nodelet-poll"),
             asyncio.create_task(self._heartbeat_loop(), name="nodelet-heartbeat"),
             asyncio.create_task(self._pool.maintain(), name="nodelet-worker-pool"),
+            asyncio.create_task(self._health_loop(), name="nodelet-gpu-health"),
         ]
         stopped = asyncio.create_task(stop.wait(), name="nodelet-stop")
         try:
@@ -251,16 +272,51 @@ class Node:
 
     async def _heartbeat(self, running: list[wire.Attempt], *, timeout_s: float) -> bool:
         """One heartbeat; True if it renewed the leases of ``running``."""
+        health = [self._critical.get(i, report) for i, report in sorted(self._health.items())]
+        reported = dict(self._critical)
         try:
-            response = await self._client.heartbeat(running, timeout_s=timeout_s)
+            response = await self._client.heartbeat(
+                running, gpu_health=health, timeout_s=timeout_s
+            )
         except AuthRejected:
             raise
         except NodeletError as exc:
             log.warning("heartbeat failed: %s", exc)
             return False
+        for index, report in reported.items():
+            if self._critical.get(index) is report:
+                del self._critical[index]
         self.lease_s = response.lease_s
         self._revoke(response.revoked)
+        self._note_draining(response)
         return True
+
+    def _note_draining(self, response: wire.HeartbeatResponse) -> None:
+        if response.draining == self._draining:
+            return
+        if response.draining:
+            log.warning("this node is draining: no new work (%s)", response.drain_reason)
+        elif self._draining is not None:
+            log.info("this node takes work again")
+        self._draining = response.draining
+
+    async def _health_loop(self) -> None:
+        """Sample the GPUs' health every heartbeat interval (in a thread: NVML blocks)."""
+        provider = self._facts.gpus
+        while True:
+            try:
+                sample = await asyncio.to_thread(provider.health)
+            except Exception:
+                log.exception("sampling GPU health failed")
+                sample = []
+            for gpu in sample:
+                report = _report(gpu)
+                self._health[gpu.index] = report
+                if report.critical is not None:
+                    if gpu.index not in self._critical:
+                        log.error("GPU %d must leave service: %s", gpu.index, report.critical)
+                    self._critical[gpu.index] = report
+            await asyncio.sleep(self.registration.heartbeat_s)
 
     def _heartbeat_timeout(self) -> float:
         # A heartbeat still in flight at the kill deadline is as good as a failed one.

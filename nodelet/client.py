@@ -65,9 +65,13 @@ class GatewayClient:
         return _decode(_register_decoder, response)
 
     async def heartbeat(
-        self, running: list[wire.Attempt], *, timeout_s: float | None = None
+        self,
+        running: list[wire.Attempt],
+        *,
+        gpu_health: list[wire.GpuHealthReport] | None = None,
+        timeout_s: float | None = None,
     ) -> wire.HeartbeatResponse:
-        request = wire.HeartbeatRequest(running=running)
+        request = wire.HeartbeatRequest(running=running, gpu_health=gpu_health or [])
         response = await self._post("/v1/node/heartbeat", request, timeout_s=timeout_s)
         return _decode(_heartbeat_decoder, response)
 
