@@ -136,7 +136,16 @@ def test_a_call_runs_through_the_node_routes_and_the_user_sees_logs_and_result(
     logs = wire.LogsRequest(epoch=work.epoch, first_seq=0, chunks=chunks)
     assert node.post(f"{base}/logs", logs).status_code == 204
     assert node.post(f"{base}/logs", logs).status_code == 204  # a retry appends nothing
-    done = wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"pickled-result")
+    now = time.time()
+    done = wire.CompleteRequest(
+        epoch=work.epoch,
+        state="succeeded",
+        result=b"pickled-result",
+        worker_acquired=now - 0.003,
+        started=now - 0.002,
+        finished=now - 0.001,
+        warm=True,
+    )
     assert node.post(f"{base}/complete", done).status_code == 204
     r = user.post(
         "/v1/invocations/watch", wire.WatchRequest(items=[wire.WatchItem(id=invocation_id)])
@@ -149,8 +158,10 @@ def test_a_call_runs_through_the_node_routes_and_the_user_sees_logs_and_result(
     [inv] = news.invocations
     assert inv.state == wire.State.SUCCEEDED and inv.result == b"pickled-result"
     t = inv.timeline
-    assert t.submitted and t.scheduled and t.delivered and t.started and t.finished
-    assert t.submitted <= t.scheduled <= t.delivered <= t.started <= t.finished
+    steps = [t.submitted, t.scheduled, t.delivered, t.worker_acquired, t.started, t.finished]
+    assert all(steps) and t.stored and t.fetched and t.warm is True, t
+    assert steps == sorted(steps) and t.finished <= t.stored <= t.fetched  # type: ignore[operator]
+    assert abs(t.started - done.started) < 1e-3  # type: ignore[operator]  # the node's clock
     # A second completion (a duplicate or a stale attempt) changes nothing.
     assert node.post(f"{base}/complete", done).status_code == 409
 
