@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import os
 import secrets
@@ -57,6 +58,15 @@ class NodeFacts:
     cluster_shared_dir: str | None = None
     #: The same, only when this node sees it (``bulletin.shared.sees``).
     shared_dir: str | None = None
+
+
+class _Ending(enum.Enum):
+    """How a call's run in its worker ended."""
+
+    FINISHED = "finished"  # its output ended; the worker is alive and may be kept warm
+    EXITED = "exited"  # the worker exited (crashed, or was killed by something else)
+    TIMED_OUT = "timed out"  # stopped at its time limit by SIGTERM
+    TIMED_OUT_KILLED = "timed out, killed"  # ... and still running after the grace: SIGKILL
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +182,7 @@ class Attempt:
             inline_limit=facts.inline_limit,
             shared_dir=facts.shared_dir,
             spill_dir=attempt_dir,
+            env=self._pool.limiter.task_env(),
             # Random per call: the user's own output cannot end the call early.
             end_marker=b"\x00\x00bulletin-end-" + secrets.token_hex(8).encode() + b"\x00",
         )
@@ -211,8 +222,9 @@ class Attempt:
             self._client, self.ref, flush_s=self._facts.log_flush_s, on_stale=worker.kill
         )
         tasks = self._ship_output(shipper, worker, task.end_marker)
+        oom_kills = worker.oom_kills()  # a warm worker's cgroup counts earlier calls' too
         try:
-            timed_out, finished = await self._supervise(worker, task, tasks[1:])
+            ending = await self._supervise(worker, task, tasks[1:])
             await _drain(tasks[1:])
             shipper.close()
             await tasks[0]
@@ -221,10 +233,10 @@ class Attempt:
                 pending.cancel()
         if shipper.stale is not None:
             raise shipper.stale
-        report = self._report(task.result_path, worker.returncode, timed_out)
+        report = self._report(task.result_path, worker, ending, oom_kills)
         timing = {"worker_acquired": acquired, "warm": worker.warm}
         report = replace(report, request=msgspec.structs.replace(report.request, **timing))
-        if finished and not self.killed:
+        if ending is _Ending.FINISHED and not self.killed:
             self._worker = None
             self._pool.release(worker, key)
         return report
@@ -245,9 +257,10 @@ class Attempt:
 
     async def _supervise(
         self, worker: Worker, task: wire.WorkerTask, pumps: list[asyncio.Task[Any]]
-    ) -> tuple[bool, bool]:
+    ) -> _Ending:
         """Hand over the task and wait until the call's output ends (the worker stays, warm)
-        or the worker exits. Returns (timed out, finished with the worker alive)."""
+        or the worker exits. At the time limit, the worker's process group gets SIGTERM,
+        then SIGKILL after the pool's ``kill_grace_s``."""
         if not await worker.send(task):
             # Not the call's fault: abandoned, it is requeued when its lease lapses.
             raise NodeletError("the worker died before it received the call")
@@ -263,30 +276,53 @@ class Attempt:
             ended.cancel()
         if ended in done and all(p.result() for p in pumps) and worker.returncode is None:
             exited.cancel()
-            return False, True
-        if not done:
-            log.info("%s exceeded its %s s limit; killing it", self, self.assignment.timeout_s)
-        # Also kills what the call left running, which would otherwise hold the pipes open.
-        worker.kill()
+            return _Ending.FINISHED
+        if done:
+            # Also kills what the call left running, which would otherwise hold the pipes open.
+            worker.kill()
+            await exited
+            return _Ending.EXITED
+        grace = self._pool.kill_grace_s
+        log.info(
+            "%s exceeded its %g s limit; terminating it (SIGKILL after %g s)",
+            self,
+            self.assignment.timeout_s,
+            grace,
+        )
+        killed = await worker.stop(grace, call_ended=lambda: _marked(pumps))
         await exited
-        return not done, False
+        return _Ending.TIMED_OUT_KILLED if killed else _Ending.TIMED_OUT
 
-    def _report(self, result_path: str, returncode: int | None, timed_out: bool) -> Report:
+    def _report(self, result_path: str, worker: Worker, ending: _Ending, oom_kills: int) -> Report:
         epoch = self.ref.epoch
-        if timed_out:
+        if ending in (_Ending.TIMED_OUT, _Ending.TIMED_OUT_KILLED):
+            message = (
+                f"the call exceeded its time limit of {self.assignment.timeout_s:g} s and was "
+                "terminated (SIGTERM to its processes)"
+            )
+            if ending is _Ending.TIMED_OUT_KILLED:
+                grace = self._pool.kill_grace_s
+                message += f", then killed (SIGKILL) as it was still running {grace:g} s later"
             return Report(
-                wire.CompleteRequest(
-                    epoch=epoch,
-                    state="timed_out",
-                    error_message=(
-                        f"the call exceeded its time limit of {self.assignment.timeout_s:g} s "
-                        "and was killed"
-                    ),
-                )
+                wire.CompleteRequest(epoch=epoch, state="timed_out", error_message=message)
             )
         outcome = _read_outcome(result_path)
+        limiter = self._pool.limiter
+        if worker.oom_kills() > oom_kills:
+            if outcome is None:
+                return self._failed(
+                    wire.ErrorKind.OUT_OF_MEMORY,
+                    f"the call was killed at its memory limit of {limiter.describe()}",
+                )
+            log.info("%s: a process of the call was killed at its memory limit", self)
         if outcome is None:
-            return self._failed(wire.ErrorKind.WORKER_DIED, describe_exit(returncode))
+            message = describe_exit(worker.returncode)
+            if limiter.mechanism == "rlimit":
+                message += (
+                    f"; it ran under a limit of {limiter.describe()}, and native code that "
+                    "cannot allocate memory often crashes"
+                )
+            return self._failed(wire.ErrorKind.WORKER_CRASHED, message)
         request = wire.CompleteRequest(
             epoch=epoch,
             state="succeeded" if outcome.ok else "failed",
@@ -374,6 +410,13 @@ async def _drain(pumps: list[asyncio.Task[None]]) -> None:
     for pump in pumps:
         if pump.done() and not pump.cancelled() and pump.exception() is not None:
             log.warning("reading worker output failed: %s", pump.exception())
+
+
+def _marked(pumps: list[asyncio.Task[Any]]) -> bool:
+    """Whether both pipes reached the call's end marker: its output ended, worker alive."""
+    return all(
+        p.done() and not p.cancelled() and p.exception() is None and p.result() for p in pumps
+    )
 
 
 def _within(path: str, directory: str) -> bool:

@@ -30,6 +30,11 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
     http_timeout_s: float = 10.0
     #: How often a running call's output is sent to the gateway, in seconds.
     log_flush_s: float = 0.02
+    #: Seconds a call stopped at its time limit has between SIGTERM and SIGKILL.
+    kill_grace_s: float = 10.0
+    #: Memory per call in MiB, for its worker and what it spawns (cgroups where usable, else
+    #: RLIMIT_AS; see docs/limits.md); 0 means no limit.
+    memory_limit_mb: int = 0
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -58,5 +63,10 @@ def _problems(config: NodeletConfig) -> list[str]:
         (config.spare_workers >= 0, f"spare_workers must be >= 0, got {config.spare_workers}"),
         (config.http_timeout_s > 0, f"http_timeout_s must be > 0, got {config.http_timeout_s}"),
         (config.log_flush_s > 0, f"log_flush_s must be > 0, got {config.log_flush_s}"),
+        (config.kill_grace_s >= 0, f"kill_grace_s must be >= 0, got {config.kill_grace_s}"),
+        (
+            config.memory_limit_mb >= 0,
+            f"memory_limit_mb must be >= 0 (0 = no limit), got {config.memory_limit_mb}",
+        ),
     ]
     return [message for ok, message in checks if not ok]

@@ -9,6 +9,9 @@ value (or exception) and the globals the call changed, inline or in a file. Afte
 what the call spawned, restores its environment, working directory and ``sys.path``, and
 writes the task's end marker to both pipes; a task without an end marker is its last.
 
+When the task asks for it (:data:`nodelet.limits.RLIMIT_ENV`), the worker limits its own
+address space before it unpickles the call, and reports a ``MemoryError`` as out of memory.
+
 Imports stay light (stdlib, cloudpickle, msgspec, our wire and pickling modules): a worker
 must start fast.
 """
@@ -31,6 +34,7 @@ import msgspec
 from bulletin import shared, wire
 from bulletin.pickling import frame as envelope
 from bulletin.pickling import remote
+from nodelet import limits
 
 #: Longest error message or traceback kept (the middle of a longer one is cut).
 MAX_ERROR_TEXT = 64 * 1024
@@ -73,6 +77,7 @@ def run_task(task: wire.WorkerTask) -> wire.WorkerOutcome:
     # NVML numbers GPUs by PCI bus; CUDA's default order (fastest first) may differ.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, task.gpu_indices))
+    limit_mb = limits.set_address_space_limit(task.env)
     where = f"node {socket.gethostname()!r}"
     source = task.payload if task.payload is not None else task.payload_path
     try:
@@ -86,6 +91,8 @@ def run_task(task: wire.WorkerTask) -> wire.WorkerOutcome:
     try:
         fn, args, kwargs = remote_call.load()
     except Exception as exc:
+        if isinstance(exc, MemoryError) and limit_mb is not None:
+            return _out_of_memory(exc, limit_mb)
         return _bad_payload(exc)
     try:
         remote_call.prepare(task.device)
@@ -119,6 +126,11 @@ def call(
     finally:
         finished = time.time()
         remote_call.finish()
+    limit_mb = limits.address_space_limit(task.env)
+    if isinstance(error, MemoryError) and limit_mb is not None:
+        # Not packed: the sdk raises OutOfMemoryError, and packing state needs memory too.
+        failed = _out_of_memory(error, limit_mb)
+        return msgspec.structs.replace(failed, started=started, finished=finished)
     name = getattr(fn, "__qualname__", repr(fn))
     try:
         outcome = remote_call.pack_outcome(value, error)
@@ -183,6 +195,17 @@ def _failure(
 ) -> wire.WorkerOutcome:
     return wire.WorkerOutcome(
         ok=False, error_kind=kind, error_type=error_type, error_message=message, traceback=trace
+    )
+
+
+def _out_of_memory(exc: MemoryError, limit_mb: int) -> wire.WorkerOutcome:
+    detail = f"{type_name(exc)}: {exc}" if str(exc) else type_name(exc)
+    return _failure(
+        wire.ErrorKind.OUT_OF_MEMORY,
+        type_name(exc),
+        f"the call ran out of memory at its limit of {limit_mb} MiB of address space per "
+        f"process (RLIMIT_AS): {detail}",
+        user_traceback(exc),
     )
 
 
@@ -267,8 +290,11 @@ class _Baseline:
         self.environ = dict(os.environ)
         self.cwd = os.getcwd()
         self.path = list(sys.path)
+        # A call may install its own handler to clean up at its time limit's SIGTERM.
+        self.sigterm = signal.getsignal(signal.SIGTERM)
 
     def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self.sigterm)
         os.environ.clear()
         os.environ.update(self.environ)
         with contextlib.suppress(OSError):

@@ -3,7 +3,9 @@ after a call for the next call of the same owner on the same GPUs (never across 
 
 Workers are always exec'd (``python -m nodelet.worker``), never forked: forking a process that
 has imported torch or created a CUDA context is unsafe. Each worker leads its own session, so
-killing its process group also kills whatever the user's code spawned.
+killing its process group also kills whatever the user's code spawned. With a cgroup memory
+limit (:mod:`nodelet.limits`) each worker also has a cgroup of its own, which catches what
+left the process group too.
 """
 
 from __future__ import annotations
@@ -16,26 +18,38 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from bulletin import wire
+from nodelet.limits import Cgroup, MemoryLimiter
 from nodelet.worker import frame
+
+if TYPE_CHECKING:
+    from nodelet.config import NodeletConfig
 
 log = logging.getLogger(__name__)
 
 #: How often the pool checks that its idle workers are still alive.
 _CHECK_S = 1.0
 _RESPAWN_BACKOFF_MAX_S = 5.0
+#: How often a terminated worker's process group is checked for survivors.
+_STOP_POLL_S = 0.05
+#: How long a dead worker's cgroup may stay busy (its processes dying) before it is left.
+_CGROUP_REMOVE_S = 2.0
 
 
 class Worker:
     """A handle on one worker process."""
 
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
+    def __init__(self, process: asyncio.subprocess.Process, cgroup: Cgroup | None = None) -> None:
         self.process = process
+        #: The worker's own cgroup, under a cgroup memory limit; removed once it has exited.
+        self.cgroup = cgroup
         #: Whether the worker was already running when a call got it (a spare, or warm from
         #: an earlier call); False when it was started for the call.
         self.warm = False
+        self._cgroup_removed: asyncio.Future[None] | None = None
 
     @property
     def pid(self) -> int:
@@ -73,12 +87,72 @@ class Worker:
         return True
 
     def kill(self) -> None:
-        """SIGKILL the worker's whole process group: the worker and anything it spawned."""
+        """SIGKILL the worker's whole process group: the worker and anything it spawned
+        (and, in its cgroup, what left the group)."""
         with contextlib.suppress(ProcessLookupError):  # already gone, children and all
             os.killpg(self.process.pid, signal.SIGKILL)
+        if self.cgroup is not None:
+            self.cgroup.kill()
+
+    async def stop(self, grace_s: float, *, call_ended: Callable[[], bool] | None = None) -> bool:
+        """SIGTERM the worker's process group, then SIGKILL it if anything of it is still
+        running after ``grace_s``. True if it had to be killed. A call that handles SIGTERM
+        may end (``call_ended()``) with its worker alive: then the group is killed at once."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.returncode is None or group_members(self.pid):
+            if call_ended is not None and call_ended():
+                self.kill()
+                return False
+            if time.monotonic() >= deadline:
+                self.kill()
+                return True
+            await asyncio.sleep(_STOP_POLL_S)
+        return False
 
     async def wait(self) -> int:
-        return await self.process.wait()
+        """Wait for the worker to exit; then remove its cgroup, killing what is left in it."""
+        returncode = await self.process.wait()
+        if self.cgroup is not None:
+            if self._cgroup_removed is None:
+                self._cgroup_removed = asyncio.ensure_future(_remove(self.cgroup))
+            await asyncio.shield(self._cgroup_removed)
+        return returncode
+
+    def oom_kills(self) -> int:
+        """How many of the worker's processes the kernel killed at its cgroup's memory
+        limit so far (0 without a cgroup)."""
+        return self.cgroup.oom_kills() if self.cgroup is not None else 0
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as file:
+                # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+                fields = file.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if fields[0] != b"Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+async def _remove(cgroup: Cgroup) -> None:
+    deadline = time.monotonic() + _CGROUP_REMOVE_S
+    try:
+        while not cgroup.try_remove():
+            if time.monotonic() >= deadline:
+                log.warning("cgroup %s is still busy; left in place", cgroup.path)
+                return
+            await asyncio.sleep(0.02)
+    except OSError as exc:
+        log.warning("cannot remove cgroup %s: %s", cgroup.path, exc)
 
 
 #: How a worker process is started.
@@ -90,9 +164,10 @@ async def spawn_worker(
     cwd: str | None = None,
     env: Mapping[str, str] | None = None,
     command: Sequence[str] = WORKER_COMMAND,
+    limiter: MemoryLimiter | None = None,
 ) -> Worker:
     """Start one worker process (``command``, which speaks the protocol of
-    :mod:`nodelet.worker`); it waits for its task on stdin."""
+    :mod:`nodelet.worker`), confined by ``limiter``; it waits for its task on stdin."""
     process = await asyncio.create_subprocess_exec(
         *command,
         stdin=asyncio.subprocess.PIPE,
@@ -102,7 +177,16 @@ async def spawn_worker(
         env=worker_env(env),
         start_new_session=True,
     )
-    return Worker(process)
+    if limiter is None:
+        return Worker(process)
+    try:
+        # The worker runs nothing of a call before it is confined: it waits for its task.
+        return Worker(process, limiter.apply(process.pid))
+    except OSError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+        raise
 
 
 def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -119,7 +203,9 @@ WarmKey = tuple[str, tuple[int, ...]]
 
 class WorkerPool:
     """Keeps ``spares`` fresh idle workers started (:meth:`maintain` refills it in the
-    background) and up to ``max_warm`` warm ones, each reserved for its :data:`WarmKey`."""
+    background) and up to ``max_warm`` warm ones, each reserved for its :data:`WarmKey`.
+    Every worker is confined by ``limiter``; ``kill_grace_s`` is how long a worker stopped
+    at a call's time limit has between SIGTERM and SIGKILL."""
 
     def __init__(
         self,
@@ -130,8 +216,12 @@ class WorkerPool:
         max_warm: int = 8,
         warm_idle_s: float = 300.0,
         command: Sequence[str] = WORKER_COMMAND,
+        limiter: MemoryLimiter | None = None,
+        kill_grace_s: float = 10.0,
     ) -> None:
         self.spares = spares
+        self.limiter = limiter or MemoryLimiter()
+        self.kill_grace_s = kill_grace_s
         self.command = tuple(command)
         self.max_warm = max_warm
         self.warm_idle_s = warm_idle_s
@@ -143,6 +233,17 @@ class WorkerPool:
         self._wanted = asyncio.Event()
         self._closed = False
         self._reapers: set[asyncio.Task[int]] = set()
+
+    @classmethod
+    def from_config(cls, config: NodeletConfig, *, cwd: str | None = None) -> WorkerPool:
+        """The pool a nodelet runs with ``config``: detects (and logs) the memory limit's
+        mechanism."""
+        return cls(
+            config.spare_workers,
+            cwd=cwd,
+            limiter=MemoryLimiter.detect(config.memory_limit_mb),
+            kill_grace_s=config.kill_grace_s,
+        )
 
     async def acquire(self, key: WarmKey | None = None) -> Worker:
         """A started worker: a warm one of ``key``, else a fresh idle one (then refilled),
@@ -184,8 +285,14 @@ class WorkerPool:
         reaper.add_done_callback(self._reapers.discard)
 
     def release(self, worker: Worker, key: WarmKey) -> None:
-        """Keep a worker that finished a call cleanly, warm for the next call of ``key``."""
-        if self._closed or self.max_warm == 0 or worker.returncode is not None:
+        """Keep a worker that finished a call cleanly, warm for the next call of ``key``
+        (unless its memory limit forbids another call: RLIMIT_AS cannot be raised back)."""
+        if (
+            self._closed
+            or self.max_warm == 0
+            or worker.returncode is not None
+            or not self.limiter.reuses_workers
+        ):
             self._retire(worker)
             return
         self._warm.append((key, worker, time.monotonic()))
@@ -223,6 +330,7 @@ class WorkerPool:
         for worker in idle:
             await worker.wait()
         await asyncio.gather(*self._reapers)
+        self.limiter.close()
 
     async def _refill(self) -> None:
         self._expire_warm()
@@ -238,11 +346,14 @@ class WorkerPool:
                 self._idle.append(worker)
 
     async def _spawn(self) -> Worker:
-        return await spawn_worker(cwd=self._cwd, env=self._env, command=self.command)
+        return await spawn_worker(
+            cwd=self._cwd, env=self._env, command=self.command, limiter=self.limiter
+        )
 
     async def _discard(self, worker: Worker) -> None:
         # An idle worker that died on its own usually failed to start; its stderr says why.
         stderr = await worker.stderr.read()
+        await worker.wait()  # also removes its cgroup
         log.warning(
             "idle worker %d exited with %s: %s",
             worker.pid,

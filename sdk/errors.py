@@ -14,7 +14,10 @@ The tree::
     │   └── GatewayUnreachable          transport errors or 502/503/504 after retrying
     ├── RemoteError                     the remote call failed   .error_type, .remote_traceback
     │   ├── NodeLostError               its node died and no retries were left
-    │   └── WorkerDiedError             the worker process exited without a result
+    │   ├── WorkerDiedError             the worker process crashed mid-call (a fatal signal,
+    │   │                               or the process exited) without leaving a result
+    │   ├── OutOfMemoryError            the call went over its node's memory limit per call
+    │   └── VersionSkewError            notebook and node cannot exchange pickles
     ├── CallCancelled                   the call was cancelled
     └── CallTimedOut                    the call ran past its ``timeout``
 
@@ -108,7 +111,14 @@ class NodeLostError(RemoteError):
 
 
 class WorkerDiedError(RemoteError):
-    """The worker process exited without leaving a result (killed, out of memory, crashed)."""
+    """The worker process exited mid-call without leaving a result: killed by a signal
+    (a segfault in native code, say) or exited (``os._exit``). The node replaces the worker."""
+
+
+class OutOfMemoryError(RemoteError):
+    """The call went over its node's memory limit per call (the nodelet's
+    ``memory_limit_mb``) and was killed, or raised ``MemoryError`` under it. The message
+    names the limit and how the node enforces it."""
 
 
 class VersionSkewError(RemoteError):

@@ -16,6 +16,7 @@ from sdk.errors import (
     CallCancelled,
     CallTimedOut,
     NodeLostError,
+    OutOfMemoryError,
     RemoteError,
     SerializationError,
     StateSyncWarning,
@@ -162,10 +163,24 @@ _KIND_TEXT = {
         NodeLostError,
         "its node was lost and no retries were left (attempts: {attempts}).",
     ),
+    wire.ErrorKind.WORKER_CRASHED: (
+        WorkerDiedError,
+        "the worker process crashed mid-call, in native code (a C extension, CUDA) or by "
+        "exiting the process; the node replaced it. Look at the call's last output and the "
+        "native libraries it uses; a retry runs in a fresh worker.",
+    ),
+    # What nodelets recorded for crashes and memory kills before worker_crashed and
+    # out_of_memory; still what a nodelet records for a result file it refuses.
     wire.ErrorKind.WORKER_DIED: (
         WorkerDiedError,
         "the worker process exited without a result; it may have been killed for using too "
         "much memory, or crashed in native code.",
+    ),
+    wire.ErrorKind.OUT_OF_MEMORY: (
+        OutOfMemoryError,
+        "it ran out of memory at its node's limit per call. Use less memory (smaller "
+        "batches, fewer copies, free what you no longer need), or ask the cluster's admin to "
+        "raise the limit (the nodelet's --memory-limit-mb).",
     ),
     wire.ErrorKind.BAD_PAYLOAD: (
         RemoteError,

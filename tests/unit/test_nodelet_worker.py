@@ -16,6 +16,7 @@ import pytest
 from bulletin import wire
 from bulletin.pickling import caller, pickler
 from bulletin.pickling import frame as envelope
+from nodelet.limits import RLIMIT_ENV
 from nodelet.worker import frame
 
 # The worker cannot import this test module, so functions defined here travel by value.
@@ -425,3 +426,72 @@ def test_big_result_goes_to_the_shared_directory_when_the_caller_reads_it(
     assert outcome is not None and outcome.ok, done.stderr
     assert outcome.result_path is not None
     assert shared.relative(str(root), outcome.result_path) is not None
+
+
+def allocate(mib: int) -> tuple[int, int]:
+    import resource
+
+    block = b"x" * (mib << 20)
+    return len(block) >> 20, resource.getrlimit(resource.RLIMIT_AS)[0] >> 20
+
+
+def test_an_address_space_limit_is_set_before_the_call_runs(tmp_path: Path) -> None:
+    done = run_worker(tmp_path, call(allocate, 16), env={RLIMIT_ENV: "300"})
+    assert done.outcome is not None and done.outcome.ok, done.stderr
+    assert loads(done.outcome.result) == (16, 300)
+
+
+def test_memory_error_under_the_address_space_limit_is_out_of_memory(tmp_path: Path) -> None:
+    done = run_worker(tmp_path, call(allocate, 1024), env={RLIMIT_ENV: "300"})
+    assert done.returncode == 0, done.stderr
+    outcome = done.outcome
+    assert outcome is not None and not outcome.ok
+    assert (outcome.error_kind, outcome.error_type) == (wire.ErrorKind.OUT_OF_MEMORY, "MemoryError")
+    assert outcome.error_message == (
+        "the call ran out of memory at its limit of 300 MiB of address space per process "
+        "(RLIMIT_AS): MemoryError"
+    )
+    assert "in allocate" in (outcome.traceback or "")
+    assert outcome.started is not None and outcome.finished is not None
+
+
+def raise_memory_error() -> None:
+    raise MemoryError("the user's own")
+
+
+def test_memory_error_without_a_limit_stays_the_users_error(tmp_path: Path) -> None:
+    done = run_worker(tmp_path, call(raise_memory_error))
+    assert done.outcome is not None
+    assert (done.outcome.error_kind, done.outcome.error_type) == (
+        wire.ErrorKind.USER,
+        "MemoryError",
+    )
+
+
+def handle_sigterm() -> bool:
+    import signal
+
+    fresh = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    return fresh
+
+
+def test_a_sigterm_handler_a_call_installs_is_gone_for_the_next_call(tmp_path: Path) -> None:
+    tasks = [
+        wire.WorkerTask(
+            invocation_id=f"inv-{i}",
+            payload=call(handle_sigterm),
+            result_path=str(tmp_path / f"out-{i}"),
+            end_marker=b"\x00end\x00",
+        )
+        for i in range(2)
+    ]
+    subprocess.run(
+        [sys.executable, "-m", "nodelet.worker"],
+        input=b"".join(b"".join(frame(t)) for t in tasks),
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    outcomes = [_outcome_decoder.decode((tmp_path / f"out-{i}").read_bytes()) for i in range(2)]
+    assert [loads(o.result) for o in outcomes] == [True, True]

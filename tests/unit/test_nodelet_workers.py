@@ -1,17 +1,22 @@
-"""WorkerPool and Worker with real worker processes (POSIX: process groups, SIGKILL)."""
+"""WorkerPool and Worker with real worker processes (POSIX: process groups, SIGTERM and
+SIGKILL, cgroups where this machine lets us use them)."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
+import time
 from pathlib import Path
 
 import cloudpickle
 import msgspec
+import pytest
 
 from bulletin import wire
 from bulletin.pickling import caller
 from bulletin.pickling import frame as envelope
+from nodelet.limits import CgroupLimiter, MemoryLimiter, RlimitLimiter
 from nodelet.workers import WorkerPool
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -134,4 +139,93 @@ async def _warm_keys(tmp_path: Path) -> None:
         bobs.kill()
         await bobs.wait()
     finally:
+        await pool.close()
+
+
+def spawn_stubborn_child_and_hang() -> None:
+    import subprocess
+    import sys
+    import time
+
+    ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    child = subprocess.Popen([sys.executable, "-c", ignore])
+    time.sleep(0.3)  # so the child ignores SIGTERM before it can get one
+    print(child.pid, flush=True)
+    time.sleep(600)
+
+
+def test_stop_terminates_then_kills_what_outlives_the_grace(tmp_path: Path) -> None:
+    asyncio.run(_stop_terminates_then_kills(tmp_path))
+
+
+async def _stop_terminates_then_kills(tmp_path: Path) -> None:
+    pool = WorkerPool(0, cwd=str(tmp_path))
+    worker = await pool.acquire()
+    await worker.send(_task(tmp_path, spawn_stubborn_child_and_hang))
+    child = int(await asyncio.wait_for(worker.stdout.readline(), 30))
+    started = time.monotonic()
+    assert await worker.stop(0.5) is True  # the child ignored SIGTERM: killed
+    assert time.monotonic() - started >= 0.5
+    assert await worker.wait() == -signal.SIGTERM  # the worker itself went at SIGTERM
+    await _until(lambda: not _alive(child))
+
+
+def test_stop_of_a_worker_that_heeds_sigterm_kills_nothing(tmp_path: Path) -> None:
+    asyncio.run(_stop_heeded(tmp_path))
+
+
+async def _stop_heeded(tmp_path: Path) -> None:
+    pool = WorkerPool(0, cwd=str(tmp_path))
+    worker = await pool.acquire()
+    await worker.send(_task(tmp_path, spawn_grandchild_and_hang))
+    grandchild = int(await asyncio.wait_for(worker.stdout.readline(), 30))
+    started = time.monotonic()
+    assert await worker.stop(30) is False
+    assert time.monotonic() - started < 10
+    assert await worker.wait() == -signal.SIGTERM
+    assert not _alive(grandchild)
+
+
+def test_under_an_address_space_limit_a_worker_runs_one_call_only(tmp_path: Path) -> None:
+    asyncio.run(_rlimit_retires(tmp_path))
+
+
+async def _rlimit_retires(tmp_path: Path) -> None:
+    pool = WorkerPool(0, cwd=str(tmp_path), limiter=RlimitLimiter(512))
+    try:
+        key = ("alice", ())
+        worker = await pool.acquire(key)
+        pool.release(worker, key)
+        assert not pool._warm
+        assert await asyncio.wait_for(worker.wait(), 10) == -signal.SIGKILL
+    finally:
+        await pool.close()
+
+
+def test_under_a_cgroup_limit_each_worker_has_a_cgroup_removed_when_it_ends(
+    tmp_path: Path,
+) -> None:
+    limiter = MemoryLimiter.detect(256)
+    if not isinstance(limiter, CgroupLimiter):
+        pytest.skip(f"no cgroup memory limits here: {limiter.unusable}")
+    asyncio.run(_cgroup_per_worker(tmp_path, limiter))
+    assert not Path(limiter.base).exists()
+
+
+async def _cgroup_per_worker(tmp_path: Path, limiter: CgroupLimiter) -> None:
+    pool = WorkerPool(1, cwd=str(tmp_path), limiter=limiter)
+    maintainer = asyncio.create_task(pool.maintain())
+    try:
+        await _until(lambda: len(pool._idle) == 1)
+        worker = await pool.acquire()
+        assert worker.cgroup is not None
+        assert worker.cgroup.pids() == [worker.pid]
+        knob = "memory.max" if limiter.version == 2 else "memory.limit_in_bytes"
+        assert Path(worker.cgroup.path, knob).read_text() == f"{256 << 20}\n"
+        assert worker.oom_kills() == 0
+        worker.kill()
+        assert await worker.wait() == -signal.SIGKILL
+        assert not Path(worker.cgroup.path).exists()
+    finally:
+        maintainer.cancel()
         await pool.close()

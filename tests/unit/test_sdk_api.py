@@ -18,6 +18,7 @@ def test_all_is_pinned() -> None:
         "InvalidRequest",
         "NodeLostError",
         "NotFoundError",
+        "OutOfMemoryError",
         "RemoteError",
         "ResultTimeout",
         "SerializationError",

@@ -88,6 +88,8 @@ def test_user_exception_that_cannot_be_unpickled(client: sdk.Client, result: byt
     [
         (wire.ErrorKind.NODE_LOST, sdk.NodeLostError, "node was lost"),
         (wire.ErrorKind.WORKER_DIED, sdk.WorkerDiedError, "worker process exited"),
+        (wire.ErrorKind.WORKER_CRASHED, sdk.WorkerDiedError, "crashed mid-call, in native code"),
+        (wire.ErrorKind.OUT_OF_MEMORY, sdk.OutOfMemoryError, "raise the limit (the nodelet's"),
         (wire.ErrorKind.BAD_PAYLOAD, sdk.RemoteError, "No module named 'helpers'"),
     ],
 )
@@ -141,3 +143,32 @@ def test_every_error_is_a_bulletin_error() -> None:
     assert issubclass(sdk.ResultTimeout, TimeoutError)
     assert issubclass(sdk.NodeLostError, sdk.RemoteError)
     assert issubclass(sdk.WorkerDiedError, sdk.RemoteError)
+
+
+def test_out_of_memory_names_the_limit_and_keeps_the_remote_traceback(
+    client: sdk.Client,
+) -> None:
+    invocation = finished(
+        "failed",
+        error_kind=wire.ErrorKind.OUT_OF_MEMORY,
+        error_type="MemoryError",
+        error_message="the call ran out of memory at its limit of 300 MiB of address space "
+        "per process (RLIMIT_AS): MemoryError",
+        traceback=TRACEBACK,
+    )
+    error = failure(invocation, client)
+    assert type(error) is sdk.OutOfMemoryError and isinstance(error, sdk.RemoteError)
+    assert "out of memory at its node's limit per call" in str(error)
+    assert "300 MiB of address space per process (RLIMIT_AS)" in str(error)
+    assert error.remote_traceback == TRACEBACK
+
+
+def test_a_crash_names_the_signal(client: sdk.Client) -> None:
+    invocation = finished(
+        "failed",
+        error_kind=wire.ErrorKind.WORKER_CRASHED,
+        error_message="worker process was killed by signal 11 (SIGSEGV)",
+    )
+    error = failure(invocation, client)
+    assert type(error) is sdk.WorkerDiedError
+    assert "signal 11 (SIGSEGV)" in str(error)
