@@ -64,7 +64,7 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
     """
     work_dir = config.work_dir or tempfile.mkdtemp(prefix="bulletin-nodelet-")
     client = GatewayClient(config.gateway_url, config.token, timeout_s=config.http_timeout_s)
-    pool = WorkerPool(config.spare_workers, cwd=work_dir)
+    pool = WorkerPool.from_config(config, cwd=work_dir)
     gpus = choose_provider(
         config.fake_gpus, node=config.name, fault_file=config.fake_gpu_faults or None
     )

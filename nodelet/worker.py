@@ -302,18 +302,40 @@ class _Baseline:
         sys.path[:] = self.path
 
 
+#: How long the worker waits for what it killed to die before the next call.
+KILL_WAIT_S = 2.0
+
+
 def kill_group_members() -> None:
-    """SIGKILL every other process of this worker's process group (what the call spawned).
-    Only when the worker leads its group, as the nodelet starts it: never anyone else's."""
+    """SIGKILL every other process of this worker's process group (what the call spawned),
+    and wait (briefly) until they are dead: the next call must not meet them, nor the GPU
+    memory they held. Only when the worker leads its group, as the nodelet starts it: never
+    anyone else's."""
     me, group = os.getpid(), os.getpgid(0)
     if group != me:
         return
+    killed = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
         with contextlib.suppress(OSError):
             if os.getpgid(int(entry)) == group:
                 os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+    deadline = time.monotonic() + KILL_WAIT_S
+    while killed and time.monotonic() < deadline:
+        killed = [pid for pid in killed if _alive(pid)]
+        if killed:
+            time.sleep(0.005)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not yet a zombie (a killed child of ours stays one until reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def finish(task: wire.WorkerTask, outcome: wire.WorkerOutcome) -> None:

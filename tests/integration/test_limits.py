@@ -266,3 +266,42 @@ def test_without_a_limit_nothing_is_confined(harness: NodeHarness) -> None:
     call = harness.run(lambda: allocate.spawn(64), lambda: WorkerPool(0, limiter=MemoryLimiter()))
     assert call.result(timeout=30) == 64
     assert harness.warm_after == 1
+
+
+# ------------------------------------- the nodelet's settings: --kill-grace-s, --memory-limit-mb
+
+
+def test_the_nodelet_stops_a_call_at_its_time_limit_after_its_kill_grace(
+    gateway: Cluster, tmp_path: Path
+) -> None:
+    gateway.start_nodelet(**{"kill-grace-s": "1"})
+    sdk.connect(gateway.url, gateway.token)
+    pidfile = tmp_path / "child"
+
+    @sdk.function(timeout=1)
+    def stubborn(path: str) -> None:
+        import subprocess
+
+        child = subprocess.Popen([sys.executable, "-c", STUBBORN_CHILD])
+        time.sleep(0.5)  # the child ignores SIGTERM by now
+        with open(path, "w") as f:
+            f.write(str(child.pid))
+        time.sleep(300)
+
+    call = stubborn.spawn(str(pidfile))
+    child = _pid_of(pidfile)
+    started = time.monotonic()
+    with pytest.raises(sdk.CallTimedOut, match="still running 1 s later"):
+        call.result(timeout=30)
+    assert time.monotonic() - started < 1 + 1 + 10
+    wait_until(lambda: _gone(child), 10, "the child that ignored SIGTERM to be killed")
+
+
+def test_the_nodelet_holds_calls_to_its_memory_limit(gateway: Cluster) -> None:
+    gateway.start_nodelet(**{"memory-limit-mb": "256"})
+    sdk.connect(gateway.url, gateway.token)
+    with pytest.raises(sdk.OutOfMemoryError, match="256 MiB"):
+        allocate(1024)
+    assert allocate(16) == 16
+    log = (gateway.dir / "node-a.log").read_text()
+    assert "memory limit: 256 MiB per call" in log
