@@ -35,6 +35,10 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Memory per call in MiB, for its worker and what it spawns (cgroups where usable, else
     #: RLIMIT_AS; see docs/limits.md); 0 means no limit.
     memory_limit_mb: int = 0
+    #: Workers import torch and run a throwaway optimizer step (torch._dynamo and friends
+    #: load lazily on the first one) before their first call, when torch is installed, so a
+    #: call's first training step does not pay for them. Counts against memory_limit_mb.
+    warm_torch: bool = True
 
     def __post_init__(self) -> None:
         problems = _problems(self)

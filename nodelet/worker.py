@@ -356,9 +356,31 @@ def private_task_pipe() -> IO[bytes]:
     return tasks
 
 
+def warm_torch() -> None:
+    """Import torch and run one throwaway optimizer step, which loads what torch otherwise
+    loads lazily on a program's first step (torch._dynamo: about a second); with GPUs given at
+    start (CUDA_VISIBLE_DEVICES), also create the CUDA context. The tensors are far below
+    torch's parallel grain size, so no OpenMP thread pool starts: user code may still fork
+    (DataLoader workers) safely. Silent: nothing may reach the pipes, which carry the next
+    call's output. Failures only mean a colder first call."""
+    with contextlib.suppress(Exception):
+        import torch
+
+        model = torch.nn.Linear(8, 8)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.ones(2, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if os.environ.get("CUDA_VISIBLE_DEVICES") and torch.cuda.is_available():
+            torch.ones(1, device="cuda").add_(1)
+            torch.cuda.synchronize()
+
+
 def main() -> None:
     die_with_parent()
     tasks = private_task_pipe()
+    if os.environ.get("BULLETIN_WARM_TORCH") == "1":
+        warm_torch()
     baseline = _Baseline()
     while (task := read_task(tasks)) is not None:
         outcome = run_task(task)

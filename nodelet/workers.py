@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from nodelet.config import NodeletConfig
 
 log = logging.getLogger(__name__)
+
+#: Set in a worker's environment: warm torch up before the first call (nodelet.worker).
+WARM_TORCH = "BULLETIN_WARM_TORCH"
 
 #: How often the pool checks that its idle workers are still alive.
 _CHECK_S = 1.0
@@ -238,9 +242,11 @@ class WorkerPool:
     def from_config(cls, config: NodeletConfig, *, cwd: str | None = None) -> WorkerPool:
         """The pool a nodelet runs with ``config``: detects (and logs) the memory limit's
         mechanism."""
+        warm = config.warm_torch and importlib.util.find_spec("torch") is not None
         return cls(
             config.spare_workers,
             cwd=cwd,
+            env={WARM_TORCH: "1"} if warm else {},
             limiter=MemoryLimiter.detect(config.memory_limit_mb),
             kill_grace_s=config.kill_grace_s,
         )

@@ -153,6 +153,9 @@ class Cluster:
         ]
         if fake_gpus is not None:
             args += ["--fake-gpus", str(fake_gpus)]
+        # Importing torch in every worker costs seconds of CPU on 2 cores: only tests of
+        # warm workers ask for it.
+        options = {"warm-torch": "false", **options}
         for key, value in options.items():
             args += [f"--{key}", value]
         proc = self._spawn(name, args, {})
