@@ -216,7 +216,8 @@ class Attempt:
 
     async def _execute(self, task: wire.WorkerTask) -> Report:
         key = (self.assignment.owner, tuple(self.assignment.gpu_indices))
-        worker = self._worker = await self._pool.acquire(key)
+        function = self.assignment.function_name or None
+        worker = self._worker = await self._pool.acquire(key, function)
         acquired = time.time()
         shipper = LogShipper(
             self._client, self.ref, flush_s=self._facts.log_flush_s, on_stale=worker.kill
@@ -238,7 +239,9 @@ class Attempt:
         report = replace(report, request=msgspec.structs.replace(report.request, **timing))
         if ending is _Ending.FINISHED and not self.killed:
             self._worker = None
-            self._pool.release(worker, key)
+            self._pool.release(
+                worker, key, function=function, recycle=_broken_cuda(report.request)
+            )
         return report
 
     def _ship_output(
@@ -433,6 +436,15 @@ def _read_outcome(path: str) -> wire.WorkerOutcome | None:
     except (OSError, msgspec.DecodeError) as exc:
         log.warning("unreadable worker outcome %s: %s", path, exc)
         return None
+
+
+def _broken_cuda(request: wire.CompleteRequest) -> str | None:
+    """Why a worker must not run another call after this one: a CUDA error other than out
+    of memory leaves its CUDA context unusable."""
+    text = f"{request.error_type or ''} {request.error_message or ''}"
+    if "CUDA error" in text and "out of memory" not in text:
+        return "its call hit a CUDA error (the CUDA context is not reusable)"
+    return None
 
 
 def describe_exit(returncode: int | None) -> str:

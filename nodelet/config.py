@@ -39,6 +39,11 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: load lazily on the first one) before their first call, when torch is installed, so a
     #: call's first training step does not pay for them. Counts against memory_limit_mb.
     warm_torch: bool = True
+    #: A worker is recycled (a fresh one takes its place) after this many calls; 0: never.
+    worker_max_calls: int = 1000
+    #: A worker whose resident memory is over this many MiB after a call is recycled; 0: no
+    #: bound (a call that leaks, or caches too much, would otherwise keep it).
+    worker_max_rss_mb: int = 0
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -68,6 +73,14 @@ def _problems(config: NodeletConfig) -> list[str]:
         (config.http_timeout_s > 0, f"http_timeout_s must be > 0, got {config.http_timeout_s}"),
         (config.log_flush_s > 0, f"log_flush_s must be > 0, got {config.log_flush_s}"),
         (config.kill_grace_s >= 0, f"kill_grace_s must be >= 0, got {config.kill_grace_s}"),
+        (
+            config.worker_max_calls >= 0,
+            f"worker_max_calls must be >= 0 (0: never), got {config.worker_max_calls}",
+        ),
+        (
+            config.worker_max_rss_mb >= 0,
+            f"worker_max_rss_mb must be >= 0 (0: no bound), got {config.worker_max_rss_mb}",
+        ),
         (
             config.memory_limit_mb >= 0,
             f"memory_limit_mb must be >= 0 (0 = no limit), got {config.memory_limit_mb}",

@@ -53,6 +53,10 @@ class Worker:
         #: Whether the worker was already running when a call got it (a spare, or warm from
         #: an earlier call); False when it was started for the call.
         self.warm = False
+        #: Calls it ran, and the function of the last one (warm workers that ran the same
+        #: function are preferred: module-level caches such as a loaded model survive).
+        self.calls = 0
+        self.last_function: str | None = None
         self._cgroup_removed: asyncio.Future[None] | None = None
 
     @property
@@ -222,8 +226,14 @@ class WorkerPool:
         command: Sequence[str] = WORKER_COMMAND,
         limiter: MemoryLimiter | None = None,
         kill_grace_s: float = 10.0,
+        max_calls: int = 0,
+        max_rss_mb: int = 0,
     ) -> None:
         self.spares = spares
+        #: A worker is recycled after this many calls, or once its resident memory is over
+        #: this many MiB after a call (0: no bound).
+        self.max_calls = max_calls
+        self.max_rss_mb = max_rss_mb
         self.limiter = limiter or MemoryLimiter()
         self.kill_grace_s = kill_grace_s
         self.command = tuple(command)
@@ -249,17 +259,20 @@ class WorkerPool:
             env={WARM_TORCH: "1"} if warm else {},
             limiter=MemoryLimiter.detect(config.memory_limit_mb),
             kill_grace_s=config.kill_grace_s,
+            max_calls=config.worker_max_calls,
+            max_rss_mb=config.worker_max_rss_mb,
         )
 
-    async def acquire(self, key: WarmKey | None = None) -> Worker:
-        """A started worker: a warm one of ``key``, else a fresh idle one (then refilled),
-        else a new one."""
-        for entry in reversed(self._warm):
-            if entry[0] == key and entry[1].returncode is None:
-                self._warm.remove(entry)
-                log.debug("warm-pool hit: worker %d, warm from a call of %s", entry[1].pid, key)
-                entry[1].warm = True
-                return entry[1]
+    async def acquire(self, key: WarmKey | None = None, function: str | None = None) -> Worker:
+        """A started worker: a warm one of ``key`` (one that last ran ``function`` first),
+        else a fresh idle one (then refilled), else a new one."""
+        candidates = [e for e in reversed(self._warm) if e[0] == key and e[1].returncode is None]
+        candidates.sort(key=lambda e: e[1].last_function != function)  # stable: newest first
+        for entry in candidates[:1]:
+            self._warm.remove(entry)
+            log.debug("warm-pool hit: worker %d, warm from a call of %s", entry[1].pid, key)
+            entry[1].warm = True
+            return entry[1]
         if key is not None:
             self._evict_overlapping(key)
         self._wanted.set()
@@ -290,11 +303,26 @@ class WorkerPool:
         self._reapers.add(reaper)
         reaper.add_done_callback(self._reapers.discard)
 
-    def release(self, worker: Worker, key: WarmKey) -> None:
+    def release(
+        self,
+        worker: Worker,
+        key: WarmKey,
+        *,
+        function: str | None = None,
+        recycle: str | None = None,
+    ) -> None:
         """Keep a worker that finished a call cleanly, warm for the next call of ``key``
-        (unless its memory limit forbids another call: RLIMIT_AS cannot be raised back)."""
+        (unless its memory limit forbids another call: RLIMIT_AS cannot be raised back), or
+        recycle it: for ``recycle`` (a reason, e.g. a CUDA error), after ``max_calls`` calls,
+        or over ``max_rss_mb``. The spares refill in the background."""
+        worker.calls += 1
+        worker.last_function = function
+        recycle = recycle or self._worn_out(worker)
+        if recycle is not None:
+            log.info("worker %d recycled: %s", worker.pid, recycle)
         if (
-            self._closed
+            recycle is not None
+            or self._closed
             or self.max_warm == 0
             or worker.returncode is not None
             or not self.limiter.reuses_workers
@@ -304,6 +332,15 @@ class WorkerPool:
         self._warm.append((key, worker, time.monotonic()))
         while len(self._warm) > self.max_warm:
             self._retire(self._warm.popleft()[1])
+
+    def _worn_out(self, worker: Worker) -> str | None:
+        if self.max_calls and worker.calls >= self.max_calls:
+            return f"it ran {worker.calls} calls (worker_max_calls)"
+        if self.max_rss_mb:
+            rss = _rss_mb(worker.pid)
+            if rss is not None and rss > self.max_rss_mb:
+                return f"{rss} MiB resident, over {self.max_rss_mb} MiB (worker_max_rss_mb)"
+        return None
 
     def _expire_warm(self) -> None:
         deadline = time.monotonic() - self.warm_idle_s
@@ -366,3 +403,15 @@ class WorkerPool:
             worker.returncode,
             stderr.decode(errors="replace").strip()[-2000:] or "no output",
         )
+
+
+def _rss_mb(pid: int) -> int | None:
+    """A process's resident memory in MiB (VmRSS), or None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -229,3 +229,43 @@ async def _cgroup_per_worker(tmp_path: Path, limiter: CgroupLimiter) -> None:
     finally:
         maintainer.cancel()
         await pool.close()
+
+
+def test_warm_workers_that_ran_the_function_are_preferred_and_workers_are_recycled(
+    tmp_path: Path,
+) -> None:
+    asyncio.run(_affinity_and_recycling(tmp_path))
+
+
+async def _affinity_and_recycling(tmp_path: Path) -> None:
+    pool = WorkerPool(0, cwd=str(tmp_path), max_calls=3)
+    try:
+        key = ("alice", (0,))
+        loads_model, trains = await pool.acquire(key), await pool.acquire(key)
+        pool.release(loads_model, key, function="load_model")
+        pool.release(trains, key, function="train")  # the newest: first without affinity
+        assert await pool.acquire(key, "load_model") is loads_model
+        pool.release(loads_model, key, function="load_model")  # its second call
+        assert await pool.acquire(key, "evaluate") is loads_model  # no match: the newest
+        pool.release(loads_model, key, function="evaluate")  # its third: recycled
+        assert await asyncio.wait_for(loads_model.wait(), 10) is not None
+        assert await pool.acquire(key, "train") is trains
+        pool.release(trains, key, recycle="its call hit a CUDA error")
+        assert await asyncio.wait_for(trains.wait(), 10) is not None
+    finally:
+        await pool.close()
+
+
+def test_a_worker_over_its_memory_bound_is_recycled(tmp_path: Path) -> None:
+    asyncio.run(_memory_bound(tmp_path))
+
+
+async def _memory_bound(tmp_path: Path) -> None:
+    pool = WorkerPool(0, cwd=str(tmp_path), max_rss_mb=1)  # any Python is over 1 MiB
+    try:
+        worker = await pool.acquire(("alice", ()))
+        await asyncio.sleep(0.2)  # let it start
+        pool.release(worker, ("alice", ()))
+        assert await asyncio.wait_for(worker.wait(), 10) is not None
+    finally:
+        await pool.close()
