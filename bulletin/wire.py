@@ -67,6 +67,7 @@ class ErrorKind(enum.StrEnum):
     VERSION_SKEW = "version_skew"  # caller and worker run incompatible Python/cloudpickle/torch
     OUT_OF_MEMORY = "out_of_memory"  # killed at the call's memory limit
     WORKER_CRASHED = "worker_crashed"  # the worker died by a signal or os._exit mid-call
+    NOT_PERMITTED = "not_permitted"  # the node may not run the owner's calls (no account)
 
 
 class Stream(enum.IntEnum):
@@ -270,6 +271,8 @@ class Assignment(_Msg, frozen=True, kw_only=True):
     function_name: str = ""
     # Whose call this is: warm workers are reused only for the same owner and GPU set.
     owner: str = ""
+    # The owner's user name (nodes may run calls as the Unix account of that name).
+    owner_name: str = ""
 
 
 class GpuHealthReport(_Msg, frozen=True, kw_only=True):
@@ -375,9 +378,22 @@ class WorkerTask(_Msg, frozen=True, kw_only=True):
     inline_limit: int = 1 << 20
     shared_dir: str | None = None
     spill_dir: str = ""
+    # Run the call as this account (a nodelet running as root with a user mapping).
+    run_as: RunAs | None = None
     # Written to stdout and stderr after the call, so the nodelet knows where its output ends
     # and may hand the worker another call. Empty: run this one call and exit.
     end_marker: bytes = b""
+
+
+class RunAs(_Msg, frozen=True, kw_only=True):
+    """The Unix account a worker switches to before it loads a call (it cannot switch back:
+    such a worker serves that account only)."""
+
+    user: str
+    uid: int
+    gid: int
+    groups: list[int] = msgspec.field(default_factory=list)
+    home: str = "/"
 
 
 class WorkerOutcome(_Msg, frozen=True, kw_only=True):

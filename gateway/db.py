@@ -698,6 +698,7 @@ async def deliver(
         "   WHERE a.id = i.id AND a.epoch = i.epoch)"
         " RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,"
         "  i.owner_id, i.payload_file,"
+        "  (SELECT u.name FROM users u WHERE u.id = i.owner_id) AS owner_name,"
         "  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload",
         node_id,
         *_attempt_arrays(running),
@@ -715,6 +716,7 @@ async def deliver(
             payload=None if r["payload"] is None else bytes(r["payload"]),
             payload_file=r["payload_file"],
             owner=str(r["owner_id"]),
+            owner_name=r["owner_name"] or "",
         )
         for r in rows
     ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import tempfile
@@ -18,6 +19,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from bulletin import shared, wire
+from nodelet.accounts import Accounts
 from nodelet.attempt import Attempt, NodeFacts
 from nodelet.backoff import Backoff
 from nodelet.client import GatewayClient
@@ -62,7 +64,14 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
 
     Raises AuthRejected when the token is refused, GatewayRejected when registration is.
     """
+    accounts = Accounts.from_setting(config.user_mapping)
+    if accounts.single_tenant:
+        log.info("workers run as this nodelet's own account (single-tenant: no user_mapping)")
+    else:
+        log.info("workers run as their caller's Unix account (mapping %s)", config.user_mapping)
     work_dir = config.work_dir or tempfile.mkdtemp(prefix="bulletin-nodelet-")
+    if not accounts.single_tenant:
+        os.chmod(work_dir, 0o711)  # workers switched to users' accounts pass through it
     client = GatewayClient(config.gateway_url, config.token, timeout_s=config.http_timeout_s)
     pool = WorkerPool.from_config(config, cwd=work_dir)
     gpus = choose_provider(
@@ -79,6 +88,7 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
                 gpus=gpus,
                 cluster_shared_dir=registration.shared_dir,
                 shared_dir=await shared_dir_seen(registration),
+                accounts=accounts,
             )
             node = Node(config, client, pool, registration, facts)
             await node.run(stop)

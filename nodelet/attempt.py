@@ -21,12 +21,13 @@ import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import msgspec
 
 from bulletin import shared, wire
+from nodelet.accounts import AccountError, Accounts
 from nodelet.backoff import Backoff
 from nodelet.client import GatewayClient
 from nodelet.errors import GatewayRejected, GatewayUnavailable, NodeletError, StaleAttempt
@@ -58,6 +59,8 @@ class NodeFacts:
     cluster_shared_dir: str | None = None
     #: The same, only when this node sees it (``bulletin.shared.sees``).
     shared_dir: str | None = None
+    #: Whose Unix account runs a call (single-tenant: the nodelet's own).
+    accounts: Accounts = field(default_factory=Accounts)
 
 
 class _Ending(enum.Enum):
@@ -158,6 +161,15 @@ class Attempt:
         """The worker's task, with the payload inline or in a file; a failure report when
         the payload is in a shared directory this node does not see."""
         assignment, facts = self.assignment, self._facts
+        try:
+            run_as = facts.accounts.run_as(assignment.owner_name)
+        except AccountError as exc:
+            return self._failed(
+                wire.ErrorKind.NOT_PERMITTED, f"node {facts.node!r} cannot run the call: {exc}"
+            )
+        if run_as is not None:
+            # The worker, once it is the owner's account, writes its outcome and result here.
+            os.chown(attempt_dir, run_as.uid, run_as.gid)
         payload, payload_path = assignment.payload, None
         if assignment.payload_file is not None:
             payload_path = self._shared_payload(assignment.payload_file)
@@ -183,6 +195,7 @@ class Attempt:
             shared_dir=facts.shared_dir,
             spill_dir=attempt_dir,
             env=self._pool.limiter.task_env(),
+            run_as=run_as,
             # Random per call: the user's own output cannot end the call early.
             end_marker=b"\x00\x00bulletin-end-" + secrets.token_hex(8).encode() + b"\x00",
         )

@@ -39,6 +39,10 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: load lazily on the first one) before their first call, when torch is installed, so a
     #: call's first training step does not pay for them. Counts against memory_limit_mb.
     warm_torch: bool = True
+    #: Whose account runs a call: empty, the nodelet's own (single-tenant: users must trust
+    #: each other); "same-name", the owner's Unix account of the same name; or a file of
+    #: "bulletin-user unix-account" lines. Mapping needs the nodelet to run as root.
+    user_mapping: str = ""
     #: A worker is recycled (a fresh one takes its place) after this many calls; 0: never.
     worker_max_calls: int = 1000
     #: A worker whose resident memory is over this many MiB after a call is recycled; 0: no

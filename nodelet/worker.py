@@ -190,6 +190,19 @@ def _place(
     return None, path
 
 
+def become(account: wire.RunAs, workdir: str) -> None:
+    """Switch this worker to ``account`` for good, before anything of the call is loaded (a
+    warm worker serves one owner only: it is already that account for later calls)."""
+    if os.geteuid() != account.uid:
+        os.setgroups(account.groups)
+        os.setgid(account.gid)
+        os.setuid(account.uid)
+        die_with_parent()  # changing credentials clears the parent-death signal
+    os.environ.update(HOME=account.home, USER=account.user, LOGNAME=account.user)
+    if workdir:
+        os.chdir(workdir)  # the nodelet's own work directory is not the account's
+
+
 def _failure(
     kind: wire.ErrorKind, error_type: str, message: str, trace: str | None = None
 ) -> wire.WorkerOutcome:

@@ -60,7 +60,13 @@ HTTP_STRUCTS = [
     wire.CompleteRequest,
 ]
 #: Structs that never cross HTTP (worker stdin/stdout, the client config file).
-NOT_HTTP = {wire.WorkerTask, wire.WorkerOutcome, wire.ClientConfig, wire.PickleHeader}
+NOT_HTTP = {
+    wire.WorkerTask,
+    wire.WorkerOutcome,
+    wire.ClientConfig,
+    wire.PickleHeader,
+    wire.RunAs,
+}
 
 #: What the property-based run checks of every answer.
 CONFORMANCE = [
