@@ -90,6 +90,8 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
                 shared_dir=await shared_dir_seen(registration),
                 accounts=accounts,
             )
+            discovered = await asyncio.to_thread(gpus.discover)
+            pool.set_gpu_spares([(g.index,) for g in discovered], config.gpu_spare_workers)
             node = Node(config, client, pool, registration, facts)
             await node.run(stop)
     finally:

@@ -24,6 +24,9 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
     cpu_slots: int = 0
     #: Idle worker processes kept started ahead of demand.
     spare_workers: int = 2
+    #: Idle workers kept started per GPU with that GPU visible, so (with warm_torch) their
+    #: CUDA context exists before a call arrives; 0: none.
+    gpu_spare_workers: int = 1
     #: Where attempts keep their files; empty means a fresh temporary directory.
     work_dir: str = ""
     #: HTTP timeout in seconds, on top of the long-poll hold for poll requests.
@@ -74,6 +77,10 @@ def _problems(config: NodeletConfig) -> list[str]:
         ),
         (config.cpu_slots >= 0, f"cpu_slots must be >= 0 (0 = all CPUs), got {config.cpu_slots}"),
         (config.spare_workers >= 0, f"spare_workers must be >= 0, got {config.spare_workers}"),
+        (
+            config.gpu_spare_workers >= 0,
+            f"gpu_spare_workers must be >= 0, got {config.gpu_spare_workers}",
+        ),
         (config.http_timeout_s > 0, f"http_timeout_s must be > 0, got {config.http_timeout_s}"),
         (config.log_flush_s > 0, f"log_flush_s must be > 0, got {config.log_flush_s}"),
         (config.kill_grace_s >= 0, f"kill_grace_s must be >= 0, got {config.kill_grace_s}"),

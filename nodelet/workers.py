@@ -242,6 +242,10 @@ class WorkerPool:
         self._cwd = cwd
         self._env = dict(env or {})
         self._idle: collections.deque[Worker] = collections.deque()
+        # Spares started with their GPUs (CUDA_VISIBLE_DEVICES), so a warmed one has its CUDA
+        # context before a call arrives: how many per GPU set, and those started.
+        self.gpu_spares: dict[tuple[int, ...], int] = {}
+        self._gpu_idle: dict[tuple[int, ...], collections.deque[Worker]] = {}
         # Oldest first: (key, worker, monotonic time it went idle).
         self._warm: collections.deque[tuple[WarmKey, Worker, float]] = collections.deque()
         self._wanted = asyncio.Event()
@@ -276,6 +280,14 @@ class WorkerPool:
         if key is not None:
             self._evict_overlapping(key)
         self._wanted.set()
+        gpu_idle = self._gpu_idle.get(key[1]) if key is not None else None
+        while gpu_idle:
+            worker = gpu_idle.popleft()
+            if worker.returncode is None:
+                log.debug("warm-pool miss for %s: spare worker %d of its GPUs", key, worker.pid)
+                worker.warm = True
+                return worker
+            await self._discard(worker)
         while self._idle:
             worker = self._idle.popleft()
             if worker.returncode is None:
@@ -363,11 +375,17 @@ class WorkerPool:
             with contextlib.suppress(TimeoutError):  # time for the periodic liveness check
                 await asyncio.wait_for(self._wanted.wait(), _CHECK_S)
 
+    def set_gpu_spares(self, gpu_sets: Sequence[tuple[int, ...]], count: int) -> None:
+        """Keep ``count`` spares started with each of ``gpu_sets`` (filled by maintain)."""
+        self.gpu_spares = {gpus: count for gpus in gpu_sets if count > 0}
+        self._wanted.set()
+
     async def close(self) -> None:
         """Kill every idle and warm worker. Workers already acquired belong to their attempts."""
         self._closed = True
-        idle = [*self._idle, *(w for _, w, _ in self._warm)]
-        self._idle, self._warm = collections.deque(), collections.deque()
+        gpu_idle = [w for workers in self._gpu_idle.values() for w in workers]
+        idle = [*self._idle, *gpu_idle, *(w for _, w, _ in self._warm)]
+        self._idle, self._warm, self._gpu_idle = collections.deque(), collections.deque(), {}
         for worker in idle:
             worker.kill()
         for worker in idle:
@@ -387,10 +405,26 @@ class WorkerPool:
                 await worker.wait()
             else:
                 self._idle.append(worker)
+        for gpus, count in self.gpu_spares.items():
+            idle = self._gpu_idle.setdefault(gpus, collections.deque())
+            for worker in [w for w in idle if w.returncode is not None]:
+                idle.remove(worker)
+                await self._discard(worker)
+            while len(idle) < count and not self._closed:
+                worker = await self._spawn(gpus)
+                if self._closed:
+                    worker.kill()
+                    await worker.wait()
+                else:
+                    idle.append(worker)
 
-    async def _spawn(self) -> Worker:
+    async def _spawn(self, gpus: tuple[int, ...] | None = None) -> Worker:
+        env = self._env
+        if gpus is not None:
+            visible = ",".join(map(str, gpus))
+            env = {**env, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible}
         return await spawn_worker(
-            cwd=self._cwd, env=self._env, command=self.command, limiter=self.limiter
+            cwd=self._cwd, env=env, command=self.command, limiter=self.limiter
         )
 
     async def _discard(self, worker: Worker) -> None:

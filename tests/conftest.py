@@ -154,8 +154,9 @@ class Cluster:
         if fake_gpus is not None:
             args += ["--fake-gpus", str(fake_gpus)]
         # Importing torch in every worker costs seconds of CPU on 2 cores: only tests of
-        # warm workers ask for it.
-        options = {"warm-torch": "false", **options}
+        # warm workers ask for it,
+        # and per-GPU spares: most tests want few processes.
+        options = {"warm-torch": "false", "gpu-spare-workers": "0", **options}
         for key, value in options.items():
             args += [f"--{key}", value]
         proc = self._spawn(name, args, {})

@@ -3,8 +3,10 @@ order, warm versus cold workers, the first fetch, and the sdk's call.timings / l
 
 from __future__ import annotations
 
+import psutil
+
 import sdk
-from tests.conftest import Cluster
+from tests.conftest import Cluster, wait_until
 
 
 def double(x: int) -> int:
@@ -32,7 +34,7 @@ def test_a_blocking_call_records_every_step_in_order(cluster: Cluster) -> None:
 
 
 def test_a_call_without_a_spare_worker_is_cold_and_the_next_one_warm(gateway: Cluster) -> None:
-    gateway.start_nodelet(**{"spare-workers": "0"})
+    gateway.start_nodelet(**{"spare-workers": "0", "gpu-spare-workers": "0"})
     sdk.connect(gateway.url, gateway.token)
     fn = sdk.function(gpus=1)(double)
     assert fn(1) == 2
@@ -45,3 +47,13 @@ def test_a_call_without_a_spare_worker_is_cold_and_the_next_one_warm(gateway: Cl
     cold = first.timings.started - first.timings.worker_acquired  # type: ignore[operator]
     assert cold >= 0
     assert "warm-pool miss" in (gateway.dir / "node-a.log").read_text()
+
+
+def test_a_gpu_call_gets_a_spare_started_with_its_gpu(gateway: Cluster) -> None:
+    nodelet = gateway.start_nodelet(**{"spare-workers": "0", "gpu-spare-workers": "1"})
+    sdk.connect(gateway.url, gateway.token)
+    # One spare per fake GPU, started once the node has registered.
+    wait_until(lambda: len(psutil.Process(nodelet.pid).children()) >= 2, 30, "GPU spares")
+    fn = sdk.function(gpus=1)(double)
+    assert fn(1) == 2
+    assert fn.last_call is not None and fn.last_call.timings.warm is True

@@ -269,3 +269,35 @@ async def _memory_bound(tmp_path: Path) -> None:
         assert await asyncio.wait_for(worker.wait(), 10) is not None
     finally:
         await pool.close()
+
+
+def test_spares_started_with_their_gpu_serve_calls_on_that_gpu(tmp_path: Path) -> None:
+    asyncio.run(_gpu_spares(tmp_path))
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\x00")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+async def _gpu_spares(tmp_path: Path) -> None:
+    pool = WorkerPool(0, cwd=str(tmp_path))
+    pool.set_gpu_spares([(0,), (1,)], 1)
+    maintainer = asyncio.create_task(pool.maintain())
+    try:
+        await _until(lambda: all(len(pool._gpu_idle.get((g,), ())) == 1 for g in (0, 1)))
+        spare = pool._gpu_idle[(1,)][0]
+        worker = await pool.acquire(("alice", (1,)))
+        assert worker is spare and worker.warm
+        assert _environ(worker.pid)["CUDA_VISIBLE_DEVICES"] == "1"
+        await _until(
+            lambda: len(pool._gpu_idle[(1,)]) == 1 and pool._gpu_idle[(1,)][0] is not spare
+        )
+        cold = await pool.acquire(("alice", (0, 1)))  # no spare of that shape: a new process
+        assert not cold.warm
+        for started in (worker, cold):
+            started.kill()
+            await started.wait()
+    finally:
+        maintainer.cancel()
+        await pool.close()
