@@ -34,6 +34,7 @@ import msgspec
 from bulletin import shared, wire
 from bulletin.pickling import frame as envelope
 from bulletin.pickling import remote
+from bulletin.pickling.pickler import type_name
 from nodelet import limits
 
 #: Longest error message or traceback kept (the middle of a longer one is cut).
@@ -240,14 +241,6 @@ def _bad_payload(exc: Exception) -> wire.WorkerOutcome:
         error_message=message,
         traceback="".join(traceback.format_exception(exc)),
     )
-
-
-def type_name(obj: object) -> str:
-    """The qualified name of ``obj``'s type, without the ``builtins.`` prefix."""
-    cls = obj if isinstance(obj, type) else type(obj)
-    if cls.__module__ == "builtins":
-        return cls.__qualname__
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def user_traceback(exc: BaseException) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import cloudpickle
 
 from bulletin.pickling import caller
-from bulletin.pickling.pickler import human, size_of
+from bulletin.pickling.pickler import human, reason, size_of, type_name
 from sdk.errors import SerializationError, StateTooLarge
 
 _ADVICE = (
@@ -59,15 +59,15 @@ def _explain(
         culprit = _culprit_in_function(function, function, set())
     if culprit is None:
         name = getattr(fn, "__qualname__", repr(fn))
-        return f"Cannot send the call to {name} to the cluster: {_reason(exc)}. {_ADVICE}"
-    return f"{culprit} cannot be sent to the node: {_reason(exc)}. {_ADVICE}"
+        return f"Cannot send the call to {name} to the cluster: {reason(exc)}. {_ADVICE}"
+    return f"{culprit} cannot be sent to the node: {reason(exc)}. {_ADVICE}"
 
 
 def _too_large(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any], total: int, limit: int
 ) -> str:
-    parts = [(f"argument {i} ({_kind(v)})", v) for i, v in enumerate(args)]
-    parts += [(f"keyword argument {k!r} ({_kind(v)})", v) for k, v in kwargs.items()]
+    parts = [(f"argument {i} ({type_name(v)})", v) for i, v in enumerate(args)]
+    parts += [(f"keyword argument {k!r} ({type_name(v)})", v) for k, v in kwargs.items()]
     function = _function_behind(fn)
     if function is not None:
         parts += _all_references(function, function, set())
@@ -84,10 +84,10 @@ def _too_large(
 def _culprit_in_arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
     for index, value in enumerate(args):
         if not _pickles(value):
-            return f"argument {index} ({_kind(value)})"
+            return f"argument {index} ({type_name(value)})"
     for key, value in kwargs.items():
         if not _pickles(value):
-            return f"keyword argument {key!r} ({_kind(value)})"
+            return f"keyword argument {key!r} ({type_name(value)})"
     return None
 
 
@@ -104,7 +104,7 @@ def _culprit_in_function(
             deeper = _culprit_in_function(helper, called, seen)
             if deeper is not None:
                 return deeper
-        return f"{label} ({_kind(value)})"
+        return f"{label} ({type_name(value)})"
     return None
 
 
@@ -120,7 +120,7 @@ def _all_references(
             if id(helper) not in seen:
                 found += _all_references(helper, called, seen)
             continue
-        found.append((f"{label} ({_kind(value)})", value))
+        found.append((f"{label} ({type_name(value)})", value))
     return found
 
 
@@ -181,12 +181,3 @@ def _pickles(value: Any) -> bool:
     return True
 
 
-def _kind(value: Any) -> str:
-    kind = type(value)
-    if kind.__module__ == "builtins":
-        return kind.__qualname__
-    return f"{kind.__module__}.{kind.__qualname__}"
-
-
-def _reason(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"

@@ -72,6 +72,19 @@ def size_of(obj: Any) -> int:
     return file.tell() + sum(buffer.raw().nbytes for buffer in buffers)
 
 
+def type_name(obj: object) -> str:
+    """The qualified name of ``obj``'s type (or of ``obj``, a class), without ``builtins.``."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def reason(exc: BaseException) -> str:
+    """``'TypeError: cannot pickle ...'``: an exception as error messages quote it."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 def human(nbytes: int) -> str:
     """``1610612736`` -> ``'1.5 GiB'``."""
     size = float(nbytes)

@@ -30,7 +30,7 @@ from typing import Any
 import cloudpickle
 
 from bulletin.pickling import frame, tensors
-from bulletin.pickling.pickler import Pickler, human, pack, size_of
+from bulletin.pickling.pickler import Pickler, human, pack, reason, size_of, type_name
 
 _MISSING = object()
 _IMMUTABLE = ("tuple", "frozenset")
@@ -147,23 +147,23 @@ class RemoteCall:
             except Exception as exc:
                 culprit = _unpicklable(value, changed, touched, make)
                 if culprit is None:
-                    raise ResultError(f"the outcome could not be pickled: {_reason(exc)}") from None
+                    raise ResultError(f"the outcome could not be pickled: {reason(exc)}") from None
                 if culprit == "":
                     problem = (
-                        f"the return value (a {_type(value)}) could not be pickled: "
-                        f"{_reason(exc)}; return plain data, tensors or picklable objects"
+                        f"the return value (a {type_name(value)}) could not be pickled: "
+                        f"{reason(exc)}; return plain data, tensors or picklable objects"
                     )
                     value = None
                 elif isinstance(culprit, str):
                     notes.append(
-                        f"global {culprit!r} ({_type(changed[culprit])}) was changed by the "
-                        f"call but cannot be sent back: {_reason(exc)}; it keeps its old value"
+                        f"global {culprit!r} ({type_name(changed[culprit])}) was changed by the "
+                        f"call but cannot be sent back: {reason(exc)}; it keeps its old value"
                     )
                     del changed[culprit]
                 else:
                     notes.append(
-                        f"a {_type(touched[culprit])} of the notebook was changed by the call "
-                        f"but cannot be sent back: {_reason(exc)}; it keeps its old contents"
+                        f"a {type_name(touched[culprit])} of the notebook was changed by the call "
+                        f"but cannot be sent back: {reason(exc)}; it keeps its old contents"
                     )
                     del touched[culprit]
         limit = self.header.max_result_bytes
@@ -207,8 +207,10 @@ class RemoteCall:
         return shallow, deep
 
     def _too_large(self, value: Any, changed: dict[str, Any], total: int, limit: int) -> str:
-        sizes = [(size_of(obj), f"global {name!r} ({_type(obj)})") for name, obj in changed.items()]
-        sizes.append((size_of(value), f"the return value ({_type(value)})"))
+        sizes = [
+            (size_of(obj), f"global {name!r} ({type_name(obj)})") for name, obj in changed.items()
+        ]
+        sizes.append((size_of(value), f"the return value ({type_name(value)})"))
         sizes.sort(reverse=True)
         biggest = ", ".join(f"{what}: {human(size)}" for size, what in sizes[:3])
         return (
@@ -430,17 +432,6 @@ def _pickles(obj: Any, make: Callable[[io.BytesIO, list[pickle.PickleBuffer]], P
 
 def _dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
-
-
-def _type(obj: Any) -> str:
-    cls = type(obj)
-    if cls.__module__ == "builtins":
-        return cls.__qualname__
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _reason(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 def open_call(source: bytes | str, *, where: str) -> RemoteCall:
