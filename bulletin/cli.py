@@ -294,6 +294,7 @@ def node_list(database_url: str) -> None:
     import time
 
     from bulletin import admin
+    from nodelet.gpus import describe
 
     for status in asyncio.run(admin.nodes(database_url)):
         heard = (
@@ -306,14 +307,7 @@ def node_list(database_url: str) -> None:
             f"{status.name}: {status.gpus} GPUs, {status.cpu_slots} CPU slots, {heard}, {state}"
         )
         for gpu in status.gpu_health:
-            parts = [
-                f"{gpu.utilization_pct}% busy" if gpu.utilization_pct is not None else None,
-                f"{gpu.memory_used_mb} MiB used" if gpu.memory_used_mb is not None else None,
-                f"{gpu.temperature_c} C" if gpu.temperature_c is not None else None,
-                f"{gpu.ecc_double_bit} uncorrectable ECC" if gpu.ecc_double_bit else None,
-                f"CRITICAL: {gpu.critical}" if gpu.critical else None,
-            ]
-            click.echo(f"  GPU {gpu.index}: " + ", ".join(p for p in parts if p))
+            click.echo(f"  {describe(gpu)}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

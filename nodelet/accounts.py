@@ -52,9 +52,7 @@ class Accounts:
             if not words:
                 continue
             if len(words) != 2:
-                raise ValueError(
-                    f"{setting} line {number}: expected 'bulletin-user unix-account'"
-                )
+                raise ValueError(f"{setting} line {number}: expected 'bulletin-user unix-account'")
             mapping[words[0]] = words[1]
         return cls(setting, mapping)
 

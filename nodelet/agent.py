@@ -25,7 +25,7 @@ from nodelet.backoff import Backoff
 from nodelet.client import GatewayClient
 from nodelet.config import NodeletConfig
 from nodelet.errors import AuthRejected, GatewayUnavailable, NodeletError
-from nodelet.gpus import GpuHealth, GpuProvider, choose_provider
+from nodelet.gpus import GpuProvider, choose_provider, describe
 from nodelet.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -166,18 +166,6 @@ async def shared_dir_seen(registration: wire.RegisterResponse) -> str | None:
     return None
 
 
-def _report(health: GpuHealth) -> wire.GpuHealthReport:
-    return wire.GpuHealthReport(
-        index=health.index,
-        utilization_pct=health.utilization_pct,
-        memory_used_mb=health.memory_used_mb,
-        temperature_c=health.temperature_c,
-        ecc_double_bit=health.ecc_double_bit,
-        xid_errors=list(health.xid_errors),
-        critical=None if health.critical is None else health.critical[:200],
-    )
-
-
 class Node:
     """A registered node: runs its attempts and its background loops."""
 
@@ -287,9 +275,7 @@ class Node:
         health = [self._critical.get(i, report) for i, report in sorted(self._health.items())]
         reported = dict(self._critical)
         try:
-            response = await self._client.heartbeat(
-                running, gpu_health=health, timeout_s=timeout_s
-            )
+            response = await self._client.heartbeat(running, gpu_health=health, timeout_s=timeout_s)
         except AuthRejected:
             raise
         except NodeletError as exc:
@@ -321,13 +307,12 @@ class Node:
             except Exception:
                 log.exception("sampling GPU health failed")
                 sample = []
-            for gpu in sample:
-                report = _report(gpu)
-                self._health[gpu.index] = report
+            for report in sample:
+                self._health[report.index] = report
                 if report.critical is not None:
-                    if gpu.index not in self._critical:
-                        log.error("GPU %d must leave service: %s", gpu.index, report.critical)
-                    self._critical[gpu.index] = report
+                    if report.index not in self._critical:
+                        log.error("GPU must leave service: %s", describe(report))
+                    self._critical[report.index] = report
             await asyncio.sleep(self.registration.heartbeat_s)
 
     def _heartbeat_timeout(self) -> float:

@@ -252,9 +252,7 @@ class Attempt:
         report = replace(report, request=msgspec.structs.replace(report.request, **timing))
         if ending is _Ending.FINISHED and not self.killed:
             self._worker = None
-            self._pool.release(
-                worker, key, function=function, recycle=_broken_cuda(report.request)
-            )
+            self._pool.release(worker, key, function=function, recycle=_broken_cuda(report.request))
         return report
 
     def _ship_output(

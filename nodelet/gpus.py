@@ -53,33 +53,17 @@ _MIB = 1024 * 1024
 _MAX_EVENTS_PER_SAMPLE = 64
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GpuHealth:
-    """One GPU's health sample. ``None`` means the GPU cannot report that value."""
-
-    index: int
-    utilization_pct: int | None = None
-    memory_used_mb: int | None = None
-    temperature_c: int | None = None
-    #: Uncorrectable (double-bit) ECC errors since the driver loaded; None: the GPU has no ECC.
-    ecc_double_bit: int | None = None
-    #: Critical XIDs (``CRITICAL_XIDS``) seen since the previous sample, each once.
-    xid_errors: list[int] = dataclasses.field(default_factory=list)
-    #: Why the GPU must be taken out of service, or None while it is usable.
-    critical: str | None = None
-
-    @property
-    def summary(self) -> str:
-        """One line for logs and the dashboard: "GPU 0: ok, 37% busy, 1024 MiB used, 45 C"."""
-        state = f"CRITICAL: {self.critical}" if self.critical else "ok"
-        parts = [f"GPU {self.index}: {state}"]
-        if self.utilization_pct is not None:
-            parts.append(f"{self.utilization_pct}% busy")
-        if self.memory_used_mb is not None:
-            parts.append(f"{self.memory_used_mb} MiB used")
-        if self.temperature_c is not None:
-            parts.append(f"{self.temperature_c} C")
-        return ", ".join(parts)
+def describe(health: wire.GpuHealthReport) -> str:
+    """One line for logs and listings: "GPU 0: ok, 37% busy, 1024 MiB used, 45 C"."""
+    state = f"CRITICAL: {health.critical}" if health.critical else "ok"
+    parts = [f"GPU {health.index}: {state}"]
+    if health.utilization_pct is not None:
+        parts.append(f"{health.utilization_pct}% busy")
+    if health.memory_used_mb is not None:
+        parts.append(f"{health.memory_used_mb} MiB used")
+    if health.temperature_c is not None:
+        parts.append(f"{health.temperature_c} C")
+    return ", ".join(parts)
 
 
 def critical_reason(*, ecc_double_bit: int | None, xid_errors: Sequence[int]) -> str | None:
@@ -88,7 +72,8 @@ def critical_reason(*, ecc_double_bit: int | None, xid_errors: Sequence[int]) ->
     if ecc_double_bit:
         plural = "s" if ecc_double_bit != 1 else ""
         reasons.append(f"{ecc_double_bit} uncorrectable ECC error{plural}")
-    return "; ".join(reasons) or None
+    # Cut to what the heartbeat's message takes (wire.Name).
+    return "; ".join(reasons)[:200] or None
 
 
 def _critical_xids(index: int, xids: Sequence[int]) -> list[int]:
@@ -107,7 +92,7 @@ def _critical_xids(index: int, xids: Sequence[int]) -> list[int]:
 class GpuProvider(Protocol):
     def discover(self) -> list[wire.GpuInfo]: ...
 
-    def health(self) -> list[GpuHealth]:
+    def health(self) -> list[wire.GpuHealthReport]:
         """A health sample of every GPU ``discover`` lists, in index order."""
         ...
 
@@ -145,7 +130,7 @@ class NvmlProvider:
         finally:
             pynvml.nvmlShutdown()
 
-    def health(self) -> list[GpuHealth]:
+    def health(self) -> list[wire.GpuHealthReport]:
         if self._handles is None:
             self._open()
         assert self._handles is not None
@@ -186,9 +171,9 @@ class NvmlProvider:
             return None
         return event_set
 
-    def _sample(self, index: int, handle: Any) -> GpuHealth:
+    def _sample(self, index: int, handle: Any) -> wire.GpuHealthReport:
         if handle is None:
-            return GpuHealth(index=index, critical=GPU_LOST)
+            return wire.GpuHealthReport(index=index, critical=GPU_LOST)
         xids: list[int] = []
         try:
             xids = self._poll_xids(index)
@@ -200,8 +185,8 @@ class NvmlProvider:
             reason = critical_reason(ecc_double_bit=None, xid_errors=xids)
             lost = GPU_LOST if isinstance(exc, pynvml.NVMLError_GpuIsLost) else f"NVML: {exc}"
             critical = f"{reason}; {lost}" if reason else lost
-            return GpuHealth(index=index, xid_errors=xids, critical=critical)
-        return GpuHealth(
+            return wire.GpuHealthReport(index=index, xid_errors=xids, critical=critical)
+        return wire.GpuHealthReport(
             index=index,
             utilization_pct=utilization,
             memory_used_mb=memory_used,
@@ -347,20 +332,20 @@ class FakeGpuProvider:
             for index in range(self.count)
         ]
 
-    def health(self) -> list[GpuHealth]:
+    def health(self) -> list[wire.GpuHealthReport]:
         faults = self._read_faults()
         return [self._sample(index, faults.get(index, _Faults())) for index in range(self.count)]
 
     def close(self) -> None:
         pass  # nothing held open
 
-    def _sample(self, index: int, faults: _Faults) -> GpuHealth:
+    def _sample(self, index: int, faults: _Faults) -> wire.GpuHealthReport:
         xids = _critical_xids(index, faults.xids)
         if faults.lost:
             reason = critical_reason(ecc_double_bit=None, xid_errors=xids)
             critical = f"{reason}; {GPU_LOST}" if reason else GPU_LOST
-            return GpuHealth(index=index, xid_errors=xids, critical=critical)
-        return GpuHealth(
+            return wire.GpuHealthReport(index=index, xid_errors=xids, critical=critical)
+        return wire.GpuHealthReport(
             index=index,
             utilization_pct=0,
             memory_used_mb=0,

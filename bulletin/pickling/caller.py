@@ -70,11 +70,7 @@ def pack_call(
         return Sent(packed, None)
     # Not the temporaries that hold tensor memory for the buffers (a GPU tensor's CPU copy):
     # only objects that were the notebook's can be named by what comes back.
-    memo = {
-        index: obj
-        for index, obj in pickler.memo.copy().values()
-        if not _holds_buffer(obj)
-    }
+    memo = {index: obj for index, obj in pickler.memo.copy().values() if not _holds_buffer(obj)}
     namespace = fn.__globals__
     names: set[str] = set()
     for obj in memo.values():

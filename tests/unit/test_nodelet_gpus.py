@@ -12,15 +12,16 @@ import pynvml
 import pytest
 
 from bulletin import wire
+from bulletin.wire import GpuHealthReport
 from nodelet import gpus
 from nodelet.gpus import (
     FAKE_GPU_TEMPERATURE_C,
     GPU_LOST,
     FakeGpuProvider,
-    GpuHealth,
     GpuProvider,
     NvmlProvider,
     choose_provider,
+    describe,
 )
 
 
@@ -78,7 +79,7 @@ def test_calls_on_real_gpus_move_their_tensors_to_cuda_and_all_others_stay_on_th
 def test_fake_gpus_are_healthy_and_the_same_every_time() -> None:
     provider = FakeGpuProvider(2, node="n")
     expected = [
-        GpuHealth(
+        GpuHealthReport(
             index=i,
             utilization_pct=0,
             memory_used_mb=0,
@@ -91,7 +92,7 @@ def test_fake_gpus_are_healthy_and_the_same_every_time() -> None:
     assert provider.health() == expected
     assert expected[0].critical is None
     assert expected[0].xid_errors == []
-    assert expected[0].summary == "GPU 0: ok, 0% busy, 0 MiB used, 35 C"
+    assert describe(expected[0]) == "GPU 0: ok, 0% busy, 0 MiB used, 35 C"
 
 
 def test_a_missing_fault_file_means_no_faults(tmp_path: Path) -> None:
@@ -109,7 +110,7 @@ def test_an_injected_xid_is_critical_in_one_sample_and_ecc_in_every_sample(
     gpu0, gpu1, gpu2 = provider.health()
     assert gpu0.xid_errors == [79]
     assert gpu0.critical == "XID 79 (GPU fell off the bus)"
-    assert gpu0.summary.startswith("GPU 0: CRITICAL: XID 79 (GPU fell off the bus), ")
+    assert describe(gpu0).startswith("GPU 0: CRITICAL: XID 79 (GPU fell off the bus), ")
     assert gpu1.ecc_double_bit == 2
     assert gpu1.critical == "2 uncorrectable ECC errors"
     assert gpu2.critical is None
@@ -145,8 +146,8 @@ def test_a_lost_fake_gpu_reports_nothing_but_its_loss(tmp_path: Path) -> None:
     faults = tmp_path / "faults"
     faults.write_text("1 lost\n")
     gpu = FakeGpuProvider(2, fault_file=faults).health()[1]
-    assert gpu == GpuHealth(index=1, critical=GPU_LOST)
-    assert gpu.summary == "GPU 1: CRITICAL: GPU is lost (NVML: GPU_IS_LOST)"
+    assert gpu == GpuHealthReport(index=1, critical=GPU_LOST)
+    assert describe(gpu) == "GPU 1: CRITICAL: GPU is lost (NVML: GPU_IS_LOST)"
 
 
 def test_malformed_fault_lines_are_logged_and_skipped(
@@ -270,7 +271,7 @@ def nvml(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
 def test_nvml_health_reads_each_gpu(nvml: FakeNvml) -> None:
     provider = NvmlProvider()
     assert provider.health() == [
-        GpuHealth(
+        GpuHealthReport(
             index=i,
             utilization_pct=37 + i,
             memory_used_mb=1024,
@@ -290,8 +291,8 @@ def test_values_a_gpu_does_not_support_are_none(nvml: FakeNvml) -> None:
         nvml.errors[0][call] = pynvml.NVML_ERROR_NOT_SUPPORTED
     provider = NvmlProvider()
     gpu = provider.health()[0]
-    assert gpu == GpuHealth(index=0, memory_used_mb=1024)
-    assert gpu.summary == "GPU 0: ok, 1024 MiB used"
+    assert gpu == GpuHealthReport(index=0, memory_used_mb=1024)
+    assert describe(gpu) == "GPU 0: ok, 1024 MiB used"
 
 
 def test_an_nvml_xid_79_is_critical_once(nvml: FakeNvml) -> None:
@@ -319,7 +320,7 @@ def test_a_lost_gpu_is_critical(nvml: FakeNvml) -> None:
     nvml.pending[0] = [_Event(79)]
     nvml.errors[0]["utilization"] = pynvml.NVML_ERROR_GPU_IS_LOST
     gpu0, gpu1 = provider.health()
-    assert gpu0 == GpuHealth(
+    assert gpu0 == GpuHealthReport(
         index=0, xid_errors=[79], critical="XID 79 (GPU fell off the bus); " + GPU_LOST
     )
     assert gpu1.critical is None
@@ -328,7 +329,7 @@ def test_a_lost_gpu_is_critical(nvml: FakeNvml) -> None:
 def test_a_gpu_lost_before_the_first_sample_is_critical(nvml: FakeNvml) -> None:
     nvml.errors[1]["handle"] = pynvml.NVML_ERROR_GPU_IS_LOST
     provider = NvmlProvider()
-    assert provider.health()[1] == GpuHealth(index=1, critical=GPU_LOST)
+    assert provider.health()[1] == GpuHealthReport(index=1, critical=GPU_LOST)
     assert provider.health()[1].critical == GPU_LOST
     assert provider.health()[0].critical is None
 
