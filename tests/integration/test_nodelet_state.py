@@ -95,6 +95,18 @@ async def _registered(url: str, token: str, work_dir: Path) -> AsyncIterator[Nod
         await client.aclose()
 
 
+def run_one(cluster: Cluster, tmp_path: Path) -> list[dict[str, Any]]:
+    """Register node n1, run the one call assigned to it, and say what its worker saw."""
+    n1 = node(cluster, tmp_path)  # outside the event loop: it makes n1's token
+
+    async def run() -> list[dict[str, Any]]:
+        async with n1 as n:
+            await n.run_one()
+            return n.tasks()
+
+    return asyncio.run(run())
+
+
 def blob(user: Http, data: bytes) -> str:
     r = user.client.put("/v1/blobs", content=data)
     assert r.status_code == 201, r.text
@@ -117,14 +129,7 @@ def test_a_big_payload_arrives_in_a_file_and_a_spilled_result_goes_up_as_a_blob(
     payload = b"echo\n" + data
     [invocation_id] = submit(user, spec(payload_blob=blob(user, payload)))
 
-    n1 = node(gateway, tmp_path)
-
-    async def run() -> list[dict[str, Any]]:
-        async with n1 as n:
-            await n.run_one()
-            return n.tasks()
-
-    [task] = asyncio.run(run())
+    [task] = run_one(gateway, tmp_path)
     # Streamed into the attempt's directory, byte for byte; never down the worker's pipe.
     assert not task["inline"] and task["payload_path"].endswith("/payload.bin")
     assert (task["payload_size"], task["payload_sha256"]) == (len(payload), sha256(payload))
@@ -142,14 +147,7 @@ def test_a_small_payload_and_result_travel_inline(gateway: Cluster, tmp_path: Pa
     user = Http(gateway.url, gateway.token)
     [invocation_id] = submit(user, spec(payload=b"echo\nsmall"))
 
-    n1 = node(gateway, tmp_path)
-
-    async def run() -> list[dict[str, Any]]:
-        async with n1 as n:
-            await n.run_one()
-            return n.tasks()
-
-    [task] = asyncio.run(run())
+    [task] = run_one(gateway, tmp_path)
     assert task["inline"] and task["payload_path"] is None and task["spill_dir"]
     done = status(user, invocation_id)
     assert (done.state, done.result, done.result_blob) == (wire.State.SUCCEEDED, b"small", None)
@@ -166,14 +164,7 @@ def test_a_shared_directory_payload_is_read_in_place_and_a_shared_result_passes_
     Path(path).write_bytes(b"echo-shared\n" + data)
     [invocation_id] = submit(user, spec(payload_file=name))
 
-    n1 = node(shared_gateway, tmp_path)
-
-    async def run() -> list[dict[str, Any]]:
-        async with n1 as n:
-            await n.run_one()
-            return n.tasks()
-
-    [task] = asyncio.run(run())
+    [task] = run_one(shared_gateway, tmp_path)
     assert not task["inline"] and task["payload_path"] == path
     assert task["shared_dir"] == str(root)
     done = status(user, invocation_id)
@@ -243,13 +234,7 @@ def test_a_result_file_outside_the_spill_and_shared_directories_is_refused(
     user = Http(gateway.url, gateway.token)
     [invocation_id] = submit(user, spec(payload=b"outside\nsecret"))
 
-    n1 = node(gateway, tmp_path)
-
-    async def run() -> None:
-        async with n1 as n:
-            await n.run_one()
-
-    asyncio.run(run())
+    run_one(gateway, tmp_path)
     done = status(user, invocation_id)
     assert (done.state, done.error_kind) == (wire.State.FAILED, wire.ErrorKind.WORKER_DIED)
     assert "outside its spill_dir" in (done.error_message or "")
@@ -267,13 +252,7 @@ def test_a_result_over_max_state_bytes_fails_the_call(
             user, spec(payload_blob=blob(user, b"double\n" + b"x" * (MiB + 1)))
         )
 
-        n1 = node(cluster, tmp_path)
-
-        async def run() -> None:
-            async with n1 as n:
-                await n.run_one()
-
-        asyncio.run(run())
+        run_one(cluster, tmp_path)
         done = status(user, invocation_id)
         assert (done.state, done.error_kind) == (wire.State.FAILED, wire.ErrorKind.USER)
         message = done.error_message or ""
