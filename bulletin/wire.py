@@ -70,6 +70,11 @@ class ErrorKind(enum.StrEnum):
     NOT_PERMITTED = "not_permitted"  # the node may not run the owner's calls (no account)
 
 
+#: WorkerOutcome.error_type of a call that failed without raising: what it returned (or its
+#: outcome) could not be sent back. The sdk then has no exception object to re-raise.
+RESULT_ERROR = "ResultError"
+
+
 class Stream(enum.IntEnum):
     STDOUT = 1
     STDERR = 2

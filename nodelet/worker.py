@@ -137,12 +137,12 @@ def call(
         outcome = remote_call.pack_outcome(value, error)
         result, result_path = _place(outcome.packed, remote_call.header, task)
     except remote.ResultError as exc:
-        failed = _failure(wire.ErrorKind.USER, "ResultError", f"{name}: {exc}")
+        failed = _failure(wire.ErrorKind.USER, wire.RESULT_ERROR, f"{name}: {exc}")
         return msgspec.structs.replace(failed, started=started, finished=finished)
     except Exception as exc:  # a full disk, a shared directory gone read-only...
         failed = _failure(
             wire.ErrorKind.USER,
-            "ResultError",
+            wire.RESULT_ERROR,
             f"{name}: its outcome could not be written: {type_name(exc)}: {exc}",
             user_traceback(exc),
         )
@@ -154,7 +154,7 @@ def call(
             result=result,
             result_path=result_path,
             error_kind=wire.ErrorKind.USER,
-            error_type="ResultError",
+            error_type=wire.RESULT_ERROR,
             error_message=f"{name}: {outcome.problem}",
             started=started,
             finished=finished,

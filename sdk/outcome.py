@@ -146,7 +146,7 @@ def _user_exception(
     it could not travel, or the call failed otherwise (its return value could not be
     sent), an ``sdk.RemoteError`` with the text."""
     if not isinstance(error, Exception):
-        raised = sent and invocation.error_type != "ResultError"
+        raised = sent and invocation.error_type != wire.RESULT_ERROR
         why = "its exception could not be brought here (it does not pickle or unpickle)."
         return _remote_error(RemoteError, invocation, why if raised else "")
     traceback = invocation.traceback or ""
