@@ -48,3 +48,35 @@ def test_state_runs_on_the_gpu_and_comes_back_on_the_cpu(gpu_cluster: Cluster) -
     assert namespace["opt"].param_groups[0]["params"][0] is weight
     [output] = namespace["outputs"]
     assert output.device.type == "cpu" and output.requires_grad
+
+
+def fill_gpu(mib: int) -> int:
+    import torch
+
+    block = torch.ones(mib << 18, device="cuda")  # float32: 4 bytes each
+    del block
+    return torch.cuda.memory_reserved()
+
+
+def reserved_and_visible() -> tuple[int, int, str]:
+    import os
+
+    import torch
+
+    return (
+        torch.cuda.memory_reserved(),
+        torch.cuda.device_count(),
+        os.environ["CUDA_VISIBLE_DEVICES"],
+    )
+
+
+def test_a_warm_worker_has_its_cuda_context_and_an_empty_cache_between_calls(
+    gpu_cluster: Cluster,
+) -> None:
+    fill = sdk.function(gpus=1)(fill_gpu)
+    assert fill(256) >= 256 << 20, "the caching allocator keeps the freed block"
+    probe = sdk.function(gpus=1)(reserved_and_visible)
+    reserved, count, visible = probe()
+    assert probe.last_call is not None and probe.last_call.timings.warm
+    assert reserved == 0, "the worker emptied torch's CUDA cache after the last call"
+    assert count == 1 and visible.isdigit()
