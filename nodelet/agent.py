@@ -15,7 +15,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from bulletin import shared, wire
@@ -26,6 +26,7 @@ from nodelet.client import GatewayClient
 from nodelet.config import NodeletConfig
 from nodelet.errors import AuthRejected, GatewayUnavailable, NodeletError
 from nodelet.gpus import GpuProvider, choose_provider, describe
+from nodelet.limits import device_rule
 from nodelet.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -73,13 +74,17 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
     if not accounts.single_tenant:
         os.chmod(work_dir, 0o711)  # workers switched to users' accounts pass through it
     client = GatewayClient(config.gateway_url, config.token, timeout_s=config.http_timeout_s)
-    pool = WorkerPool.from_config(config, cwd=work_dir)
     gpus = choose_provider(
-        config.fake_gpus, node=config.name, fault_file=config.fake_gpu_faults or None
+        config.fake_gpus,
+        node=config.name,
+        fault_file=config.fake_gpu_faults or None,
+        device_dir=config.fake_gpu_device_dir or None,
     )
+    pool: WorkerPool | None = None
     try:
         registration = await _unless_stopped(_register(client, config, gpus), stop)
         if registration is not None:
+            pool = await asyncio.to_thread(_pool, config, work_dir, gpus)
             facts = NodeFacts(
                 node=config.name,
                 work_dir=work_dir,
@@ -91,15 +96,39 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
                 accounts=accounts,
             )
             discovered = await asyncio.to_thread(gpus.discover)
-            pool.set_gpu_spares([(g.index,) for g in discovered], config.gpu_spare_workers)
+            pool.set_gpu_spares(
+                spare_gpu_sets([g.index for g in discovered], config.spare_shapes),
+                config.gpu_spare_workers,
+            )
             node = Node(config, client, pool, registration, facts)
             await node.run(stop)
     finally:
-        await pool.close()
+        if pool is not None:
+            await pool.close()
         await client.aclose()
         await asyncio.to_thread(gpus.close)
         if not config.work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _pool(config: NodeletConfig, work_dir: str, gpus: GpuProvider) -> WorkerPool:
+    """The worker pool, its limits detected for this machine and these GPUs."""
+    devices = {
+        index: tuple(rule for rule in map(device_rule, files) if rule is not None)
+        for index, files in gpus.device_files().items()
+    }
+    return WorkerPool.from_config(config, cwd=work_dir, gpu_devices=devices)
+
+
+def spare_gpu_sets(indices: Sequence[int], shapes: Sequence[int]) -> list[tuple[int, ...]]:
+    """The GPU sets that get spare workers: for each shape N, every aligned block of N of the
+    node's GPUs (a shape bigger than the node gets none)."""
+    ordered = sorted(indices)
+    return [
+        tuple(ordered[start : start + n])
+        for n in shapes
+        for start in range(0, len(ordered) - n + 1, n)
+    ]
 
 
 async def _unless_stopped(work: Coroutine[Any, Any, _T], stop: asyncio.Event) -> _T | None:

@@ -20,6 +20,9 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Fake GPUs only: a file of injected faults ("0 xid 79", "1 ecc 2", "0 lost"), re-read
     #: at each health sample (see nodelet/gpus.py); for tests and drills.
     fake_gpu_faults: str = ""
+    #: Fake GPUs only: make a character device file per fake GPU in this directory (needs
+    #: root; no driver backs it), so GPU device isolation can be tried without GPUs.
+    fake_gpu_device_dir: str = ""
     #: Slots for CPU-only calls (gpus=0); 0 means one per core.
     cpu_slots: int = 0
     #: Idle worker processes kept started ahead of demand.
@@ -27,6 +30,10 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Idle workers kept started per GPU with that GPU visible, so (with warm_torch) their
     #: CUDA context exists before a call arrives; 0: none.
     gpu_spare_workers: int = 1
+    #: The GPU counts that get such spares, comma-separated: for N, each aligned block of N
+    #: GPUs (0..N-1, N..2N-1, ...) gets gpu_spare_workers spares of its own. Each holds a
+    #: CUDA context (some 300-500 MiB) on each of its GPUs.
+    gpu_spare_shapes: str = "1"
     #: Where attempts keep their files; empty means a fresh temporary directory.
     work_dir: str = ""
     #: HTTP timeout in seconds, on top of the long-poll hold for poll requests.
@@ -38,6 +45,10 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Memory per call in MiB, for its worker and what it spawns (cgroups where usable, else
     #: RLIMIT_AS; see docs/limits.md); 0 means no limit.
     memory_limit_mb: int = 0
+    #: CPU cores per call, a hard cap (CFS quota, through cgroups where usable; see
+    #: docs/limits.md); 0 means no cap. Concurrent calls share the CPU equally either way
+    #: where cgroups are usable.
+    cpu_limit: float = 0.0
     #: Workers import torch and run a throwaway optimizer step (torch._dynamo and friends
     #: load lazily on the first one) before their first call, when torch is installed, so a
     #: call's first training step does not pay for them. Counts against memory_limit_mb.
@@ -56,6 +67,12 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
         problems = _problems(self)
         if problems:
             raise ValueError("invalid nodelet config: " + "; ".join(problems))
+
+    @property
+    def spare_shapes(self) -> tuple[int, ...]:
+        """``gpu_spare_shapes`` as numbers."""
+        parts = self.gpu_spare_shapes.split(",")
+        return tuple(sorted({int(part) for part in parts if part.strip()}))
 
     @property
     def effective_cpu_slots(self) -> int:
@@ -81,6 +98,13 @@ def _problems(config: NodeletConfig) -> list[str]:
             config.gpu_spare_workers >= 0,
             f"gpu_spare_workers must be >= 0, got {config.gpu_spare_workers}",
         ),
+        (
+            all(p.strip().isdigit() and int(p) > 0 for p in config.gpu_spare_shapes.split(","))
+            or not config.gpu_spare_shapes.strip(),
+            "gpu_spare_shapes must be GPU counts separated by commas (e.g. 1,2,8), got "
+            f"{config.gpu_spare_shapes!r}",
+        ),
+        (config.cpu_limit >= 0, f"cpu_limit must be >= 0 (0 = no cap), got {config.cpu_limit}"),
         (config.http_timeout_s > 0, f"http_timeout_s must be > 0, got {config.http_timeout_s}"),
         (config.log_flush_s > 0, f"log_flush_s must be > 0, got {config.log_flush_s}"),
         (config.kill_grace_s >= 0, f"kill_grace_s must be >= 0, got {config.kill_grace_s}"),

@@ -10,9 +10,11 @@ service (and its node drained); ``CRITICAL_XIDS`` says which XIDs count.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import socket
+import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,6 +30,10 @@ DEFAULT_FAKE_GPUS = 2
 FAKE_GPU_MEMORY_MB = 16384
 #: What a healthy fake GPU reports (fixed, so tests can compare whole samples).
 FAKE_GPU_TEMPERATURE_C = 35
+#: The character-device major number of fake GPUs' device files: one of the numbers Linux
+#: keeps for local and experimental use, which no driver claims, so opening one fails with
+#: ENXIO unless a devices cgroup denies it first (EPERM).
+FAKE_GPU_MAJOR = 242
 
 #: XIDs after which a GPU is taken out of service until an admin resets or replaces it.
 #: Source: NVIDIA's Xid catalog (https://docs.nvidia.com/deploy/xid-errors/), the XIDs whose
@@ -104,6 +110,11 @@ class GpuProvider(Protocol):
         """The torch device a call on these GPUs moves its tensors to ("cuda:0", "cpu")."""
         ...
 
+    def device_files(self) -> dict[int, list[str]]:
+        """Each GPU's own device files (``/dev/nvidia3``), by index; shared ones such as
+        ``/dev/nvidiactl`` are not listed. A worker is denied the files of others' GPUs."""
+        ...
+
 
 class NvmlProvider:
     """The node's NVIDIA GPUs, read through NVML (nvidia-ml-py).
@@ -121,6 +132,24 @@ class NvmlProvider:
     def device(self, gpu_indices: Sequence[int]) -> str:
         # The worker sees only its GPUs (CUDA_VISIBLE_DEVICES): the first is cuda:0.
         return "cuda:0" if gpu_indices else "cpu"
+
+    def device_files(self) -> dict[int, list[str]]:
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            log.warning("cannot list the GPUs' device files (%s): they are not isolated", exc)
+            return {}
+        try:
+            files = {}
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                files[index] = [f"/dev/nvidia{pynvml.nvmlDeviceGetMinorNumber(handle)}"]
+            return files
+        except pynvml.NVMLError as exc:
+            log.warning("cannot list the GPUs' device files (%s): they are not isolated", exc)
+            return {}
+        finally:
+            pynvml.nvmlShutdown()
 
     def discover(self) -> list[wire.GpuInfo]:
         # NVML counts its initialisations, so this works while health() holds it open too.
@@ -296,6 +325,10 @@ class FakeGpuProvider:
         1 ecc 2     # GPU 1 has 2 uncorrectable ECC errors, in every sample until "1 ecc 0"
         0 lost      # GPU 0 is lost, as NVML's GPU_IS_LOST, in every sample
 
+    With ``device_dir``, each fake GPU also gets a device file there, ``fakegpu<index>``, a
+    character device of major ``FAKE_GPU_MAJOR`` (made on first use; needs root), so GPU
+    device isolation can be tested without GPUs.
+
     An XID line is an event: this provider reports it once, remembering it by line number and
     text, so append new lines rather than insert them (a new provider, as in a restarted
     nodelet, reports the file's XID lines again). ``ecc`` and ``lost`` are states: the last
@@ -309,6 +342,7 @@ class FakeGpuProvider:
         *,
         node: str | None = None,
         fault_file: str | os.PathLike[str] | None = None,
+        device_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if count < 0:
             raise ValueError(f"fake GPU count must be >= 0, got {count}")
@@ -316,9 +350,26 @@ class FakeGpuProvider:
         self.node = node or socket.gethostname()
         self.fault_file = Path(fault_file) if fault_file is not None else None
         self._xid_lines_seen: set[tuple[int, str]] = set()  # (line number, line) reported once
+        self.device_dir = Path(device_dir) if device_dir is not None else None
 
     def device(self, gpu_indices: Sequence[int]) -> str:
         return "cpu"  # a fake GPU is backed by the CPU
+
+    def device_files(self) -> dict[int, list[str]]:
+        if self.device_dir is None:
+            return {}
+        files = {}
+        self.device_dir.mkdir(parents=True, exist_ok=True)
+        for index in range(self.count):
+            path = self.device_dir / f"fakegpu{index}"
+            if not path.is_char_device():
+                try:
+                    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(FAKE_GPU_MAJOR, index))
+                except OSError as exc:
+                    log.warning("cannot make fake GPU device file %s: %s", path, exc)
+                    return {}
+            files[index] = [str(path)]
+        return files
 
     def discover(self) -> list[wire.GpuInfo]:
         return [
@@ -407,20 +458,25 @@ def choose_provider(
     *,
     node: str | None = None,
     fault_file: str | os.PathLike[str] | None = None,
+    device_dir: str | os.PathLike[str] | None = None,
 ) -> GpuProvider:
     """An explicit fake count gives fake GPUs; else NVML if it finds a GPU; else 2 fakes.
 
-    ``fault_file`` injects faults into fake GPUs (see ``FakeGpuProvider``); NVML ignores it.
+    ``fault_file`` injects faults into fake GPUs, ``device_dir`` gives them device files (see
+    ``FakeGpuProvider``); NVML ignores both.
     """
+    fakes = functools.partial(
+        FakeGpuProvider, node=node, fault_file=fault_file, device_dir=device_dir
+    )
     if fake_gpus is not None:
-        return FakeGpuProvider(fake_gpus, node=node, fault_file=fault_file)
+        return fakes(fake_gpus)
     nvml = NvmlProvider()
     try:
         found = len(nvml.discover())
     except (pynvml.NVMLError, OSError) as exc:
         log.warning("no NVIDIA GPUs usable (%s); using %d fake GPUs", exc, DEFAULT_FAKE_GPUS)
-        return FakeGpuProvider(DEFAULT_FAKE_GPUS, node=node, fault_file=fault_file)
+        return fakes(DEFAULT_FAKE_GPUS)
     if found == 0:
         log.warning("NVML found no GPUs; using %d fake GPUs", DEFAULT_FAKE_GPUS)
-        return FakeGpuProvider(DEFAULT_FAKE_GPUS, node=node, fault_file=fault_file)
+        return fakes(DEFAULT_FAKE_GPUS)
     return nvml

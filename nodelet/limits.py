@@ -1,14 +1,17 @@
-"""Per-call memory limits: find what this machine can enforce, and enforce it.
+"""What confines each call's worker: memory, CPU time and GPU device files. Find what this
+machine can enforce, and enforce it (the cgroup plumbing is :mod:`nodelet.cgroups`).
 
-:meth:`MemoryLimiter.detect` picks the best mechanism at nodelet start and logs it, with the
-reason each better one is not usable:
+:meth:`Limiter.detect` picks a mechanism per limit at nodelet start and logs it, with the
+reason each better one is not usable. Each worker gets a cgroup of its own per hierarchy,
+``bulletin-<nodelet pid>/worker-<pid>``, before it runs anything of a call.
 
-- ``cgroup2``: a child cgroup per worker in a delegated cgroup v2 subtree with the memory
-  controller: ``memory.max``, ``memory.swap.max = 0`` and ``memory.oom.group = 1`` (an
-  out-of-memory kill takes the whole call). OOM kills are counted in ``memory.events``.
-- ``cgroup1``: a child cgroup per worker in a writable cgroup v1 memory hierarchy:
-  ``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes`` where swap is accounted).
-  The kernel kills the biggest process of the cgroup; kills are counted in
+Memory (``memory_limit_mb``):
+
+- ``cgroup2``: ``memory.max``, ``memory.swap.max = 0`` and ``memory.oom.group = 1`` (an
+  out-of-memory kill takes the whole call), in a delegated cgroup v2 subtree. OOM kills are
+  counted in ``memory.events``.
+- ``cgroup1``: ``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes`` where swap is
+  accounted). The kernel kills the biggest process of the cgroup; kills are counted in
   ``memory.oom_control``.
 - ``rlimit``: the last resort. The worker sets ``RLIMIT_AS`` on itself before it unpickles
   the call. That limits virtual address space, per process (each child gets its own), not
@@ -17,356 +20,315 @@ reason each better one is not usable:
   back, so such a worker runs one call only.
 - ``none``: no limit (``memory_limit_mb = 0``).
 
+CPU (``cpu_limit``): a CFS quota of that many cores per call, ``cpu.max`` (v2) or
+``cpu.cfs_quota_us`` (v1). Since every worker has a cgroup of its own, concurrent calls also
+share the CPU equally (the default weight), however many threads each starts. No cgroup: not
+enforced, and the log says why.
+
+GPU devices: a call's GPUs are ``CUDA_VISIBLE_DEVICES``; with the cgroup v1 devices
+controller the worker is also denied the device files of every other GPU (``devices.deny``),
+so resetting that variable, or opening ``/dev/nvidiaN`` directly, does not reach them. Spare
+workers start with every GPU denied but their own, and are allowed their call's GPUs when
+they get one. cgroup v2 filters devices only through an eBPF program, which is not done.
+
 Only the standard library is imported here: the worker imports this module too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import resource
-import signal
-from dataclasses import dataclass
+import stat
+from collections.abc import Iterable, Mapping
+
+from nodelet.cgroups import (
+    Cgroup,
+    LimitUnavailable,
+    enable_below,
+    make_base,
+    own_cgroup_dir,
+    write,
+)
+
+__all__ = ["RLIMIT_ENV", "Cgroup", "LimitUnavailable", "Limiter"]
 
 log = logging.getLogger(__name__)
 
 #: The WorkerTask env variable that asks a worker to set ``RLIMIT_AS`` (in MiB) on itself.
 RLIMIT_ENV = "BULLETIN_RLIMIT_AS_MB"
 _MiB = 1 << 20
+#: The CFS period a CPU quota is counted in, in microseconds.
+CPU_PERIOD_US = 100_000
+_V2_ONLY_DEVICES = (
+    "cgroup v2 filters devices only through an eBPF program, which the nodelet does not load"
+)
 
 
-class LimitUnavailable(Exception):
-    """A mechanism cannot be used on this machine; the message says why."""
+class Limiter:
+    """How each worker is confined. ``bases`` maps each controller in use ("memory",
+    "cpu", "devices") to (cgroup version, this nodelet's directory there); ``gpu_devices``
+    maps each GPU index to its device rules ("c 195:0")."""
 
-
-class MemoryLimiter:
-    """No limit; the base of the mechanisms below. Each worker is confined by :meth:`apply`
-    when it starts; :meth:`task_env` goes into every call's task."""
-
-    mechanism = "none"
-    #: Whether a worker may run another call after one under this limiter.
-    reuses_workers = True
-
-    def __init__(self, limit_mb: int = 0, *, unusable: str = "") -> None:
-        self.limit_mb = limit_mb
-        #: Why the cgroup mechanisms were not usable ("" when one is in use, or no limit).
+    def __init__(
+        self,
+        memory_mb: int = 0,
+        *,
+        memory: str = "none",
+        cpus: float = 0.0,
+        bases: Mapping[str, tuple[int, str]] | None = None,
+        gpu_devices: Mapping[int, tuple[str, ...]] | None = None,
+        unusable: str = "",
+    ) -> None:
+        self.limit_mb = memory_mb
+        #: How memory is limited: "none", "cgroup2", "cgroup1" or "rlimit".
+        self.mechanism = memory
+        self.cpus = cpus
+        self.bases = dict(bases or {})
+        self.gpu_devices = dict(gpu_devices or {})
+        #: Why cgroups could not limit memory ("" when they do, or there is no limit).
         self.unusable = unusable
 
     @classmethod
-    def detect(cls, limit_mb: int, *, pid: int | None = None) -> MemoryLimiter:
-        """The best mechanism this machine offers for ``limit_mb`` MiB per call (0: none),
-        logged with the reason each better one was not usable."""
-        if limit_mb <= 0:
-            log.info("no memory limit per call (memory_limit_mb = 0)")
-            return MemoryLimiter()
-        problems = []
-        for version in (2, 1):
-            try:
-                cgroups = CgroupLimiter.create(version, limit_mb, pid=pid)
-            except LimitUnavailable as exc:
-                problems.append(str(exc))
-                continue
-            log.info(
-                "memory limit: %s, a cgroup per worker under %s%s",
-                cgroups.describe(),
-                cgroups.base,
-                f"; not {problems[0]}" if problems else "",
-            )
-            return cgroups
-        limiter = RlimitLimiter(limit_mb, unusable="; ".join(problems))
-        log.warning(
-            "memory limit: %s, a last resort that counts virtual memory (CUDA and "
-            "torch reserve much more than they use); cgroups are not usable: %s",
-            limiter.describe(),
-            limiter.unusable,
+    def rlimit(cls, memory_mb: int) -> Limiter:
+        """Memory limited by ``RLIMIT_AS`` only."""
+        return cls(memory_mb, memory="rlimit")
+
+    @classmethod
+    def cgroups(
+        cls,
+        version: int,
+        memory_mb: int = 0,
+        *,
+        cpus: float = 0.0,
+        gpu_devices: Mapping[int, tuple[str, ...]] | None = None,
+        pid: int | None = None,
+    ) -> Limiter:
+        """Every requested limit through cgroup v``version`` (devices: v1 only), or
+        LimitUnavailable saying why that is not possible here."""
+        pid = pid or os.getpid()
+        wanted = _wanted(memory_mb, cpus, gpu_devices)
+        if version == 2 and "devices" in wanted:
+            raise LimitUnavailable(_V2_ONLY_DEVICES)
+        here = own_cgroup_dir(2, pid) if version == 2 else ""
+        bases = {c: (version, _base(version, c, pid, here)) for c in wanted}
+        memory = f"cgroup{version}" if "memory" in bases else "none"
+        return cls(memory_mb, memory=memory, cpus=cpus, bases=bases, gpu_devices=gpu_devices)
+
+    @classmethod
+    def detect(
+        cls,
+        memory_mb: int = 0,
+        *,
+        cpus: float = 0.0,
+        gpu_devices: Mapping[int, tuple[str, ...]] | None = None,
+        pid: int | None = None,
+    ) -> Limiter:
+        """The best mechanism for each limit this machine offers: ``memory_mb`` MiB and
+        ``cpus`` cores per call (0: none), and the GPUs' device files (``gpu_devices``, GPU
+        index to device rules), logged with the reason each better one was not usable."""
+        pid = pid or os.getpid()
+        bases: dict[str, tuple[int, str]] = {}
+        problems: dict[str, list[str]] = {}
+        v2_here: str | LimitUnavailable | None = None
+        for controller in _wanted(memory_mb, cpus, gpu_devices):
+            problems[controller] = []
+            for version in (1,) if controller == "devices" else (2, 1):
+                try:
+                    if version == 2:
+                        # Read once: enabling a controller may move the nodelet into a leaf.
+                        if v2_here is None:
+                            try:
+                                v2_here = own_cgroup_dir(2, pid)
+                            except LimitUnavailable as exc:
+                                v2_here = exc
+                        if isinstance(v2_here, LimitUnavailable):
+                            raise v2_here
+                    here = v2_here if isinstance(v2_here, str) and version == 2 else ""
+                    bases[controller] = (version, _base(version, controller, pid, here))
+                    break
+                except LimitUnavailable as exc:
+                    problems[controller].append(str(exc))
+        if "devices" in problems and "devices" not in bases:
+            problems["devices"].append(_V2_ONLY_DEVICES)
+        memory = "none"
+        if memory_mb > 0:
+            memory = f"cgroup{bases['memory'][0]}" if "memory" in bases else "rlimit"
+        limiter = cls(
+            memory_mb,
+            memory=memory,
+            cpus=cpus,
+            bases=bases,
+            gpu_devices=gpu_devices,
+            unusable="; ".join(problems.get("memory", [])) if memory == "rlimit" else "",
         )
+        limiter._log(problems)
         return limiter
 
+    def _log(self, problems: Mapping[str, list[str]]) -> None:
+        if self.mechanism == "none":
+            log.info("no memory limit per call (memory_limit_mb = 0)")
+        elif self.mechanism == "rlimit":
+            log.warning(
+                "memory limit: %s, a last resort that counts virtual memory (CUDA and "
+                "torch reserve much more than they use); cgroups are not usable: %s",
+                self.describe(),
+                self.unusable,
+            )
+        else:
+            log.info(
+                "memory limit: %s, a cgroup per worker under %s%s",
+                self.describe(),
+                self.bases["memory"][1],
+                f"; not {problems['memory'][0]}" if problems.get("memory") else "",
+            )
+        if self.cpus > 0 and "cpu" in self.bases:
+            log.info("CPU limit: %s", self.describe_cpu())
+        elif self.cpus > 0:
+            log.warning(
+                "CPU limit of %g cores per call NOT enforced: %s",
+                self.cpus,
+                "; ".join(problems.get("cpu", [])),
+            )
+        if "devices" in self.bases:
+            log.info("GPU isolation: %s", self.describe_gpus())
+        elif self.gpu_devices:
+            log.warning(
+                "GPU isolation: CUDA_VISIBLE_DEVICES only; device files NOT restricted: %s",
+                "; ".join(problems.get("devices", [])),
+            )
+
+    @property
+    def reuses_workers(self) -> bool:
+        """Whether a worker may run another call: RLIMIT_AS cannot be raised back."""
+        return self.mechanism != "rlimit"
+
+    @property
+    def base(self) -> str:
+        """This nodelet's cgroup directory for memory (else for the first controller)."""
+        version_base = self.bases.get("memory") or next(iter(self.bases.values()))
+        return version_base[1]
+
+    @property
+    def version(self) -> int:
+        return (self.bases.get("memory") or next(iter(self.bases.values())))[0]
+
     def describe(self) -> str:
-        """The limit and how it is enforced, in words for logs and error messages."""
+        """The memory limit and how it is enforced, in words for logs and error messages."""
+        if self.mechanism == "rlimit":
+            return f"{self.limit_mb} MiB of address space per process (RLIMIT_AS)"
+        if self.mechanism.startswith("cgroup"):
+            knob = "memory.max" if self.version == 2 else "memory.limit_in_bytes"
+            return f"{self.limit_mb} MiB per call (cgroup v{self.version} {knob})"
         return "none"
+
+    def describe_cpu(self) -> str:
+        if "cpu" not in self.bases:
+            return "none"
+        version = self.bases["cpu"][0]
+        knob = "cpu.max" if version == 2 else "cpu.cfs_quota_us"
+        return f"{self.cpus:g} CPU cores per call (cgroup v{version} {knob})"
+
+    def describe_gpus(self) -> str:
+        if "devices" not in self.bases:
+            return "CUDA_VISIBLE_DEVICES only"
+        return "CUDA_VISIBLE_DEVICES, and other GPUs' device files denied (cgroup v1 devices)"
 
     def task_env(self) -> dict[str, str]:
         """Environment a call's WorkerTask carries for the worker to limit itself."""
-        return {}
+        return {RLIMIT_ENV: str(self.limit_mb)} if self.mechanism == "rlimit" else {}
 
-    def apply(self, pid: int) -> Cgroup | None:
-        """Confine a new worker process (before it gets a call); its cgroup, if any."""
-        return None
+    def apply(self, pid: int, gpus: Iterable[int] = ()) -> Cgroup | None:
+        """Confine a new worker process (before it gets a call); its cgroups, if any. Its
+        device rules deny every GPU but ``gpus``."""
+        if not self.bases:
+            return None
+        by_base: dict[str, list[str]] = {}
+        for controller, (_, base) in self.bases.items():
+            by_base.setdefault(base, []).append(controller)
+        own = set(gpus)
+        dirs: dict[str, str] = {}
+        made: list[str] = []
+        try:
+            for base, controllers in by_base.items():
+                path = os.path.join(base, f"worker-{pid}")
+                os.mkdir(path)
+                made.append(path)
+                for controller in controllers:
+                    self._configure(controller, path, own)
+                    dirs[controller] = path
+                write(path, "cgroup.procs", str(pid))
+        except OSError:
+            for path in made:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+            raise
+        versions = {c: v for c, (v, _) in self.bases.items()}
+        devices = self.gpu_devices if "devices" in self.bases else None
+        return Cgroup(dirs, versions, gpu_devices=devices)
+
+    def _configure(self, controller: str, path: str, gpus: set[int]) -> None:
+        version = self.bases[controller][0]
+        if controller == "memory":
+            limit = str(self.limit_mb * _MiB)
+            if version == 2:
+                write(path, "memory.max", limit)
+                write(path, "memory.oom.group", "1", optional=True)  # Linux >= 4.19
+                write(path, "memory.swap.max", "0", optional=True)
+            else:
+                write(path, "memory.limit_in_bytes", limit)
+                write(path, "memory.memsw.limit_in_bytes", limit, optional=True)
+        elif controller == "cpu":
+            quota = max(1000, round(self.cpus * CPU_PERIOD_US))
+            if version == 2:
+                write(path, "cpu.max", f"{quota} {CPU_PERIOD_US}")
+            else:
+                write(path, "cpu.cfs_period_us", str(CPU_PERIOD_US))
+                write(path, "cpu.cfs_quota_us", str(quota))
+        elif controller == "devices":
+            for index, rules in self.gpu_devices.items():
+                if index not in gpus:
+                    for rule in rules:
+                        write(path, "devices.deny", f"{rule} rwm")
 
     def close(self) -> None:
         """Remove what the limiter made (once its workers are gone)."""
-
-
-class RlimitLimiter(MemoryLimiter):
-    """``RLIMIT_AS``, set by the worker on itself before it unpickles the call."""
-
-    mechanism = "rlimit"
-    reuses_workers = False
-
-    def describe(self) -> str:
-        return f"{self.limit_mb} MiB of address space per process (RLIMIT_AS)"
-
-    def task_env(self) -> dict[str, str]:
-        return {RLIMIT_ENV: str(self.limit_mb)}
-
-
-class CgroupLimiter(MemoryLimiter):
-    """One child cgroup per worker under ``base``, this nodelet's own directory."""
-
-    def __init__(self, limit_mb: int, base: str, version: int) -> None:
-        super().__init__(limit_mb)
-        self.base = base
-        self.version = version
-        self.mechanism = f"cgroup{version}"
-
-    @classmethod
-    def create(cls, version: int, limit_mb: int, *, pid: int | None = None) -> CgroupLimiter:
-        """Make this nodelet's cgroup directory in the cgroup v``version`` hierarchy, or
-        raise LimitUnavailable saying why that is not possible here."""
-        pid = pid or os.getpid()
-        here = own_cgroup_dir(version, pid)
-        _sweep(here)
-        if version == 2:
-            _enable_memory_below(here, pid)
-        base = os.path.join(here, f"bulletin-{pid}")
-        try:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(base)
-            if version == 2:
-                _write(base, "cgroup.subtree_control", "+memory")
-        except OSError as exc:
+        for _, base in set(self.bases.values()):
             with contextlib.suppress(OSError):
                 os.rmdir(base)
-            why = _why(exc)
-            raise LimitUnavailable(f"cgroup v{version}: cannot set up {base}: {why}") from None
-        return cls(limit_mb, base, version)
-
-    def describe(self) -> str:
-        knob = "memory.max" if self.version == 2 else "memory.limit_in_bytes"
-        return f"{self.limit_mb} MiB per call (cgroup v{self.version} {knob})"
-
-    def apply(self, pid: int) -> Cgroup:
-        path = os.path.join(self.base, f"worker-{pid}")
-        os.mkdir(path)
-        limit = str(self.limit_mb * _MiB)
-        try:
-            if self.version == 2:
-                _write(path, "memory.max", limit)
-                _write(path, "memory.oom.group", "1", optional=True)  # Linux >= 4.19
-                _write(path, "memory.swap.max", "0", optional=True)
-            else:
-                _write(path, "memory.limit_in_bytes", limit)
-                _write(path, "memory.memsw.limit_in_bytes", limit, optional=True)
-            _write(path, "cgroup.procs", str(pid))
-        except OSError:
-            os.rmdir(path)
-            raise
-        return Cgroup(path, self.version)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.rmdir(self.base)
 
 
-class Cgroup:
-    """One worker's cgroup: its out-of-memory kills, and killing what is left in it."""
-
-    def __init__(self, path: str, version: int) -> None:
-        self.path = path
-        self.version = version
-        self._final_oom_kills: int | None = None
-
-    def oom_kills(self) -> int:
-        """How many processes the kernel killed here for memory (kept after removal)."""
-        if self._final_oom_kills is not None:
-            return self._final_oom_kills
-        try:
-            if self.version == 2:
-                return _keyed(_read(self.path, "memory.events")).get("oom_kill", 0)
-            counts = _keyed(_read(self.path, "memory.oom_control"))
-            if "oom_kill" in counts:
-                return counts["oom_kill"]
-            # Kernels before 4.13 do not count kills: count the times the limit was hit.
-            return int(_read(self.path, "memory.failcnt"))
-        except (OSError, ValueError):
-            return 0
-
-    def kill(self) -> None:
-        """SIGKILL every process in the cgroup, those that left the worker's group too."""
-        if self.version == 2:
-            with contextlib.suppress(OSError):
-                _write(self.path, "cgroup.kill", "1")
-                return
-        for pid in self.pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-    def pids(self) -> list[int]:
-        try:
-            return [int(line) for line in _read(self.path, "cgroup.procs").split()]
-        except OSError:
-            return []
-
-    def try_remove(self) -> bool:
-        """Kill what is left and remove the cgroup; False while dying processes keep it
-        busy (call again)."""
-        if self._final_oom_kills is None:
-            self._final_oom_kills = self.oom_kills()
-        self.kill()
-        try:
-            os.rmdir(self.path)
-        except FileNotFoundError:
-            return True
-        except OSError as exc:
-            if exc.errno == errno.EBUSY:
-                return False
-            raise
-        return True
+def _wanted(
+    memory_mb: int, cpus: float, gpu_devices: Mapping[int, tuple[str, ...]] | None
+) -> list[str]:
+    wanted = [("memory", memory_mb > 0), ("cpu", cpus > 0), ("devices", bool(gpu_devices))]
+    return [controller for controller, needed in wanted if needed]
 
 
-@dataclass(frozen=True, slots=True)
-class Mount:
-    """A cgroup filesystem mounted at ``point``, showing the hierarchy's ``root`` there."""
-
-    point: str
-    root: str
-    version: int
-    controllers: frozenset[str]
-
-
-def cgroup_mounts(mountinfo: str) -> list[Mount]:
-    """The cgroup mounts in ``/proc/<pid>/mountinfo`` text."""
-    mounts = []
-    for line in mountinfo.splitlines():
-        fields, sep, tail = line.partition(" - ")
-        parts, rest = fields.split(), tail.split()
-        if not sep or len(parts) < 5 or len(rest) < 3 or rest[0] not in ("cgroup", "cgroup2"):
-            continue
-        version = 2 if rest[0] == "cgroup2" else 1
-        options = frozenset(rest[2].split(",")) if version == 1 else frozenset()
-        mounts.append(Mount(_unescape(parts[4]), _unescape(parts[3]), version, options))
-    return mounts
+def _base(version: int, controller: str, pid: int, v2_here: str) -> str:
+    """This nodelet's directory for ``controller`` in cgroup v``version``."""
+    if version == 2:
+        here = v2_here or own_cgroup_dir(2, pid)
+        enable_below(here, pid, controller)
+    else:
+        here = own_cgroup_dir(1, pid, controller)
+    return make_base(here, pid, version, [controller])
 
 
-def own_cgroups(proc_cgroup: str) -> dict[str, str]:
-    """A process's cgroup path per v1 controller (``"memory"``, ...) and for v2 (``""``),
-    from ``/proc/<pid>/cgroup`` text."""
-    paths: dict[str, str] = {}
-    for line in proc_cgroup.splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and not controllers:
-            paths[""] = path
-        for controller in filter(None, controllers.split(",")):
-            paths[controller] = path
-    return paths
-
-
-def own_cgroup_dir(version: int, pid: int) -> str:
-    """The directory of process ``pid``'s cgroup in the v``version`` memory hierarchy;
-    LimitUnavailable when there is none or it is not visible."""
+def device_rule(path: str) -> str | None:
+    """The devices-cgroup rule ("c 195:0") for a device file, or None if it is not one."""
     try:
-        with open(f"/proc/{pid}/mountinfo") as file:
-            mounts = cgroup_mounts(file.read())
-        with open(f"/proc/{pid}/cgroup") as file:
-            paths = own_cgroups(file.read())
-    except OSError as exc:
-        raise LimitUnavailable(f"cannot read this process's cgroups: {_why(exc)}") from None
-    key = "" if version == 2 else "memory"
-    found = [m for m in mounts if m.version == version and (version == 2 or key in m.controllers)]
-    if not found:
-        what = "cgroup v2 hierarchy" if version == 2 else "cgroup v1 memory hierarchy"
-        raise LimitUnavailable(f"no {what} is mounted")
-    if key not in paths:
-        raise LimitUnavailable(f"cgroup v{version}: this process is in no such cgroup")
-    path = paths[key]
-    for mount in found:
-        relative = os.path.relpath(path, mount.root)
-        if not relative.startswith(".."):
-            here = os.path.normpath(os.path.join(mount.point, relative))
-            if os.path.isdir(here):
-                return here
-    raise LimitUnavailable(f"cgroup v{version}: this process's cgroup {path} is not visible")
-
-
-def _enable_memory_below(here: str, pid: int) -> None:
-    """Enable the v2 memory controller for ``here``'s children. The kernel refuses that
-    while ``here`` holds processes (except at the root), so the nodelet first moves itself
-    into a leaf ``bulletin-nodelet-<pid>``; other processes there make it impossible."""
-    try:
-        controllers = _read(here, "cgroup.controllers").split()
-    except OSError as exc:
-        raise LimitUnavailable(f"cgroup v2: cannot read {here}: {_why(exc)}") from None
-    if "memory" not in controllers:
-        why = (
-            "it is bound to the cgroup v1 hierarchy"
-            if _memory_on_v1(pid)
-            else "run the nodelet in a cgroup with it delegated (systemd: Delegate=yes)"
-        )
-        raise LimitUnavailable(
-            f"cgroup v2: the memory controller is not available in {here} (it has: "
-            f"{' '.join(controllers) or 'none'}): {why}"
-        )
-    if "memory" in _read(here, "cgroup.subtree_control").split():
-        return
-    try:
-        _write(here, "cgroup.subtree_control", "+memory")
-        return
-    except OSError as exc:
-        if exc.errno != errno.EBUSY:
-            raise LimitUnavailable(
-                f"cgroup v2: cannot enable the memory controller below {here}: {_why(exc)}"
-            ) from None
-    leaf = os.path.join(here, f"bulletin-nodelet-{pid}")
-    try:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(leaf)
-        _write(leaf, "cgroup.procs", str(pid))
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.rmdir(leaf)
-        raise LimitUnavailable(f"cgroup v2: cannot use {here}: {_why(exc)}") from None
-    try:
-        _write(here, "cgroup.subtree_control", "+memory")
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            _write(here, "cgroup.procs", str(pid))
-            os.rmdir(leaf)
-        others = len(_read(here, "cgroup.procs").split())
-        raise LimitUnavailable(
-            f"cgroup v2: cannot enable the memory controller below {here} ({_why(exc)}): "
-            f"{others} other processes live there; run the nodelet in a cgroup of its own "
-            "with the memory controller delegated (systemd: Delegate=yes)"
-        ) from None
-
-
-def _memory_on_v1(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/mountinfo") as file:
-            mounts = cgroup_mounts(file.read())
+        info = os.stat(path)
     except OSError:
-        return False
-    return any(m.version == 1 and "memory" in m.controllers for m in mounts)
-
-
-def _sweep(here: str) -> None:
-    """Remove the empty cgroups that nodelets which are gone left behind (killed ones)."""
-    with contextlib.suppress(OSError):
-        for name in os.listdir(here):
-            prefix, _, owner = name.rpartition("-")
-            if prefix not in ("bulletin", "bulletin-nodelet") or not owner.isdigit():
-                continue
-            if os.path.exists(f"/proc/{owner}"):
-                continue
-            directory = os.path.join(here, name)
-            with contextlib.suppress(OSError):
-                for child in os.listdir(directory):
-                    if os.path.isdir(os.path.join(directory, child)):
-                        os.rmdir(os.path.join(directory, child))
-                os.rmdir(directory)
+        return None
+    if stat.S_ISCHR(info.st_mode):
+        kind = "c"
+    elif stat.S_ISBLK(info.st_mode):
+        kind = "b"
+    else:
+        return None
+    return f"{kind} {os.major(info.st_rdev)}:{os.minor(info.st_rdev)}"
 
 
 def set_address_space_limit(env: dict[str, str]) -> int | None:
@@ -387,33 +349,3 @@ def address_space_limit(env: dict[str, str]) -> int | None:
     """The ``RLIMIT_AS`` a task asks for, in MiB, or None."""
     value = env.get(RLIMIT_ENV, "")
     return int(value) if value.isdigit() and int(value) > 0 else None
-
-
-def _keyed(text: str) -> dict[str, int]:
-    """``name value`` lines (memory.events, memory.oom_control) as a dict."""
-    pairs = (line.split() for line in text.splitlines())
-    return {p[0]: int(p[1]) for p in pairs if len(p) == 2 and p[1].isdigit()}
-
-
-def _read(directory: str, name: str) -> str:
-    with open(os.path.join(directory, name)) as file:
-        return file.read()
-
-
-def _write(directory: str, name: str, value: str, *, optional: bool = False) -> None:
-    path = os.path.join(directory, name)
-    if optional and not os.path.exists(path):
-        return
-    with open(path, "w") as file:
-        file.write(value)
-
-
-def _unescape(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal (``\\040``)."""
-    for code in ("\\040", "\\011", "\\012", "\\134"):
-        field = field.replace(code, chr(int(code[1:], 8)))
-    return field
-
-
-def _why(exc: OSError) -> str:
-    return exc.strerror or str(exc)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from bulletin import wire
-from nodelet.limits import Cgroup, MemoryLimiter
+from nodelet.limits import Cgroup, Limiter
 from nodelet.worker import frame
 
 if TYPE_CHECKING:
@@ -172,10 +172,12 @@ async def spawn_worker(
     cwd: str | None = None,
     env: Mapping[str, str] | None = None,
     command: Sequence[str] = WORKER_COMMAND,
-    limiter: MemoryLimiter | None = None,
+    limiter: Limiter | None = None,
+    gpus: Sequence[int] = (),
 ) -> Worker:
     """Start one worker process (``command``, which speaks the protocol of
-    :mod:`nodelet.worker`), confined by ``limiter``; it waits for its task on stdin."""
+    :mod:`nodelet.worker`), confined by ``limiter`` (allowed ``gpus``' device files); it
+    waits for its task on stdin."""
     process = await asyncio.create_subprocess_exec(
         *command,
         stdin=asyncio.subprocess.PIPE,
@@ -189,7 +191,7 @@ async def spawn_worker(
         return Worker(process)
     try:
         # The worker runs nothing of a call before it is confined: it waits for its task.
-        return Worker(process, limiter.apply(process.pid))
+        return Worker(process, limiter.apply(process.pid, gpus))
     except OSError:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
@@ -224,7 +226,7 @@ class WorkerPool:
         max_warm: int = 8,
         warm_idle_s: float = 300.0,
         command: Sequence[str] = WORKER_COMMAND,
-        limiter: MemoryLimiter | None = None,
+        limiter: Limiter | None = None,
         kill_grace_s: float = 10.0,
         max_calls: int = 0,
         max_rss_mb: int = 0,
@@ -234,7 +236,7 @@ class WorkerPool:
         #: this many MiB after a call (0: no bound).
         self.max_calls = max_calls
         self.max_rss_mb = max_rss_mb
-        self.limiter = limiter or MemoryLimiter()
+        self.limiter = limiter or Limiter()
         self.kill_grace_s = kill_grace_s
         self.command = tuple(command)
         self.max_warm = max_warm
@@ -253,15 +255,24 @@ class WorkerPool:
         self._reapers: set[asyncio.Task[int]] = set()
 
     @classmethod
-    def from_config(cls, config: NodeletConfig, *, cwd: str | None = None) -> WorkerPool:
-        """The pool a nodelet runs with ``config``: detects (and logs) the memory limit's
-        mechanism."""
+    def from_config(
+        cls,
+        config: NodeletConfig,
+        *,
+        cwd: str | None = None,
+        gpu_devices: Mapping[int, tuple[str, ...]] | None = None,
+    ) -> WorkerPool:
+        """The pool a nodelet runs with ``config``, given its GPUs' device rules: detects
+        (and logs) how each limit is enforced."""
         warm = config.warm_torch and importlib.util.find_spec("torch") is not None
+        limiter = Limiter.detect(
+            config.memory_limit_mb, cpus=config.cpu_limit, gpu_devices=gpu_devices
+        )
         return cls(
             config.spare_workers,
             cwd=cwd,
             env={WARM_TORCH: "1"} if warm else {},
-            limiter=MemoryLimiter.detect(config.memory_limit_mb),
+            limiter=limiter,
             kill_grace_s=config.kill_grace_s,
             max_calls=config.worker_max_calls,
             max_rss_mb=config.worker_max_rss_mb,
@@ -293,11 +304,23 @@ class WorkerPool:
             if worker.returncode is None:
                 log.debug("warm-pool miss for %s: spare worker %d", key, worker.pid)
                 worker.warm = True
-                return worker
+                return await self._grant(worker, key)
             await self._discard(worker)
         worker = await self._spawn()
         log.info("warm-pool miss for %s: no spare worker, started %d for the call", key, worker.pid)
         worker.warm = False
+        return await self._grant(worker, key)
+
+    async def _grant(self, worker: Worker, key: WarmKey | None) -> Worker:
+        """Allow a worker started without GPUs its call's GPUs' device files."""
+        if key is None or not key[1] or worker.cgroup is None:
+            return worker
+        try:
+            worker.cgroup.allow_gpus(key[1])
+        except OSError:
+            worker.kill()
+            await worker.wait()
+            raise
         return worker
 
     def _evict_overlapping(self, key: WarmKey) -> None:
@@ -424,7 +447,7 @@ class WorkerPool:
             visible = ",".join(map(str, gpus))
             env = {**env, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible}
         return await spawn_worker(
-            cwd=self._cwd, env=env, command=self.command, limiter=self.limiter
+            cwd=self._cwd, env=env, command=self.command, limiter=self.limiter, gpus=gpus or ()
         )
 
     async def _discard(self, worker: Worker) -> None:

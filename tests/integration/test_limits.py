@@ -21,7 +21,7 @@ from bulletin import wire
 from nodelet.attempt import Attempt, NodeFacts
 from nodelet.client import GatewayClient
 from nodelet.gpus import FakeGpuProvider
-from nodelet.limits import CgroupLimiter, LimitUnavailable, MemoryLimiter, RlimitLimiter
+from nodelet.limits import Limiter, LimitUnavailable
 from nodelet.workers import WorkerPool
 from tests.conftest import Cluster, wait_until
 
@@ -185,7 +185,7 @@ def allocate(mib: int) -> int:
 
 def test_over_an_address_space_limit_the_call_fails_out_of_memory(harness: NodeHarness) -> None:
     call = harness.run(
-        lambda: allocate.spawn(1024), lambda: WorkerPool(0, limiter=RlimitLimiter(256))
+        lambda: allocate.spawn(1024), lambda: WorkerPool(0, limiter=Limiter.rlimit(256))
     )
     with pytest.raises(sdk.OutOfMemoryError) as info:
         call.result(timeout=30)
@@ -194,9 +194,9 @@ def test_over_an_address_space_limit_the_call_fails_out_of_memory(harness: NodeH
     assert harness.warm_after == 0, "a worker under RLIMIT_AS must not be kept for another call"
 
 
-def _cgroups(version: int, limit_mb: int) -> CgroupLimiter:
+def _cgroups(version: int, limit_mb: int) -> Limiter:
     try:
-        return CgroupLimiter.create(version, limit_mb)
+        return Limiter.cgroups(version, limit_mb)
     except LimitUnavailable as exc:
         pytest.skip(f"cgroup v{version} memory limits are not usable here: {exc}")
 
@@ -235,7 +235,7 @@ def test_a_cgroup_limit_holds_for_what_the_call_spawns_too(
 
 
 def test_without_a_limit_nothing_is_confined(harness: NodeHarness) -> None:
-    call = harness.run(lambda: allocate.spawn(64), lambda: WorkerPool(0, limiter=MemoryLimiter()))
+    call = harness.run(lambda: allocate.spawn(64), lambda: WorkerPool(0, limiter=Limiter()))
     assert call.result(timeout=30) == 64
     assert harness.warm_after == 1
 

@@ -25,6 +25,12 @@ def test_defaults() -> None:
     assert config.effective_cpu_slots == os.cpu_count()
 
 
+def test_spare_shapes_are_parsed() -> None:
+    assert NodeletConfig(**GOOD).spare_shapes == (1,)
+    assert NodeletConfig(**GOOD, gpu_spare_shapes="8, 2,2").spare_shapes == (2, 8)
+    assert NodeletConfig(**GOOD, gpu_spare_shapes="").spare_shapes == ()
+
+
 def test_explicit_cpu_slots_are_kept() -> None:
     assert NodeletConfig(**GOOD, cpu_slots=3).effective_cpu_slots == 3
 
@@ -40,6 +46,9 @@ def test_explicit_cpu_slots_are_kept() -> None:
         ({"spare_workers": -1}, "spare_workers must be >= 0, got -1"),
         ({"http_timeout_s": 0.0}, "http_timeout_s must be > 0, got 0.0"),
         ({"log_flush_s": -0.5}, "log_flush_s must be > 0, got -0.5"),
+        ({"cpu_limit": -1.0}, "cpu_limit must be >= 0 (0 = no cap), got -1.0"),
+        ({"gpu_spare_shapes": "1,x"}, "gpu_spare_shapes must be GPU counts separated by commas"),
+        ({"gpu_spare_shapes": "0"}, "gpu_spare_shapes must be GPU counts"),
     ],
 )
 def test_invalid_settings_are_named(override: dict[str, Any], message: str) -> None:

@@ -15,17 +15,9 @@ from typing import Any
 
 import pytest
 
+from nodelet.cgroups import Cgroup, LimitUnavailable, cgroup_mounts, own_cgroups
 from nodelet.config import NodeletConfig
-from nodelet.limits import (
-    RLIMIT_ENV,
-    Cgroup,
-    CgroupLimiter,
-    LimitUnavailable,
-    MemoryLimiter,
-    RlimitLimiter,
-    cgroup_mounts,
-    own_cgroups,
-)
+from nodelet.limits import RLIMIT_ENV, Limiter
 
 MiB = 1 << 20
 
@@ -63,7 +55,7 @@ def test_own_cgroups_per_controller_and_for_v2() -> None:
 
 def test_no_limit_configured_is_mechanism_none(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "nodelet.limits")
-    limiter = MemoryLimiter.detect(0)
+    limiter = Limiter.detect(0)
     assert limiter.mechanism == "none"
     assert limiter.task_env() == {} and limiter.apply(os.getpid()) is None
     assert "no memory limit per call" in caplog.text
@@ -71,7 +63,7 @@ def test_no_limit_configured_is_mechanism_none(caplog: pytest.LogCaptureFixture)
 
 def test_detect_picks_a_mechanism_and_logs_it(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "nodelet.limits")
-    limiter = MemoryLimiter.detect(512)
+    limiter = Limiter.detect(512)
     try:
         assert limiter.mechanism in {"cgroup2", "cgroup1", "rlimit"}
         assert limiter.limit_mb == 512
@@ -83,7 +75,7 @@ def test_detect_picks_a_mechanism_and_logs_it(caplog: pytest.LogCaptureFixture) 
 
 
 def test_rlimit_is_passed_to_the_worker_and_forbids_reuse() -> None:
-    limiter = RlimitLimiter(300)
+    limiter = Limiter.rlimit(300)
     assert limiter.task_env() == {RLIMIT_ENV: "300"}
     assert not limiter.reuses_workers
     assert limiter.describe() == "300 MiB of address space per process (RLIMIT_AS)"
@@ -105,10 +97,10 @@ def test_limit_settings_are_validated(override: dict[str, Any], message: str) ->
 
 
 @pytest.fixture(params=[2, 1], ids=["cgroup2", "cgroup1"])
-def cgroups(request: pytest.FixtureRequest) -> Iterator[CgroupLimiter]:
+def cgroups(request: pytest.FixtureRequest) -> Iterator[Limiter]:
     """A 64 MiB limiter in each cgroup version this machine lets us use; the others skip."""
     try:
-        limiter = CgroupLimiter.create(request.param, 64)
+        limiter = Limiter.cgroups(request.param, 64)
     except LimitUnavailable as exc:
         pytest.skip(f"cgroup v{request.param} memory limits are not usable here: {exc}")
     try:
@@ -122,7 +114,7 @@ def cgroups(request: pytest.FixtureRequest) -> Iterator[CgroupLimiter]:
 ALLOCATE = "import sys; sys.stdin.readline(); b = b'x' * ({mb} << 20); print(len(b) >> 20)"
 
 
-def _confined(limiter: CgroupLimiter, mb: int) -> tuple[subprocess.Popen[str], Cgroup]:
+def _confined(limiter: Limiter, mb: int) -> tuple[subprocess.Popen[str], Cgroup]:
     proc = subprocess.Popen(
         [sys.executable, "-c", ALLOCATE.format(mb=mb)],
         stdin=subprocess.PIPE,
@@ -132,7 +124,7 @@ def _confined(limiter: CgroupLimiter, mb: int) -> tuple[subprocess.Popen[str], C
     return proc, limiter.apply(proc.pid)
 
 
-def test_a_process_over_the_cgroup_limit_is_killed_and_counted(cgroups: CgroupLimiter) -> None:
+def test_a_process_over_the_cgroup_limit_is_killed_and_counted(cgroups: Limiter) -> None:
     proc, cgroup = _confined(cgroups, 256)
     assert cgroup.pids() == [proc.pid]
     membership = Path(f"/proc/{proc.pid}/cgroup").read_text()
@@ -145,7 +137,7 @@ def test_a_process_over_the_cgroup_limit_is_killed_and_counted(cgroups: CgroupLi
     assert cgroup.oom_kills() == 1, "the count is kept once the cgroup is gone"
 
 
-def test_a_process_under_the_cgroup_limit_runs(cgroups: CgroupLimiter) -> None:
+def test_a_process_under_the_cgroup_limit_runs(cgroups: Limiter) -> None:
     proc, cgroup = _confined(cgroups, 16)
     out, _ = proc.communicate("go\n", timeout=60)
     assert (proc.returncode, out) == (0, "16\n")
@@ -153,7 +145,7 @@ def test_a_process_under_the_cgroup_limit_runs(cgroups: CgroupLimiter) -> None:
     assert _removed(cgroup)
 
 
-def test_removing_a_cgroup_kills_what_escaped_the_process_group(cgroups: CgroupLimiter) -> None:
+def test_removing_a_cgroup_kills_what_escaped_the_process_group(cgroups: Limiter) -> None:
     # A daemon in a session of its own: killing the worker's process group misses it.
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; sys.stdin.readline(); time.sleep(300)"],
@@ -172,3 +164,98 @@ def _removed(cgroup: Cgroup) -> bool:
             return False
         time.sleep(0.02)
     return not os.path.exists(cgroup.path)
+
+
+# ------------------------------------------------------------------ CPU quota and GPU devices
+
+# Waits for a line on stdin (so it is confined first), spins for a second, prints the share
+# of one core it got.
+SPIN = (
+    "import sys, time; sys.stdin.readline(); wall = time.monotonic(); cpu = time.process_time()\n"
+    "while time.monotonic() - wall < 1.5: pass\n"
+    "print((time.process_time() - cpu) / (time.monotonic() - wall))"
+)
+
+
+@pytest.mark.parametrize("version", [2, 1], ids=["cgroup2", "cgroup1"])
+def test_a_cpu_quota_holds_a_busy_process_to_its_share(version: int) -> None:
+    try:
+        limiter = Limiter.cgroups(version, cpus=0.25)
+    except LimitUnavailable as exc:
+        pytest.skip(f"cgroup v{version} CPU limits are not usable here: {exc}")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SPIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        cgroup = limiter.apply(proc.pid)
+        assert cgroup is not None and cgroup.pids() == [proc.pid]
+        out, _ = proc.communicate("go\n", timeout=60)
+        assert float(out) < 0.45, f"a 0.25-core quota let it use {float(out):.2f} of a core"
+        assert "0.25 CPU cores per call" in limiter.describe_cpu()
+        assert _removed(cgroup)
+    finally:
+        limiter.close()
+
+
+# Opens each path given, after setting CUDA_VISIBLE_DEVICES to every GPU; prints the errnos.
+OPEN_ALL = (
+    "import os, sys; sys.stdin.readline(); os.environ['CUDA_VISIBLE_DEVICES'] = '0,1'\n"
+    "def errno(path):\n"
+    "    try:\n"
+    "        os.close(os.open(path, os.O_RDWR))\n"
+    "    except OSError as exc:\n"
+    "        return exc.errno\n"
+    "    return 0\n"
+    "print(' '.join(str(errno(p)) for p in sys.argv[1:]))"
+)
+
+
+@pytest.fixture
+def fake_gpu_files(tmp_path: Path) -> dict[int, tuple[str, ...]]:
+    """Two fake GPUs' device rules, from device files made by FakeGpuProvider."""
+    from nodelet.gpus import FakeGpuProvider
+    from nodelet.limits import device_rule
+
+    files = FakeGpuProvider(2, device_dir=tmp_path / "dev").device_files()
+    if not files:
+        pytest.skip("cannot make device files here (mknod needs root)")
+    return {i: tuple(r for r in map(device_rule, paths) if r) for i, paths in files.items()}
+
+
+def test_a_worker_cannot_open_the_device_files_of_gpus_that_are_not_its_own(
+    tmp_path: Path, fake_gpu_files: dict[int, tuple[str, ...]]
+) -> None:
+    import errno
+
+    try:
+        limiter = Limiter.cgroups(1, gpu_devices=fake_gpu_files)
+    except LimitUnavailable as exc:
+        pytest.skip(f"the cgroup v1 devices controller is not usable here: {exc}")
+    paths = [str(tmp_path / "dev" / f"fakegpu{i}") for i in (0, 1)]
+    allowed, denied = errno.ENXIO, errno.EPERM  # no driver behind an allowed one
+    try:
+        for gpus, grant, expected in [
+            ((0,), (), [allowed, denied]),
+            ((), (), [denied, denied]),
+            ((), (1,), [denied, allowed]),  # a spare given a call's GPU later
+        ]:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", OPEN_ALL, *paths],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            cgroup = limiter.apply(proc.pid, gpus)
+            assert cgroup is not None
+            cgroup.allow_gpus(grant)
+            out, _ = proc.communicate("go\n", timeout=60)
+            assert [int(e) for e in out.split()] == expected, (gpus, grant)
+            assert _removed(cgroup)
+    finally:
+        limiter.close()
+    assert not os.path.exists(limiter.base)
+
+
+def test_devices_are_not_claimed_on_cgroup_v2() -> None:
+    with pytest.raises(LimitUnavailable, match="eBPF"):
+        Limiter.cgroups(2, gpu_devices={0: ("c 195:0",)})

@@ -16,7 +16,8 @@ import pytest
 from bulletin import wire
 from bulletin.pickling import caller
 from bulletin.pickling import frame as envelope
-from nodelet.limits import CgroupLimiter, MemoryLimiter, RlimitLimiter
+from nodelet.agent import spare_gpu_sets
+from nodelet.limits import Limiter
 from nodelet.workers import WorkerPool
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -191,7 +192,7 @@ def test_under_an_address_space_limit_a_worker_runs_one_call_only(tmp_path: Path
 
 
 async def _rlimit_retires(tmp_path: Path) -> None:
-    pool = WorkerPool(0, cwd=str(tmp_path), limiter=RlimitLimiter(512))
+    pool = WorkerPool(0, cwd=str(tmp_path), limiter=Limiter.rlimit(512))
     try:
         key = ("alice", ())
         worker = await pool.acquire(key)
@@ -205,14 +206,14 @@ async def _rlimit_retires(tmp_path: Path) -> None:
 def test_under_a_cgroup_limit_each_worker_has_a_cgroup_removed_when_it_ends(
     tmp_path: Path,
 ) -> None:
-    limiter = MemoryLimiter.detect(256)
-    if not isinstance(limiter, CgroupLimiter):
+    limiter = Limiter.detect(256)
+    if not limiter.mechanism.startswith("cgroup"):
         pytest.skip(f"no cgroup memory limits here: {limiter.unusable}")
     asyncio.run(_cgroup_per_worker(tmp_path, limiter))
     assert not Path(limiter.base).exists()
 
 
-async def _cgroup_per_worker(tmp_path: Path, limiter: CgroupLimiter) -> None:
+async def _cgroup_per_worker(tmp_path: Path, limiter: Limiter) -> None:
     pool = WorkerPool(1, cwd=str(tmp_path), limiter=limiter)
     maintainer = asyncio.create_task(pool.maintain())
     try:
@@ -282,10 +283,11 @@ def _environ(pid: int) -> dict[str, str]:
 
 async def _gpu_spares(tmp_path: Path) -> None:
     pool = WorkerPool(0, cwd=str(tmp_path))
-    pool.set_gpu_spares([(0,), (1,)], 1)
+    pool.set_gpu_spares(spare_gpu_sets([0, 1, 2], [1, 2]), 1)  # (0,) (1,) (2,) (0, 1)
     maintainer = asyncio.create_task(pool.maintain())
     try:
-        await _until(lambda: all(len(pool._gpu_idle.get((g,), ())) == 1 for g in (0, 1)))
+        await _until(lambda: all(len(pool._gpu_idle.get(s, ())) == 1 for s in pool.gpu_spares))
+        assert set(pool.gpu_spares) == {(0,), (1,), (2,), (0, 1)}
         spare = pool._gpu_idle[(1,)][0]
         worker = await pool.acquire(("alice", (1,)))
         assert worker is spare and worker.warm
@@ -293,11 +295,20 @@ async def _gpu_spares(tmp_path: Path) -> None:
         await _until(
             lambda: len(pool._gpu_idle[(1,)]) == 1 and pool._gpu_idle[(1,)][0] is not spare
         )
-        cold = await pool.acquire(("alice", (0, 1)))  # no spare of that shape: a new process
+        pair = await pool.acquire(("alice", (0, 1)))  # the spare of that shape
+        assert pair.warm and _environ(pair.pid)["CUDA_VISIBLE_DEVICES"] == "0,1"
+        cold = await pool.acquire(("alice", (1, 2)))  # no spare of those GPUs: a new process
         assert not cold.warm
-        for started in (worker, cold):
+        for started in (worker, pair, cold):
             started.kill()
             await started.wait()
     finally:
         maintainer.cancel()
         await pool.close()
+
+
+def test_spare_shapes_are_aligned_blocks_of_the_nodes_gpus() -> None:
+    assert spare_gpu_sets([0, 1, 2, 3], [1]) == [(0,), (1,), (2,), (3,)]
+    assert spare_gpu_sets([3, 2, 1, 0], [2, 4]) == [(0, 1), (2, 3), (0, 1, 2, 3)]
+    assert spare_gpu_sets([0, 1, 2], [2, 8]) == [(0, 1)]  # no 8-GPU block on 3 GPUs
+    assert spare_gpu_sets([], [1]) == []

@@ -1,0 +1,300 @@
+"""Cgroup plumbing for the nodelet's limits (:mod:`nodelet.limits`): where this process's
+cgroups are, making a directory of our own below them, and one worker's cgroups.
+
+A controller lives on one hierarchy: cgroup v2 (one tree for every controller enabled there)
+or cgroup v1 (a tree per mounted controller, or per group of co-mounted ones). Machines mix
+them: this module answers per controller. Only the standard library is imported here: the
+worker imports :mod:`nodelet.limits`, which imports this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+class LimitUnavailable(Exception):
+    """A mechanism cannot be used on this machine; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Mount:
+    """A cgroup filesystem mounted at ``point``, showing the hierarchy's ``root`` there."""
+
+    point: str
+    root: str
+    version: int
+    controllers: frozenset[str]
+
+
+def cgroup_mounts(mountinfo: str) -> list[Mount]:
+    """The cgroup mounts in ``/proc/<pid>/mountinfo`` text."""
+    mounts = []
+    for line in mountinfo.splitlines():
+        fields, sep, tail = line.partition(" - ")
+        parts, rest = fields.split(), tail.split()
+        if not sep or len(parts) < 5 or len(rest) < 3 or rest[0] not in ("cgroup", "cgroup2"):
+            continue
+        version = 2 if rest[0] == "cgroup2" else 1
+        options = frozenset(rest[2].split(",")) if version == 1 else frozenset()
+        mounts.append(Mount(_unescape(parts[4]), _unescape(parts[3]), version, options))
+    return mounts
+
+
+def own_cgroups(proc_cgroup: str) -> dict[str, str]:
+    """A process's cgroup path per v1 controller (``"memory"``, ...) and for v2 (``""``),
+    from ``/proc/<pid>/cgroup`` text."""
+    paths: dict[str, str] = {}
+    for line in proc_cgroup.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and not controllers:
+            paths[""] = path
+        for controller in filter(None, controllers.split(",")):
+            paths[controller] = path
+    return paths
+
+
+def own_cgroup_dir(version: int, pid: int, controller: str = "memory") -> str:
+    """The directory of process ``pid``'s cgroup in the v2 hierarchy, or in the v1 hierarchy
+    of ``controller``; LimitUnavailable when there is none or it is not visible."""
+    try:
+        with open(f"/proc/{pid}/mountinfo") as file:
+            mounts = cgroup_mounts(file.read())
+        with open(f"/proc/{pid}/cgroup") as file:
+            paths = own_cgroups(file.read())
+    except OSError as exc:
+        raise LimitUnavailable(f"cannot read this process's cgroups: {why(exc)}") from None
+    key = "" if version == 2 else controller
+    found = [m for m in mounts if m.version == version and (version == 2 or key in m.controllers)]
+    if not found:
+        what = "cgroup v2 hierarchy" if version == 2 else f"cgroup v1 {controller} hierarchy"
+        raise LimitUnavailable(f"no {what} is mounted")
+    if key not in paths:
+        raise LimitUnavailable(f"cgroup v{version}: this process is in no such cgroup")
+    path = paths[key]
+    for mount in found:
+        relative = os.path.relpath(path, mount.root)
+        if not relative.startswith(".."):
+            here = os.path.normpath(os.path.join(mount.point, relative))
+            if os.path.isdir(here):
+                return here
+    raise LimitUnavailable(f"cgroup v{version}: this process's cgroup {path} is not visible")
+
+
+def on_v1(controller: str, pid: int) -> bool:
+    """Whether ``controller`` is bound to a mounted cgroup v1 hierarchy."""
+    try:
+        with open(f"/proc/{pid}/mountinfo") as file:
+            mounts = cgroup_mounts(file.read())
+    except OSError:
+        return False
+    return any(m.version == 1 and controller in m.controllers for m in mounts)
+
+
+def enable_below(here: str, pid: int, controller: str) -> None:
+    """Enable a v2 ``controller`` for ``here``'s children. The kernel refuses that while
+    ``here`` holds processes (except at the root), so the nodelet first moves itself into a
+    leaf ``bulletin-nodelet-<pid>``; other processes there make it impossible."""
+    try:
+        controllers = read(here, "cgroup.controllers").split()
+    except OSError as exc:
+        raise LimitUnavailable(f"cgroup v2: cannot read {here}: {why(exc)}") from None
+    if controller not in controllers:
+        reason = (
+            "it is bound to the cgroup v1 hierarchy"
+            if on_v1(controller, pid)
+            else "run the nodelet in a cgroup with it delegated (systemd: Delegate=yes)"
+        )
+        raise LimitUnavailable(
+            f"cgroup v2: the {controller} controller is not available in {here} (it has: "
+            f"{' '.join(controllers) or 'none'}): {reason}"
+        )
+    if controller in read(here, "cgroup.subtree_control").split():
+        return
+    try:
+        write(here, "cgroup.subtree_control", f"+{controller}")
+        return
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise LimitUnavailable(
+                f"cgroup v2: cannot enable the {controller} controller below {here}: {why(exc)}"
+            ) from None
+    leaf = os.path.join(here, f"bulletin-nodelet-{pid}")
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(leaf)
+        write(leaf, "cgroup.procs", str(pid))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.rmdir(leaf)
+        raise LimitUnavailable(f"cgroup v2: cannot use {here}: {why(exc)}") from None
+    try:
+        write(here, "cgroup.subtree_control", f"+{controller}")
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            write(here, "cgroup.procs", str(pid))
+            os.rmdir(leaf)
+        others = len(read(here, "cgroup.procs").split())
+        raise LimitUnavailable(
+            f"cgroup v2: cannot enable the {controller} controller below {here} ({why(exc)}): "
+            f"{others} other processes live there; run the nodelet in a cgroup of its own "
+            "with the controller delegated (systemd: Delegate=yes)"
+        ) from None
+
+
+def make_base(here: str, pid: int, version: int, controllers: Iterable[str]) -> str:
+    """This nodelet's directory ``bulletin-<pid>`` below ``here`` (the workers' cgroups go
+    in it), with ``controllers`` handed down to them on v2."""
+    sweep(here)
+    base = os.path.join(here, f"bulletin-{pid}")
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(base)
+        if version == 2:
+            write(base, "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
+        raise LimitUnavailable(f"cgroup v{version}: cannot set up {base}: {why(exc)}") from None
+    return base
+
+
+def sweep(here: str) -> None:
+    """Remove the empty cgroups that nodelets which are gone left behind (killed ones)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(here):
+            prefix, _, owner = name.rpartition("-")
+            if prefix not in ("bulletin", "bulletin-nodelet") or not owner.isdigit():
+                continue
+            if os.path.exists(f"/proc/{owner}"):
+                continue
+            directory = os.path.join(here, name)
+            with contextlib.suppress(OSError):
+                for child in os.listdir(directory):
+                    if os.path.isdir(os.path.join(directory, child)):
+                        os.rmdir(os.path.join(directory, child))
+                os.rmdir(directory)
+
+
+class Cgroup:
+    """One worker's cgroups, a directory per hierarchy (``dirs``: controller -> directory;
+    controllers sharing a hierarchy share one): its out-of-memory kills, the GPUs its device
+    rules allow, and killing what is left in it."""
+
+    def __init__(
+        self,
+        dirs: Mapping[str, str],
+        versions: Mapping[str, int],
+        *,
+        gpu_devices: Mapping[int, tuple[str, ...]] | None = None,
+    ) -> None:
+        self.dirs = dict(dirs)
+        self.versions = dict(versions)
+        #: The version of the memory controller's hierarchy (or of the first one).
+        self.version = self.versions.get("memory") or next(iter(self.versions.values()))
+        #: Device rules ("c 195:0") per GPU index, where the devices controller is used.
+        self.gpu_devices = dict(gpu_devices or {})
+        self._final_oom_kills: int | None = None
+
+    @property
+    def path(self) -> str:
+        """The memory controller's directory, else the first one."""
+        return self.dirs.get("memory") or next(iter(self.dirs.values()))
+
+    def oom_kills(self) -> int:
+        """How many processes the kernel killed here for memory (kept after removal)."""
+        if self._final_oom_kills is not None:
+            return self._final_oom_kills
+        memory = self.dirs.get("memory")
+        if memory is None:
+            return 0
+        try:
+            if self.version == 2:
+                return keyed(read(memory, "memory.events")).get("oom_kill", 0)
+            counts = keyed(read(memory, "memory.oom_control"))
+            if "oom_kill" in counts:
+                return counts["oom_kill"]
+            # Kernels before 4.13 do not count kills: count the times the limit was hit.
+            return int(read(memory, "memory.failcnt"))
+        except (OSError, ValueError):
+            return 0
+
+    def allow_gpus(self, gpus: Iterable[int]) -> None:
+        """Let the worker open the device files of ``gpus`` (its call's), denied until now."""
+        devices = self.dirs.get("devices")
+        if devices is None:
+            return
+        for index in gpus:
+            for rule in self.gpu_devices.get(index, ()):
+                write(devices, "devices.allow", f"{rule} rwm")
+
+    def kill(self) -> None:
+        """SIGKILL every process in the cgroups, those that left the worker's group too."""
+        for controller, directory in self.dirs.items():
+            if self.versions[controller] == 2:  # Linux >= 5.14; the loop below covers older
+                with contextlib.suppress(OSError):
+                    write(directory, "cgroup.kill", "1")
+                break
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def pids(self) -> list[int]:
+        found: set[int] = set()
+        for directory in set(self.dirs.values()):
+            with contextlib.suppress(OSError):
+                found.update(int(line) for line in read(directory, "cgroup.procs").split())
+        return sorted(found)
+
+    def try_remove(self) -> bool:
+        """Kill what is left and remove the cgroups; False while dying processes keep one
+        busy (call again)."""
+        if self._final_oom_kills is None:
+            self._final_oom_kills = self.oom_kills()
+        self.kill()
+        busy = False
+        for directory in set(self.dirs.values()):
+            try:
+                os.rmdir(directory)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
+                busy = True
+        return not busy
+
+
+def keyed(text: str) -> dict[str, int]:
+    """``name value`` lines (memory.events, memory.oom_control) as a dict."""
+    pairs = (line.split() for line in text.splitlines())
+    return {p[0]: int(p[1]) for p in pairs if len(p) == 2 and p[1].isdigit()}
+
+
+def read(directory: str, name: str) -> str:
+    with open(os.path.join(directory, name)) as file:
+        return file.read()
+
+
+def write(directory: str, name: str, value: str, *, optional: bool = False) -> None:
+    path = os.path.join(directory, name)
+    if optional and not os.path.exists(path):
+        return
+    with open(path, "w") as file:
+        file.write(value)
+
+
+def _unescape(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as octal (``\\040``)."""
+    for code in ("\\040", "\\011", "\\012", "\\134"):
+        field = field.replace(code, chr(int(code[1:], 8)))
+    return field
+
+
+def why(exc: OSError) -> str:
+    return exc.strerror or str(exc)
