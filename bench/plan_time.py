@@ -1,0 +1,97 @@
+"""Decision time of one ``plan()``: 1,000 nodes x 8 GPUs, 5,000 running, 10,000 pending calls.
+
+Run: ``python bench/plan_time.py [--runs 7]``. Prints the median wall time of one plan per
+policy and snapshot variant (target: at most 100 ms on one core). The snapshot is synthetic
+but shaped like a busy lab: 8-GPU nodes (two NVLink groups of four in the ``nvlink`` variant,
+a fifth of them H100s and the rest A100s), running calls mostly single-GPU, leaving about
+2,500 GPUs free; pending calls of 1, 2, 4, 8 and 16 GPUs from 10 groups and 50 users, a tenth
+with a GPU model constraint; warm workers advertised on a tenth of the nodes; 10 groups with
+equal guarantees summing to the cluster. ``balanced``: the running calls are spread over all
+groups (no one borrows); ``reclaim``: three groups hold them all, so the seven others reclaim
+(the worst case for ``fair``, which then preempts up to ``max_reclaims`` = 128 times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from scheduler import Gpu, NodeCapacity, Pending, Quota, Running, Snapshot, plan
+
+NODES, GPUS, RUNNING, PENDING, GROUPS = 1000, 8, 5000, 10000, 10
+
+
+def snapshot(nvlink: bool, borrowing: bool, seed: int = 1) -> Snapshot:
+    rng = random.Random(seed)
+    nodes = []
+    for i in range(NODES):
+        model = "H100" if i % 5 == 0 else "A100"
+        inventory = tuple(Gpu(g, model, 81920, (g // 4) if nvlink else None) for g in range(GPUS))
+        warm = frozenset({(f"u{i % 50}", "train")}) if i % 10 == 0 else frozenset()
+        nodes.append(NodeCapacity(i, list(range(GPUS)), 4, inventory, warm=warm))
+    running = []
+    node = 0
+    for r in range(RUNNING):
+        gpus = rng.choices([1, 2], [0.9, 0.1])[0]
+        while len(nodes[node % NODES].free_gpus) < gpus:
+            node += 1
+        free = nodes[node % NODES].free_gpus
+        taken, nodes[node % NODES].free_gpus = tuple(free[:gpus]), free[gpus:]
+        group = f"g{r % 3}" if borrowing else f"g{r % GROUPS}"
+        running.append(
+            Running(
+                f"r{r}", node % NODES, taken, f"u{r % 50}", group,
+                start_time=-rng.uniform(0, 36000), expected_s=rng.uniform(600, 72000),
+                borrowed=r % 3 == 0,
+            )
+        )  # fmt: skip
+        node += rng.random() < 0.6
+    pending = [
+        Pending(
+            f"p{p}",
+            rng.choices([1, 2, 4, 8, 16], [0.7, 0.1, 0.1, 0.08, 0.02])[0],
+            user=f"u{p % 50}",
+            group=f"g{p % GROUPS}",
+            function="train",
+            gpu_model="H100" if p % 10 == 0 else None,
+            priority=1 if p % 100 == 0 else 0,
+            submit_time=float(p),
+            expected_s=rng.uniform(60, 86400),
+        )
+        for p in range(PENDING)
+    ]
+    quotas = {f"g{g}": Quota(NODES * GPUS // GROUPS, None) for g in range(GROUPS)}
+    usage = {f"g{g}": rng.uniform(0, 1e7) for g in range(GROUPS)}
+    return Snapshot(nodes, pending, running, quotas, usage, {}, now=0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=7)
+    args = parser.parse_args()
+    print("| policy | snapshot | NVLink topology | free GPUs | placed | preempted | plan() ms |")
+    print("|---|---|---|---|---|---|---|")
+    for borrowing in (False, True):
+        for nvlink in (False, True):
+            snap = snapshot(nvlink, borrowing)
+            free = sum(len(n.free_gpus) for n in snap.nodes)
+            for policy in ("fifo", "fair"):
+                times = []
+                for _ in range(args.runs):
+                    start = time.perf_counter()
+                    out = plan(snap, policy)
+                    times.append(time.perf_counter() - start)
+                ms = statistics.median(times) * 1000
+                print(
+                    f"| {policy} | {'reclaim' if borrowing else 'balanced'} "
+                    f"| {'yes' if nvlink else 'no'} | {free} | {len(out)} "
+                    f"| {len(out.preemptions)} | {ms:.1f} |"
+                )
+    print(f"\n(median of {args.runs} runs each; {NODES} nodes x {GPUS} GPUs, {RUNNING} running, "
+          f"{PENDING} pending)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

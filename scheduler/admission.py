@@ -1,0 +1,61 @@
+"""Submit-time rejection: calls that can never run on this cluster, with the reason.
+
+Looks at every node, draining ones included (draining is temporary), and at the group's quota
+ceiling. A cluster with no nodes rejects nothing: nodes may still register.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from scheduler import placement
+from scheduler.model import DEFAULT_QUOTA, NodeCapacity, Pending, Quota
+
+
+def never_fits(
+    call: Pending,
+    nodes: Sequence[NodeCapacity],
+    quotas: Mapping[str, Quota] | None = None,
+    default: Quota = DEFAULT_QUOTA,
+) -> str | None:
+    """Why ``call`` can never be placed, or None if it can."""
+    if call.gpus < 0:
+        return f"a call cannot ask for {call.gpus} GPUs"
+    quota = (quotas or {}).get(call.group, default)
+    if call.gpus > quota.ceiling:
+        return (
+            f"needs {call.gpus} GPUs but group {call.group or '(none)'} may hold at most "
+            f"{quota.ceiling:g} (guarantee {quota.guaranteed} + borrowing limit "
+            f"{quota.borrow_limit}); ask an admin to raise the quota or ask for fewer GPUs"
+        )
+    if call.gpus == 0 or not nodes:
+        return None
+    per_node = [_qualifying(n, call) for n in nodes]
+    largest = max(per_node)
+    if largest == 0:
+        return f"no node has {_what(call)}; models here: {_models(nodes)}"
+    if call.gpus <= largest:
+        return None
+    whole = sum(len(n.gpus) for n in nodes if placement.whole_node_ok(n, call))
+    if call.gpus <= whole:
+        return None
+    return (
+        f"needs {call.gpus} {_what(call)} but the largest node has {largest} and whole nodes "
+        f"add up to {whole}; ask for at most {max(largest, whole)}"
+    )
+
+
+def _qualifying(node: NodeCapacity, call: Pending) -> int:
+    if not placement.constrained(call):
+        return node.size
+    return sum(placement.gpu_ok(g, call) for g in node.gpus)
+
+
+def _what(call: Pending) -> str:
+    what = f"{call.gpu_model} GPUs" if call.gpu_model else "GPUs"
+    return what + (f" with at least {call.min_memory_mib} MiB" if call.min_memory_mib else "")
+
+
+def _models(nodes: Sequence[NodeCapacity]) -> str:
+    kinds = sorted({f"{g.model or '?'} ({g.memory_mib} MiB)" for n in nodes for g in n.gpus})
+    return ", ".join(kinds) or "unknown"

@@ -1,0 +1,155 @@
+"""EASY backfill (SLURM's ``sched/backfill`` in its simplest form).
+
+The first call in line that does not fit gets a reservation: the earliest time enough GPUs
+free up on one node (or enough whole nodes free up, for a multi-node gang), from the running
+calls' expected ends (start time + time limit or expected duration; a call without one never
+ends as far as planning knows). The reserved nodes leave the round's index; a later call may
+still use them if it is expected to end before the reservation starts, or if it fits in the
+GPUs the reservation leaves over. Calls placed earlier in the same round count as running.
+When the room depends on calls without a limit, no time can be promised and nothing is
+reserved: every call that fits starts (so snapshots without running calls or limits, such as
+the walking skeleton's, are planned work-conservingly). Give calls time limits to get
+reservations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from scheduler import placement
+from scheduler.capacity import Capacity, Choice
+from scheduler.model import NodeCapacity, Part, Pending, Snapshot
+
+#: (expected end, GPUs on one node) of something holding GPUs.
+Release = tuple[float, tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class Reservation:
+    """GPUs held back for ``call_id`` from ``start`` on."""
+
+    call_id: str
+    start: float
+    #: Reserved node id -> GPUs still free at ``start`` beyond what the call needs there.
+    spare: dict[int, int] = field(default_factory=dict)
+
+    def admit(self, call: Pending, cap: Capacity, now: float) -> Choice | None:
+        """Backfill ``call`` onto a reserved node if that cannot delay the reservation."""
+        n = call.gpus
+        if n == 0 or n > cap.largest_for(call):
+            return None  # CPU calls never touch reservations; gangs stay off reserved nodes
+        end = now + call.expected_s if call.expected_s is not None else math.inf
+        before = end <= self.start and end < math.inf  # ends before the reservation starts
+        for node_id, spare in self.spare.items():
+            state = cap.states.get(node_id)
+            if state is None or len(state.free) < n or (not before and n > spare):
+                continue
+            free = placement.usable(state.node, state.free, call)
+            if len(free) >= n:
+                gpus, _ = placement.choose(state.node, free, n)
+                cap.take(state, gpus)
+                if not before:
+                    self.spare[node_id] = spare - n
+                return state, gpus
+        return None
+
+    def open(self, cap: Capacity) -> bool:
+        """Whether any reserved node still has a free GPU."""
+        for node_id in self.spare:
+            state = cap.states.get(node_id)
+            if state is not None and state.free:
+                return True
+        return False
+
+
+def releases(
+    snapshot: Snapshot, placed: Iterable[tuple[tuple[Part, ...], float]]
+) -> dict[int, list[Release]]:
+    """Per node, when which of its busy GPUs are expected back."""
+    out: dict[int, list[Release]] = defaultdict(list)
+    now = snapshot.now
+    for run in snapshot.running:
+        limit = run.expected_s
+        end = math.inf if limit is None else max(now, run.start_time + limit)
+        out[run.node_id].append((end, run.gpu_indices))
+        for part in run.more:
+            out[part.node_id].append((end, part.gpu_indices))
+    for parts, end in placed:
+        for part in parts:
+            out[part.node_id].append((end, part.gpu_indices))
+    return out
+
+
+def reserve(
+    call: Pending, cap: Capacity, snapshot: Snapshot, rel: dict[int, list[Release]]
+) -> Reservation | None:
+    """Reserve the earliest room for ``call`` and withdraw it from ``cap``; None if the call
+    can never fit on these nodes as far as the running calls' ends tell. ``rel`` comes from
+    :func:`releases`."""
+    if call.gpus == 0:
+        return None
+    if call.gpus > cap.largest_for(call):
+        found = _whole_nodes(call, cap, snapshot, rel)
+    else:
+        found = _one_node(call, cap, snapshot, rel)
+    if found is None or found.start == math.inf:
+        return None  # no known end to plan by: nothing is held back (work-conserving)
+    for node_id in found.spare:
+        cap.withdraw(node_id)
+    return found
+
+
+def _one_node(
+    call: Pending, cap: Capacity, snapshot: Snapshot, rel: dict[int, list[Release]]
+) -> Reservation | None:
+    n = call.gpus
+    plain = not placement.constrained(call)
+    best: tuple[float, int, int] | None = None  # (start, -spare, node id)
+    for node in _usable(snapshot.nodes, call, cap):
+        ends = rel.get(node.node_id, [])
+        ends.sort()
+        free = cap.free_of(node.node_id)
+        have = len(free) if plain else len(placement.usable(node, free, call))
+        start = snapshot.now
+        for end, gpus in ends:
+            if have >= n and end > start:
+                break
+            have += len(gpus) if plain else len(placement.usable(node, gpus, call))
+            start = end if end > start else start
+        if have >= n and (best is None or (start, n - have) < best[:2]):
+            best = (start, n - have, node.node_id)
+    if best is None:
+        return None
+    return Reservation(call.id, best[0], {best[2]: -best[1]})
+
+
+def _whole_nodes(
+    call: Pending, cap: Capacity, snapshot: Snapshot, rel: dict[int, list[Release]]
+) -> Reservation | None:
+    ready = sorted(
+        (max((end for end, _ in rel.get(n.node_id, ())), default=snapshot.now), order, n)
+        for order, n in enumerate(_usable(snapshot.nodes, call, cap))
+        if placement.whole_node_ok(n, call)
+    )
+    total = 0
+    for i, (start, _, node) in enumerate(ready):
+        total += len(node.gpus)
+        if total >= call.gpus:
+            return Reservation(call.id, start, {n.node_id: 0 for _, _, n in ready[: i + 1]})
+    return None
+
+
+def _usable(nodes: Iterable[NodeCapacity], call: Pending, cap: Capacity) -> Iterable[NodeCapacity]:
+    """Nodes the call may be reserved on: live, not already held for another call, big
+    enough (a node of unknown size may be, once its running calls end)."""
+    for node in nodes:
+        state = cap.states.get(node.node_id)
+        if node.draining or (state is not None and state.withdrawn):
+            continue
+        if not node.gpus or call.gpus > cap.largest_for(call):
+            yield node  # sizes are checked as the room is counted
+        elif placement.node_fits_ever(node, call):
+            yield node

@@ -1,0 +1,327 @@
+"""A round's working copy of free capacity, indexed so each placement costs next to nothing.
+
+Only nodes with something free are indexed. Homogeneous nodes (one GPU model and memory size)
+sit in a pool per (model, memory, size), bucketed by their free-GPU count, so best fit is the
+first non-empty bucket at or above the call's size; nodes mixing GPU kinds are scanned with the
+plain filters of :mod:`scheduler.placement`. Buckets are split again by how many free GPUs
+share one NVLink group, so the connected-first rank is a lookup too; nodes with a warm worker
+for the call are looked up directly. Capacity only shrinks during a round, so the smallest call
+that failed to fit is remembered and larger ones of the same kind fail at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from scheduler import placement
+from scheduler.model import NodeCapacity, Part, Pending
+
+Choice = tuple["NodeState", tuple[int, ...]]
+ConstraintKey = tuple[str | None, int]
+FailKey = tuple[str | None, int, bool]
+
+
+class NodeState:
+    """One indexed node: its free GPUs (sorted) and CPU slots as the round goes on.
+
+    ``conn`` is how many of its free GPUs one call could get inside a single NVLink group
+    (all of them when the topology is unknown)."""
+
+    __slots__ = ("conn", "cpu", "free", "links", "node", "order", "pool", "withdrawn")
+
+    def __init__(self, node: NodeCapacity, order: int, pool: Pool | None) -> None:
+        self.node = node
+        self.order = order
+        self.free = sorted(node.free_gpus)
+        self.cpu = node.free_cpu_slots
+        self.pool = pool
+        self.withdrawn = False
+        links = {g.index: g.nvlink for g in node.gpus if g.nvlink is not None}
+        self.links: dict[int, int] | None = links or None
+        self.conn = 0
+
+    def connected(self) -> int:
+        if self.links is None:
+            return len(self.free)
+        counts: dict[int, int] = {}
+        for g in self.free:
+            k = self.links.get(g)
+            if k is not None:
+                counts[k] = counts.get(k, 0) + 1
+        return max(max(counts.values(), default=0), min(1, len(self.free)))
+
+
+class Pool:
+    """Nodes of one kind by free GPUs: ``buckets[k][c]`` holds the nodes with ``k`` free, of
+    which at most ``c`` share one NVLink group."""
+
+    __slots__ = ("buckets", "memory", "model", "size", "topology")
+
+    def __init__(self, model: str | None, memory: int, size: int) -> None:
+        self.model = model  # casefolded; None: inventory unknown
+        self.memory = memory
+        self.size = size  # 0: unknown
+        self.topology = False
+        self.buckets: list[list[dict[int, NodeState]]] = []
+        self._grow(size)
+
+    def _grow(self, k: int) -> None:
+        while len(self.buckets) <= k:
+            self.buckets.append([{} for _ in range(len(self.buckets) + 1)])
+
+    def matches(self, call: Pending) -> bool:
+        if not placement.constrained(call):
+            return True
+        if self.model is None:
+            return False
+        if not placement.model_ok(self.model, call.gpu_model):
+            return False
+        return self.memory >= call.min_memory_mib
+
+    def add(self, state: NodeState) -> None:
+        k = len(state.free)
+        self._grow(k)
+        state.conn = state.connected()
+        if state.links is not None:
+            self.topology = True
+        if k:
+            self.buckets[k][state.conn][state.node.node_id] = state
+
+    def remove(self, state: NodeState) -> None:
+        k = len(state.free)
+        if k:
+            del self.buckets[k][state.conn][state.node.node_id]
+
+    def best(self, n: int, warm: list[NodeState]) -> tuple[placement.RankKey, NodeState] | None:
+        """Best fit for ``n`` GPUs here: connected first, then fewest free, then warm."""
+        fallback: tuple[placement.RankKey, NodeState] | None = None
+        for k in range(n, len(self.buckets)):
+            row = self.buckets[k]
+            for c in range(n, k + 1) if self.topology else (k,):
+                if row[c]:
+                    return self._pick((0, k), row, range(n, k + 1), warm)
+            if fallback is None and any(row[:n]):
+                fallback = self._pick((1, k), row, range(n), warm)
+        return fallback
+
+    def _pick(
+        self,
+        rank: tuple[int, int],
+        row: list[dict[int, NodeState]],
+        conns: range,
+        warm: list[NodeState],
+    ) -> tuple[placement.RankKey, NodeState]:
+        for state in warm:
+            ok = state.pool is self and not state.withdrawn and state.conn in conns
+            if ok and len(state.free) == rank[1]:
+                return (rank[0], rank[1], 0, state.order), state
+        state = next(iter(next(d for d in (row[c] for c in conns) if d).values()))
+        return (rank[0], rank[1], 1, state.order), state
+
+
+def plain_call(call: Pending) -> bool:
+    return call.gpu_model is None and call.min_memory_mib <= 0
+
+
+def kind(node: NodeCapacity) -> tuple[str | None, int] | None:
+    """(model, memory) of a homogeneous node, (None, 0) if unknown, None if mixed."""
+    if not node.gpus:
+        return None, 0
+    first = node.gpus[0]
+    model = first.model.casefold()
+    for g in node.gpus:
+        if g.memory_mib != first.memory_mib or g.model.casefold() != model:
+            return None
+    return model, first.memory_mib
+
+
+class Capacity:
+    """Free GPUs and CPU slots of the usable nodes, shrinking as a round places calls."""
+
+    def __init__(self, nodes: Sequence[NodeCapacity]) -> None:
+        self.nodes = nodes
+        self.states: dict[int, NodeState] = {}
+        self.pools: dict[tuple[str | None, int, int], Pool] = {}
+        self.mixed: list[NodeState] = []
+        self.cpu: dict[int, NodeState] = {}
+        self.free_gpus = 0  # on indexed, not withdrawn nodes
+        self.cpu_slots = 0
+        self.largest = 0  # the largest usable node, free or not
+        self.warm: dict[tuple[str, str], list[NodeState]] = {}
+        self._largest: dict[ConstraintKey, int] = {}
+        self._failed: dict[FailKey, int] = {}
+        largest = 0
+        for order, node in enumerate(nodes):
+            if node.draining:
+                continue
+            size = len(node.gpus) or len(node.free_gpus)
+            if size > largest:
+                largest = size
+            if node.free_gpus or node.free_cpu_slots > 0:
+                self._index(node, order)
+        self.largest = largest
+
+    def _index(self, node: NodeCapacity, order: int) -> None:
+        shape = kind(node)
+        pool = None
+        if shape is not None:
+            key = (shape[0], shape[1], len(node.gpus))
+            pool = self.pools.get(key)
+            if pool is None:
+                pool = self.pools[key] = Pool(*key)
+        state = NodeState(node, order, pool)
+        self.states[node.node_id] = state
+        if pool is None:
+            self.mixed.append(state)
+        else:
+            pool.add(state)
+        self.free_gpus += len(state.free)
+        if state.cpu > 0:
+            self.cpu[node.node_id] = state
+            self.cpu_slots += state.cpu
+        for pair in node.warm:
+            self.warm.setdefault(pair, []).append(state)
+
+    # ------------------------------------------------------------------ queries
+
+    def exhausted(self) -> bool:
+        return self.free_gpus == 0 and self.cpu_slots == 0
+
+    def free_of(self, node_id: int) -> list[int]:
+        """Free GPUs of a node right now (withdrawn or not)."""
+        state = self.states.get(node_id)
+        return state.free if state is not None else []
+
+    def largest_for(self, call: Pending) -> int:
+        """GPUs of the largest usable node that qualify for the call, free or not."""
+        if not placement.constrained(call):
+            return self.largest
+        key = (call.gpu_model, call.min_memory_mib)
+        if key not in self._largest:
+            self._largest[key] = max(
+                (len(placement.usable(n, [g.index for g in n.gpus], call)) for n in self.nodes),
+                default=0,
+            )
+        return self._largest[key]
+
+    def most_free(self, call: Pending) -> int:
+        """The most qualifying free GPUs on one indexed node (for explanations)."""
+        return max((len(placement.usable(s.node, s.free, call)) for s in self._live()), default=0)
+
+    def whole_free(self, call: Pending) -> list[NodeState]:
+        """Indexed nodes that are entirely free and may be whole nodes of the call's gang."""
+        return [
+            s
+            for s in self._live()
+            if s.node.gpus
+            and len(s.free) == len(s.node.gpus)
+            and placement.whole_node_ok(s.node, call)
+        ]
+
+    def _live(self) -> Iterable[NodeState]:
+        return (s for s in self.states.values() if not s.withdrawn)
+
+    # ------------------------------------------------------------------ placement
+
+    def place(self, call: Pending) -> tuple[Part, ...] | None:
+        """Find room for the whole call and take it; None if it does not fit now."""
+        n = call.gpus
+        if n == 0:
+            state = self._find_cpu(call)
+            if state is None:
+                return None
+            self.take_cpu(state)
+            return (Part(state.node.node_id, ()),)
+        whole = n > (self.largest if plain_call(call) else self.largest_for(call))
+        key = (call.gpu_model, call.min_memory_mib, whole)
+        if n > self.free_gpus or n >= self._failed.get(key, n + 1):
+            return None
+        if not whole:
+            choice = self.find(call)
+            choices = [choice] if choice is not None else None
+        else:
+            choices = self.find_whole(call)
+        if choices is None:
+            self._failed[key] = n
+            return None
+        for state, gpus in choices:
+            self.take(state, gpus)
+        return tuple(Part(s.node.node_id, gpus) for s, gpus in choices)
+
+    def find(self, call: Pending) -> Choice | None:
+        """The best node for a single-node call (see :mod:`scheduler.placement`), or None."""
+        n = call.gpus
+        warm = self.warm_nodes(call)
+        best: tuple[placement.RankKey, NodeState] | None = None
+        for pool in self.pools.values():
+            if pool.matches(call):
+                found = pool.best(n, warm)
+                if found is not None and (best is None or found[0] < best[0]):
+                    best = found
+        for state in self.mixed:
+            if state.withdrawn:
+                continue
+            free = placement.usable(state.node, state.free, call)
+            if len(free) >= n:
+                _, connected = placement.choose(state.node, free, n)
+                key = (not connected, len(free), not placement.warm(state.node, call), state.order)
+                if best is None or key < best[0]:
+                    best = (key, state)
+        if best is None:
+            return None
+        state = best[1]
+        free = (
+            state.free if state.pool is not None else placement.usable(state.node, state.free, call)
+        )
+        return state, placement.choose(state.node, free, n)[0]
+
+    def find_whole(self, call: Pending) -> list[Choice] | None:
+        """Whole free nodes adding up to the call's GPUs, largest first; None if too few."""
+        nodes = sorted(self.whole_free(call), key=lambda s: (-len(s.free), s.order))
+        chosen: list[Choice] = []
+        total = 0
+        for state in nodes:
+            if total >= call.gpus:
+                break
+            chosen.append((state, tuple(state.free)))
+            total += len(state.free)
+        return chosen if total >= call.gpus else None
+
+    def warm_nodes(self, call: Pending) -> list[NodeState]:
+        if not call.function or not self.warm:
+            return []
+        return self.warm.get((call.user, call.function), [])
+
+    def _find_cpu(self, call: Pending) -> NodeState | None:
+        for state in self.warm_nodes(call):
+            if state.cpu > 0:
+                return state
+        return next(iter(self.cpu.values()), None)
+
+    def take(self, state: NodeState, gpus: tuple[int, ...]) -> None:
+        """Mark the GPUs used (they must be free on the node)."""
+        if not state.withdrawn:
+            if state.pool is not None:
+                state.pool.remove(state)
+            self.free_gpus -= len(gpus)
+        taken = set(gpus)
+        state.free = [g for g in state.free if g not in taken]
+        if state.pool is not None and not state.withdrawn:
+            state.pool.add(state)
+
+    def take_cpu(self, state: NodeState) -> None:
+        state.cpu -= 1
+        self.cpu_slots -= 1
+        if state.cpu <= 0:
+            self.cpu.pop(state.node.node_id, None)
+
+    def withdraw(self, node_id: int) -> NodeState | None:
+        """Hide a node's free GPUs from :meth:`place` (it is reserved); returns its state."""
+        state = self.states.get(node_id)
+        if state is None or state.withdrawn:
+            return state
+        if state.pool is not None:
+            state.pool.remove(state)
+        self.free_gpus -= len(state.free)
+        state.withdrawn = True
+        return state

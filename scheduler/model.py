@@ -1,0 +1,207 @@
+"""What a scheduling round sees (:class:`Snapshot`) and what it decides (:class:`Plan`).
+
+Plain dataclasses, no behaviour beyond small derived properties. Fields added since the
+walking skeleton all have defaults, so ``NodeCapacity(node_id, free_gpus, free_cpu_slots)``,
+``Pending(id, gpus)`` and ``Snapshot(nodes, pending)`` still describe a valid round.
+
+Exceptions::
+
+    SchedulerError
+     ├── UnknownPolicyError   no policy of that name is registered
+     └── TraceError           a trace or quota file cannot be read (scheduler.traces)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+class SchedulerError(Exception):
+    """Base of every error the scheduler package raises."""
+
+
+class UnknownPolicyError(SchedulerError, ValueError):
+    def __init__(self, name: str, known: Iterable[str]) -> None:
+        self.name = name
+        self.known = sorted(known)
+        super().__init__(f"no scheduling policy named {name!r}; choose one of {self.known}")
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """One GPU of a node's inventory."""
+
+    index: int
+    model: str = ""
+    memory_mib: int = 0
+    #: GPUs sharing an NVLink group id talk over NVLink; None when the topology is unknown.
+    nvlink: int | None = None
+
+
+@dataclass(slots=True)
+class NodeCapacity:
+    """A live node and what it has free right now.
+
+    ``free_gpus`` must already exclude the GPUs of running calls. ``gpus`` is the node's whole
+    inventory; when it is empty the node's size and GPU models are unknown, so it takes only
+    unconstrained single-node calls and never part of a multi-node gang.
+    """
+
+    node_id: int
+    free_gpus: list[int] = field(default_factory=list)
+    free_cpu_slots: int = 0
+    gpus: tuple[Gpu, ...] = ()
+    draining: bool = False
+    #: (user, function) pairs with a warm worker here: a tie-breaker between equal nodes.
+    warm: frozenset[tuple[str, str]] = frozenset()
+
+    @property
+    def size(self) -> int:
+        """GPUs on the node: the inventory when known, else what is free (a lower bound)."""
+        return len(self.gpus) or len(self.free_gpus)
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """The GPUs a call holds (or gets) on one node."""
+
+    node_id: int
+    gpu_indices: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A queued call. ``expected_s`` is its time limit or expected duration, if given."""
+
+    id: str
+    gpus: int
+    user: str = ""
+    group: str = ""
+    function: str = ""
+    gpu_model: str | None = None
+    min_memory_mib: int = 0
+    priority: int = 0
+    submit_time: float = 0.0
+    expected_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A call holding GPUs. ``more`` lists the other nodes of a multi-node gang."""
+
+    id: str
+    node_id: int
+    gpu_indices: tuple[int, ...]
+    user: str = ""
+    group: str = ""
+    function: str = ""
+    priority: int = 0
+    start_time: float = 0.0
+    expected_s: float | None = None
+    #: Placed above its group's guarantee (a plan's ``Decision.borrowed``).
+    borrowed: bool = False
+    preemptible: bool = True
+    #: Already told to stop (a preemption notice is out); its GPUs free up within the grace.
+    preempting: bool = False
+    more: tuple[Part, ...] = ()
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        return (Part(self.node_id, self.gpu_indices), *self.more)
+
+    @property
+    def gpus(self) -> int:
+        if not self.more:
+            return len(self.gpu_indices)
+        return len(self.gpu_indices) + sum(len(p.gpu_indices) for p in self.more)
+
+    def expected_end(self, now: float) -> float:
+        """When its GPUs are expected back: never (inf) without a limit, not before ``now``."""
+        if self.expected_s is None:
+            return math.inf
+        return max(now, self.start_time + self.expected_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """A group's guaranteed GPUs and how many more it may borrow while they sit idle."""
+
+    guaranteed: int = 0
+    #: None: may borrow every idle GPU.
+    borrow_limit: int | None = None
+
+    @property
+    def ceiling(self) -> float:
+        """The most GPUs the group may hold at once."""
+        return math.inf if self.borrow_limit is None else self.guaranteed + self.borrow_limit
+
+
+#: Groups without a configured quota: nothing guaranteed, may borrow everything idle.
+DEFAULT_QUOTA = Quota(guaranteed=0, borrow_limit=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything one scheduling round may look at. ``plan`` never mutates it."""
+
+    nodes: Sequence[NodeCapacity]
+    pending: Sequence[Pending]
+    running: Sequence[Running] = ()
+    quotas: Mapping[str, Quota] = field(default_factory=dict)
+    #: Decayed GPU-seconds per group and per (group, user), running calls included up to now
+    #: (see scheduler.fairshare).
+    usage: Mapping[str, float] = field(default_factory=dict)
+    user_usage: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    now: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Start a call. A multi-node gang gets whole nodes: the first here, the rest in ``more``."""
+
+    invocation_id: str
+    node_id: int
+    gpu_indices: tuple[int, ...]
+    more: tuple[Part, ...] = ()
+    #: Above its group's guarantee: may be preempted when another group reclaims.
+    borrowed: bool = False
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        return (Part(self.node_id, self.gpu_indices), *self.more)
+
+    @classmethod
+    def of(cls, call_id: str, parts: tuple[Part, ...], borrowed: bool = False) -> Decision:
+        first, *more = parts
+        return cls(call_id, first.node_id, first.gpu_indices, tuple(more), borrowed)
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """Tell a running call to stop (it is requeued); ``reason`` is shown to its owner."""
+
+    invocation_id: str
+    reason: str
+
+
+class Plan(list[Decision]):
+    """A round's placements, in order, plus its preemptions.
+
+    A list of :class:`Decision` so that callers which only place calls keep working. ``more``
+    says the round stopped short of all it could do (a bound on its work): plan again soon.
+    """
+
+    def __init__(
+        self,
+        placements: Iterable[Decision] = (),
+        preemptions: Iterable[Preemption] = (),
+        more: bool = False,
+    ) -> None:
+        super().__init__(placements)
+        self.preemptions: list[Preemption] = list(preemptions)
+        self.more = more
+
+    def __repr__(self) -> str:
+        return f"Plan({list(self)!r}, preemptions={self.preemptions!r})"

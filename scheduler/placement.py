@@ -1,0 +1,105 @@
+"""Gang placement on one node: the filter and rank steps, each usable on a static node list.
+
+A call's GPUs all come from one node. Filters: the node is not draining; a GPU qualifies when
+its model name contains the call's model (case-insensitive: NVML's "NVIDIA A100-SXM4-80GB"
+matches "A100") and it has at least the call's memory. A node whose
+inventory is unknown qualifies only for unconstrained calls. Rank, best first:
+
+1. connected: all the call's GPUs in one NVLink group (nodes without topology count as
+   connected, there is nothing to prefer);
+2. best fit: the fewest qualifying free GPUs, so big holes stay whole for big calls;
+3. warm: a worker for the call's (user, function) is already warm there;
+4. the node's place in the snapshot.
+
+:func:`rank` is the plain reference; :class:`scheduler.capacity.Capacity` is the indexed
+version a round uses, and the tests hold one against the other.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+from scheduler.model import Gpu, NodeCapacity, Pending
+
+RankKey = tuple[int, int, int, int]
+
+
+def constrained(call: Pending) -> bool:
+    return call.gpu_model is not None or call.min_memory_mib > 0
+
+
+def model_ok(model: str, wanted: str | None) -> bool:
+    """Whether a GPU model name satisfies a call's ``gpu_model`` (a case-insensitive part of
+    it; None: any)."""
+    return wanted is None or wanted.casefold() in model.casefold()
+
+
+def gpu_ok(gpu: Gpu, call: Pending) -> bool:
+    """The GPU filter: model and memory."""
+    return model_ok(gpu.model, call.gpu_model) and gpu.memory_mib >= call.min_memory_mib
+
+
+def usable(node: NodeCapacity, free: Iterable[int], call: Pending) -> list[int]:
+    """The free GPUs of ``node`` that the call may use, sorted; none on a draining node."""
+    if node.draining:
+        return []
+    if not constrained(call):
+        return sorted(free)
+    by_index = {g.index: g for g in node.gpus}
+    return sorted(i for i in free if i in by_index and gpu_ok(by_index[i], call))
+
+
+def choose(node: NodeCapacity, free: Sequence[int], n: int) -> tuple[tuple[int, ...], bool]:
+    """Pick ``n`` of the sorted ``free`` GPUs; also say whether they share one NVLink group.
+
+    Best fit inside the node too: the smallest NVLink group that holds all ``n``; failing that,
+    the fewest groups, largest first. Without topology: the lowest indices.
+    """
+    links = {g.index: g.nvlink for g in node.gpus if g.nvlink is not None}
+    if not links or n <= 1:
+        return tuple(free[:n]), True
+    groups: dict[int | None, list[int]] = defaultdict(list)
+    for i in free:
+        groups[links.get(i)].append(i)
+    fitting = [g for k, g in groups.items() if k is not None and len(g) >= n]
+    if fitting:
+        return tuple(min(fitting, key=len)[:n]), True
+    chosen: list[int] = []
+    for g in sorted(groups.values(), key=len, reverse=True):
+        chosen.extend(g[: n - len(chosen)])
+    return tuple(sorted(chosen[:n])), False
+
+
+def warm(node: NodeCapacity, call: Pending) -> bool:
+    return bool(call.function) and (call.user, call.function) in node.warm
+
+
+def rank_key(node: NodeCapacity, free: Sequence[int], call: Pending, order: int) -> RankKey:
+    """Smaller is better; ``free`` are the node's usable free GPUs (at least ``call.gpus``)."""
+    _, connected = choose(node, free, call.gpus)
+    return (not connected, len(free), not warm(node, call), order)
+
+
+def rank(nodes: Sequence[NodeCapacity], call: Pending) -> list[NodeCapacity]:
+    """The nodes that can take the single-node GPU call now, best first (the reference)."""
+    keyed = []
+    for order, node in enumerate(nodes):
+        free = usable(node, node.free_gpus, call)
+        if len(free) >= call.gpus:
+            keyed.append((rank_key(node, free, call, order), node))
+    keyed.sort(key=lambda kn: kn[0])
+    return [node for _, node in keyed]
+
+
+def node_fits_ever(node: NodeCapacity, call: Pending) -> bool:
+    """Whether the node could ever hold the whole single-node call (draining aside)."""
+    if not constrained(call):
+        return node.size >= call.gpus
+    return sum(gpu_ok(g, call) for g in node.gpus) >= call.gpus
+
+
+def whole_node_ok(node: NodeCapacity, call: Pending) -> bool:
+    """Whether a node may be one of a multi-node gang's whole nodes: known size, all GPUs
+    qualify."""
+    return bool(node.gpus) and all(gpu_ok(g, call) for g in node.gpus)

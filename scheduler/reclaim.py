@@ -1,0 +1,286 @@
+"""Reclaim: make room for a group's guaranteed work by preempting other groups' borrowing.
+
+A running call is a candidate if it is preemptible, not already stopping, of another group,
+and its group holds more than its guarantee when it is picked (so reclaim never eats into
+anyone's guarantee). Candidates are taken youngest first (those flagged borrowed before the
+rest), and only as many as make the call fit: for a single-node call, walking the candidates
+in that order, the first node whose free GPUs plus its candidates so far hold the call wins,
+with those candidates as victims. A multi-node gang clears the whole nodes needing the fewest
+victims. GPUs of calls already stopping count as free, so a round never preempts twice for the
+same need. The chosen nodes are withdrawn from the round's index, so borrowers cannot take
+the room back before the reclaiming call starts; later reclaims may still use what is left
+there beyond the GPUs promised.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from scheduler import placement
+from scheduler.capacity import Capacity
+from scheduler.model import NodeCapacity, Pending, Running, Snapshot
+from scheduler.quotas import Book
+
+
+@dataclass(slots=True)
+class Reclaim:
+    node_ids: list[int]
+    victims: list[Running] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Room:
+    """Room being gathered on one node for one call."""
+
+    node: NodeCapacity
+    have: int
+    victims: list[Running] = field(default_factory=list)
+    released: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+class Reclaimer:
+    """Victim selection for one round; remembers what it already chose."""
+
+    def __init__(self, snapshot: Snapshot, cap: Capacity, book: Book) -> None:
+        self.snapshot = snapshot
+        self.cap = cap
+        self.book = book
+        self.chosen: set[str] = set()
+        self._ready = False
+        self._nodes: dict[int, NodeCapacity] = {}
+        self._by_node: dict[int, list[Running]] = defaultdict(list)
+        self._stopping: dict[int, list[tuple[int, ...]]] = defaultdict(list)
+        self._queue: list[Running] = []
+        self._start = 0  # self._queue[:start] can never be picked again this round
+        self._cursor = 0  # how far the shared walk has gone
+        self._rooms: dict[int, _Room] = {}
+        self._tiers: dict[int, dict[int, _Room]] = {}  # room.have -> rooms, in walk order
+        self._clearable: list[tuple[int, int, NodeCapacity, list[Running]]] | None = None
+        #: Nodes where GPUs on their way back may not all be promised yet (an ordered set).
+        self._returning: dict[int, None] = {}
+        #: Per node: GPUs on their way back less those promised (all GPUs counted).
+        self._back: dict[int, int] = {}
+        #: GPUs of each node set aside for calls that reclaimed there this round.
+        self._promised: dict[int, int] = {}
+
+    def _prepare(self) -> None:
+        """Index the running calls, once per round and only if some call needs reclaim."""
+        self._ready = True
+        self._nodes = {n.node_id: n for n in self.snapshot.nodes}
+        for run in self.snapshot.running:
+            for part in run.parts:
+                if run.preempting:
+                    self._stopping[part.node_id].append(part.gpu_indices)
+                    self._back[part.node_id] = self._back.get(part.node_id, 0) + len(
+                        part.gpu_indices
+                    )
+                    self._returning[part.node_id] = None
+                else:
+                    self._by_node[part.node_id].append(run)
+        self._queue = sorted(
+            (r for r in self.snapshot.running if r.preemptible and not r.preempting),
+            key=lambda r: (not r.borrowed, -r.start_time),
+        )
+
+    def reclaim(self, call: Pending) -> Reclaim | None:
+        """Pick room for ``call`` (victims possibly none), withdraw it, charge the groups."""
+        if call.gpus == 0:
+            return None
+        if not self._ready:
+            self._prepare()
+        if call.gpus > self.cap.largest_for(call):
+            found = self._whole_nodes(call)
+        else:
+            found = self._one_node(call)
+        if found is None:
+            return None
+        for victim in found.victims:
+            self.book.add(victim.group, -victim.gpus)
+            self.chosen.add(victim.id)
+            for part in victim.parts:
+                self._stopping[part.node_id].append(part.gpu_indices)
+                self._back[part.node_id] = self._back.get(part.node_id, 0) + len(part.gpu_indices)
+                self._returning[part.node_id] = None
+        for node_id in found.node_ids:
+            self.cap.withdraw(node_id)
+            self._promised[node_id] = self._promised.get(node_id, 0) + call.gpus
+            self._back[node_id] = self._back.get(node_id, 0) - call.gpus
+        return found
+
+    def _node(self, node_id: int, call: Pending, whole: bool) -> NodeCapacity | None:
+        """The node, if it may hold (part of) the call: live and big enough; for a whole node,
+        nothing on it promised to another call."""
+        node = self._nodes.get(node_id)
+        if node is None or node.draining:
+            return None
+        if whole and self._promised.get(node_id):
+            return None
+        ok = placement.whole_node_ok if whole else placement.node_fits_ever
+        return node if ok(node, call) else None
+
+    def _have(self, node: NodeCapacity, call: Pending) -> int:
+        """The call's GPUs on the node that are free or on their way back."""
+        if not placement.constrained(call):
+            return len(self.cap.free_of(node.node_id)) + self._back.get(node.node_id, 0)
+        free = len(placement.usable(node, self.cap.free_of(node.node_id), call))
+        return (
+            free
+            - self._promised.get(node.node_id, 0)
+            + sum(
+                len(placement.usable(node, gpus, call))
+                for gpus in self._stopping.get(node.node_id, ())
+            )
+        )
+
+    def _pickable(self, run: Running, released: int) -> bool:
+        """Whether the run's group still borrows after ``released`` GPUs are taken back."""
+        return self.book.used[run.group] - released > self.book.quota(run.group).guaranteed
+
+    def _one_node(self, call: Pending) -> Reclaim | None:
+        for node_id in list(self._returning):  # enough already on the way back?
+            node = self._node(node_id, call, whole=False)
+            have = 0 if node is None else self._have(node, call)
+            if have >= call.gpus:
+                return Reclaim([node_id])
+            if node is not None and have <= 0 and not placement.constrained(call):
+                del self._returning[node_id]  # all promised: no use to anyone this round
+        if placement.constrained(call):
+            return self._walk_for(call)
+        return self._walk(call)
+
+    def _walk(self, call: Pending) -> Reclaim | None:
+        """The candidates walk, shared by this round's unconstrained calls: the rooms gathered
+        on each node so far are kept (by how many GPUs their candidates hold), and the walk
+        resumes where the last call left it."""
+        n = call.gpus
+        for node_id in self._returning:  # fewer victims where GPUs are already coming back
+            room = self._rooms.get(node_id)
+            if room is not None and room.have and room.have + self._have(room.node, call) >= n:
+                found = self._settle(room, call)
+                if found is not None:
+                    return found
+        for have in sorted(h for h, rooms in self._tiers.items() if h >= n and rooms):
+            for room in list(itertools.islice(self._tiers[have].values(), 64)):
+                found = self._settle(room, call)
+                if found is not None:
+                    return found
+        while self._cursor < len(self._queue):
+            run = self._queue[self._cursor]
+            self._cursor += 1
+            if not self._live(run):
+                continue
+            for part in run.parts:
+                room = self._rooms.get(part.node_id)
+                if room is None:
+                    node = self._nodes.get(part.node_id)
+                    if node is None or node.draining:
+                        continue
+                    room = self._rooms[part.node_id] = _Room(node, 0)
+                room.victims.append(run)
+                self._gathered(room, room.have + len(part.gpu_indices))
+                found = self._settle(room, call)
+                if found is not None:
+                    return found
+        return None
+
+    def _gathered(self, room: _Room, have: int) -> None:
+        """Set the GPUs the room's candidates hold, keeping the tiers up to date."""
+        node_id = room.node.node_id
+        if room.have:
+            self._tiers[room.have].pop(node_id, None)
+        room.have = have
+        if have:
+            self._tiers.setdefault(have, {})[node_id] = room
+
+    def _settle(self, room: _Room, call: Pending) -> Reclaim | None:
+        """Take just enough of the room's candidates, youngest first, if that fits the call."""
+        node = room.node
+        base = self._have(node, call)
+        if base + room.have < call.gpus or not placement.node_fits_ever(node, call):
+            return None
+        released: dict[str, int] = defaultdict(int)
+        victims, got = [], base
+        for run in room.victims:
+            if got >= call.gpus:
+                break
+            if run.id in self.chosen or not self._pickable(run, released[run.group]):
+                continue
+            victims.append(run)
+            released[run.group] += run.gpus
+            got += self._gpus_on(run, node.node_id)
+        if got < call.gpus:
+            room.victims = [r for r in room.victims if self._live(r)]
+            self._gathered(room, sum(self._gpus_on(r, node.node_id) for r in room.victims))
+            return None
+        taken = {r.id for r in victims}
+        room.victims = [r for r in room.victims if r.id not in taken]
+        self._gathered(room, sum(self._gpus_on(r, node.node_id) for r in room.victims))
+        return Reclaim([node.node_id], victims)
+
+    @staticmethod
+    def _gpus_on(run: Running, node_id: int) -> int:
+        if run.node_id == node_id and not run.more:
+            return len(run.gpu_indices)
+        return sum(len(p.gpu_indices) for p in run.parts if p.node_id == node_id)
+
+    def _walk_for(self, call: Pending) -> Reclaim | None:
+        """A walk of its own for a call with GPU constraints (only some GPUs count)."""
+        start = self._start
+        while start < len(self._queue) and not self._live(self._queue[start]):
+            start += 1
+        self._start = start
+        rooms: dict[int, _Room | None] = {}
+        for run in self._queue[start:]:
+            if run.group == call.group or not self._live(run):
+                continue
+            for part in run.parts:
+                if part.node_id not in rooms:
+                    node = self._node(part.node_id, call, whole=False)
+                    rooms[part.node_id] = (
+                        None if node is None else _Room(node, self._have(node, call))
+                    )
+                room = rooms[part.node_id]
+                if room is None or not self._pickable(run, room.released[run.group]):
+                    continue
+                room.victims.append(run)
+                room.released[run.group] += run.gpus
+                room.have += len(placement.usable(room.node, part.gpu_indices, call))
+                if room.have >= call.gpus:
+                    return Reclaim([part.node_id], room.victims)
+        return None
+
+    def _live(self, run: Running) -> bool:
+        """Could still be picked this round (not chosen, its group still borrows)."""
+        return run.id not in self.chosen and self._pickable(run, 0)
+
+    def _whole_nodes(self, call: Pending) -> Reclaim | None:
+        """Whole nodes to clear for a gang, those with the fewest calls on them first."""
+        if self._clearable is None:
+            self._clearable = []
+            for order, each in enumerate(self.snapshot.nodes):
+                runs = self._by_node.get(each.node_id, [])
+                if each.gpus and all(r.preemptible for r in runs):
+                    self._clearable.append((len(runs), order, each, runs))
+            self._clearable.sort(key=lambda o: o[:2])
+        released: dict[str, int] = defaultdict(int)
+        found = Reclaim([])
+        total = 0
+        for _, _, option, runs in self._clearable:
+            node = self._node(option.node_id, call, whole=True)
+            if node is None or any(r.id in self.chosen for r in runs):
+                continue
+            after = defaultdict(int, released)
+            for run in runs:
+                if run.group == call.group or not self._pickable(run, after[run.group]):
+                    break  # clearing this node would eat into a guarantee
+                after[run.group] += run.gpus
+            else:
+                released = after
+                found.node_ids.append(node.node_id)
+                found.victims.extend(runs)
+                total += len(node.gpus)
+                if total >= call.gpus:
+                    return found
+        return None

@@ -1,0 +1,395 @@
+"""Trace replay: the scheduling policies, unchanged, on a virtual clock.
+
+``python -m scheduler.replay TRACE.csv --policy fair --nodes 64 --gpus-per-node 8``
+(also ``bulletin replay``). Trace and quota formats: :mod:`scheduler.traces`; metrics:
+:mod:`scheduler.metrics`.
+
+The simulation is event driven: job arrivals and completions. After each instant's events it
+builds a :class:`~scheduler.model.Snapshot` (nodes with their free GPUs, running and pending
+jobs, quotas, decayed usage per group and user) and calls the policy's ``plan`` — only when
+something is pending and either a GPU is free or a job just arrived (an arrival may trigger
+reclaim), since nothing else can change a plan; and again at the same instant when a plan
+preempted without grace or stopped short (``Plan.more``). Each job's expected duration is its
+true remaining run time (exact time limits: the best case for backfill). Each job is whole
+GPUs on whole nodes as the policy placed it; a gang bigger than a node holds whole nodes.
+Policy settings other than the starvation guard are the defaults; ``--half-life-s`` sets the
+fair-share half-life of the usage fed to the policy.
+
+Preemption: a preempted job keeps its GPUs for the grace period (``--grace-s``, default 0),
+then goes back to the queue with its original submit time and only its remaining work: it
+resumes from a checkpoint taken when it stopped, losing nothing (``--restart-overhead-s`` adds
+a fixed cost per preemption, e.g. reloading the checkpoint). Jobs that could never fit (more
+GPUs than the cluster, a GPU model it lacks, above their group's quota ceiling under ``fair``)
+are rejected at submit time and counted as ``rejected``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+import time
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+from scheduler import policies, traces
+from scheduler.admission import never_fits
+from scheduler.fairshare import DEFAULT_HALF_LIFE_S, UsageMeter
+from scheduler.metrics import Recorder
+from scheduler.model import (
+    Gpu,
+    NodeCapacity,
+    Pending,
+    Plan,
+    Quota,
+    Running,
+    SchedulerError,
+    Snapshot,
+)
+from scheduler.policies import Policy
+from scheduler.traces import Job
+
+FINISH, STOP = 0, 1
+K = TypeVar("K", bound=Hashable)
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    #: GPU model per node, cycled over the nodes; () when models do not matter.
+    models: tuple[str, ...] = ()
+
+    def build(self) -> list[NodeCapacity]:
+        out = []
+        for i in range(self.nodes):
+            model = self.models[i % len(self.models)] if self.models else ""
+            inventory = tuple(Gpu(g, model) for g in range(self.gpus_per_node))
+            out.append(NodeCapacity(i, list(range(self.gpus_per_node)), 0, inventory))
+        return out
+
+
+class Usage(Mapping[K, float]):
+    """A meter's decayed usage as of ``now``, worked out only for the keys a policy reads."""
+
+    def __init__(self, meter: UsageMeter[K], now: float) -> None:
+        self.meter = meter
+        self.now = now
+
+    def __getitem__(self, key: K) -> float:
+        return self.meter.value(key, self.now)
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self.meter.keys())
+
+    def __len__(self) -> int:
+        return len(self.meter.keys())
+
+
+class Simulator:
+    """One replay of ``jobs`` through ``policy`` on ``cluster``."""
+
+    def __init__(
+        self,
+        jobs: Sequence[Job],
+        policy: Policy,
+        cluster: Cluster,
+        quotas: Mapping[str, Quota],
+        half_life_s: float = DEFAULT_HALF_LIFE_S,
+        grace_s: float = 0.0,
+        restart_overhead_s: float = 0.0,
+    ) -> None:
+        self.jobs = list(jobs)
+        self.policy = policy
+        self.cluster = cluster
+        self.quotas = dict(quotas)
+        self.grace_s = grace_s
+        self.restart_overhead_s = restart_overhead_s
+        self.nodes = cluster.build()
+        self.free = cluster.nodes * cluster.gpus_per_node
+        self.pending: dict[str, Pending] = {}
+        self.running: dict[str, Running] = {}
+        self.remaining = [j.duration for j in self.jobs]
+        self.generation = [0] * len(self.jobs)
+        self.events: list[tuple[float, int, int, int, int]] = []  # (t, seq, kind, job, gen)
+        self.seq = 0
+        self.groups = UsageMeter[str](half_life_s)
+        self.users = UsageMeter[tuple[str, str]](half_life_s)
+        groups = sorted({j.group for j in self.jobs})
+        self.record = Recorder(self.free, traces.weights(self.quotas, groups))
+        self.plans = self.preemptions = self.rejected = 0
+        #: Per job index: when it first started, and when it completed.
+        self.started: dict[int, float] = {}
+        self.completed: dict[int, float] = {}
+        self.verdicts: dict[tuple[int, str | None, str], str | None] = {}
+
+    def run(self) -> dict[str, float]:
+        wall = time.perf_counter()
+        arrivals, i = self.jobs, 0
+        while i < len(arrivals) or self.events:
+            now = min(
+                arrivals[i].submit if i < len(arrivals) else float("inf"),
+                self.events[0][0] if self.events else float("inf"),
+            )
+            self.record.advance(now)
+            arrived = False
+            while i < len(arrivals) and arrivals[i].submit <= now:
+                arrived |= self.arrive(i)
+                i += 1
+            again, rounds = True, 0
+            while again:
+                while self.events and self.events[0][0] <= now:
+                    _, _, kind, job, gen = heapq.heappop(self.events)
+                    if gen == self.generation[job]:
+                        (self.finish if kind == FINISH else self.stop)(job, now)
+                if not (self.pending and (self.free > 0 or arrived)):
+                    break
+                rounds += 1
+                if rounds > 10_000:  # every round preempts and places at one instant
+                    raise SchedulerError(f"plans do not settle at t={now}: a policy livelock")
+                plan = self.plan(now)
+                self.apply(plan, now)
+                # Plan again at this instant if the plan stopped short and did something, or
+                # preempted without grace (the victims are gone now).
+                again = bool(plan or plan.preemptions) and (
+                    plan.more or bool(plan.preemptions and self.grace_s <= 0)
+                )
+        out = self.record.summary()
+        out.update(
+            preemptions=self.preemptions,
+            rejected=self.rejected,
+            jobs=len(self.jobs),
+            completed=len(self.record.jct),
+            plans=self.plans,
+            wall_s=time.perf_counter() - wall,
+        )
+        return out
+
+    # ----------------------------------------------------------------- events
+
+    def arrive(self, i: int) -> bool:
+        job = self.jobs[i]
+        self.record.arrived(job.submit)
+        call = Pending(
+            str(i),
+            job.gpus,
+            job.user,
+            job.group,
+            gpu_model=job.gpu_type,
+            submit_time=job.submit,
+            expected_s=job.duration,
+        )
+        if job.gpus < 1 or self.never_fits(call) is not None:
+            self.rejected += 1
+            return False
+        self.pending[call.id] = call
+        self.record.want(job.group, job.gpus)
+        return True
+
+    def never_fits(self, call: Pending) -> str | None:
+        """Submit-time rejection, remembered per kind of call (the cluster never changes)."""
+        key = (call.gpus, call.gpu_model, call.group)
+        if key not in self.verdicts:
+            quotas = self.quotas if self.policy.uses_quotas else None
+            self.verdicts[key] = never_fits(call, self.nodes, quotas)
+        return self.verdicts[key]
+
+    def finish(self, i: int, now: float) -> None:
+        self.release(i, now)
+        job = self.jobs[i]
+        self.record.want(job.group, -job.gpus)
+        self.record.finished(job.submit, job.duration, now)
+        self.completed[i] = now
+
+    def stop(self, i: int, now: float) -> None:
+        """A preempted job's grace is over: it gives its GPUs back and queues again."""
+        run = self.release(i, now)
+        self.remaining[i] -= now - run.start_time
+        self.remaining[i] += self.restart_overhead_s
+        job = self.jobs[i]
+        self.pending[run.id] = Pending(
+            run.id,
+            job.gpus,
+            job.user,
+            job.group,
+            gpu_model=job.gpu_type,
+            submit_time=job.submit,
+            expected_s=self.remaining[i],
+        )
+
+    def release(self, i: int, now: float) -> Running:
+        run = self.running.pop(str(i))
+        self.generation[i] += 1
+        for part in run.parts:
+            self.nodes[part.node_id].free_gpus.extend(part.gpu_indices)
+        self.note_held(run.group, run.user, -run.gpus, now)
+        return run
+
+    def note_held(self, group: str, user: str, gpus: int, now: float) -> None:
+        self.free -= gpus
+        self.groups.change(group, gpus, now)
+        self.users.change((group, user), gpus, now)
+        self.record.hold(group, gpus)
+
+    def push(self, t: float, kind: int, job: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, job, self.generation[job]))
+
+    # ----------------------------------------------------------------- planning
+
+    def plan(self, now: float) -> Plan:
+        self.plans += 1
+        snapshot = Snapshot(
+            nodes=self.nodes,
+            pending=list(self.pending.values()),
+            running=list(self.running.values()),
+            quotas=self.quotas,
+            usage=Usage(self.groups, now),
+            user_usage=Usage(self.users, now),
+            now=now,
+        )
+        return self.policy.plan(snapshot)
+
+    def apply(self, plan: Plan, now: float) -> None:
+        for d in plan:
+            call = self.pending.pop(d.invocation_id)
+            i = int(call.id)
+            for part in d.parts:
+                taken = set(part.gpu_indices)
+                node = self.nodes[part.node_id]
+                node.free_gpus = [g for g in node.free_gpus if g not in taken]
+            run = Running(
+                call.id,
+                d.node_id,
+                d.gpu_indices,
+                call.user,
+                call.group,
+                start_time=now,
+                expected_s=self.remaining[i],
+                borrowed=d.borrowed,
+                more=d.more,
+            )
+            self.running[call.id] = run
+            self.started.setdefault(i, now)
+            self.note_held(call.group, call.user, run.gpus, now)
+            self.push(now + self.remaining[i], FINISH, i)
+        for p in plan.preemptions:
+            run = self.running[p.invocation_id]
+            self.preemptions += 1
+            self.running[run.id] = replace(run, preempting=True)
+            self.push(now + self.grace_s, STOP, int(run.id))
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """One replay's settings (the command line's flags)."""
+
+    policy: str = "fifo"
+    nodes: int = 32
+    gpus_per_node: int = 8
+    quota_file: str | None = None
+    half_life_s: float = DEFAULT_HALF_LIFE_S
+    grace_s: float = 0.0
+    restart_overhead_s: float = 0.0
+    #: GPU models cycled over the nodes; without them jobs' gpu_type is ignored.
+    models: tuple[str, ...] = ()
+    #: The fair policy's starvation guard (None: off).
+    starve_after_s: float | None = None
+
+
+def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
+    """Replay a trace (a file, or jobs already read) and return its metrics
+    (see :mod:`scheduler.metrics`)."""
+    jobs = traces.read(trace) if isinstance(trace, str) else list(trace)
+    if not options.models:
+        jobs = [replace(j, gpu_type=None) if j.gpu_type else j for j in jobs]
+    cluster = Cluster(options.nodes, options.gpus_per_node, options.models)
+    capacity = options.nodes * options.gpus_per_node
+    if options.quota_file:
+        quotas = traces.read_quotas(options.quota_file)
+    else:
+        quotas = traces.derive_quotas(jobs, capacity)
+    settings = {}
+    if options.starve_after_s is not None:
+        settings["starve_after_s"] = options.starve_after_s
+    sim = Simulator(
+        jobs,
+        policies.get(options.policy, **settings),
+        cluster,
+        quotas,
+        options.half_life_s,
+        options.grace_s,
+        options.restart_overhead_s,
+    )
+    return sim.run()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bulletin replay",
+        description="Replay a job trace through a scheduling policy on a virtual clock.",
+    )
+    p.add_argument("trace", help="CSV trace: plain, Philly or Tiresias (see scheduler.traces)")
+    p.add_argument("--policy", default="fifo", choices=sorted(policies.POLICIES))
+    p.add_argument("--nodes", type=int, default=32)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--quota-file", help='JSON: {"group": {"guaranteed": 8, "borrow_limit": 64}}')
+    p.add_argument("--format", choices=["text", "json"], default="text")
+    p.add_argument("--half-life-s", type=float, default=DEFAULT_HALF_LIFE_S)
+    p.add_argument("--grace-s", type=float, default=0.0, help="preemption notice period")
+    p.add_argument(
+        "--restart-overhead-s",
+        type=float,
+        default=0.0,
+        help="work added to a job each time it is preempted",
+    )
+    p.add_argument(
+        "--node-models",
+        default="",
+        help="comma-separated GPU models, cycled over the nodes; enables gpu_type",
+    )
+    p.add_argument(
+        "--starve-after-s",
+        type=float,
+        default=None,
+        help="fair: wait after which a call gets a reservation (default: never)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``bulletin replay``: print the metrics; 0 on success, 2 on bad input."""
+    args = parser().parse_args(argv)
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        print("--nodes and --gpus-per-node must be at least 1", file=sys.stderr)
+        return 2
+    options = Options(
+        args.policy,
+        args.nodes,
+        args.gpus_per_node,
+        args.quota_file,
+        args.half_life_s,
+        args.grace_s,
+        args.restart_overhead_s,
+        tuple(m for m in args.node_models.split(",") if m),
+        args.starve_after_s,
+    )
+    try:
+        metrics = replay(args.trace, options)
+    except traces.TraceError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    result = {"policy": args.policy, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node}
+    result.update(metrics)
+    if args.format == "json":
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>14}: {value:.4g}" if isinstance(value, float) else f"{key:>14}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

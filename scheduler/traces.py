@@ -1,0 +1,155 @@
+"""Job traces and quota files for the replay simulator.
+
+Trace formats, told apart by the CSV header:
+
+- plain: ``submit_time,duration,num_gpus`` (seconds, seconds, GPUs) plus optional ``user``,
+  ``group``, ``gpu_type`` (a GPU model constraint) and ``job_id`` columns;
+- Philly (``philly_jobs_pollux_osdi21.csv``): ``timestamp`` (``YYYY-MM-DD HH:MM:SS``),
+  ``duration``, ``num_gpus``, ``gpu_time``, ``cluster``; the virtual cluster is the group and
+  submit times count from the earliest timestamp;
+- Tiresias (``tiresias_60_job.csv``): ``job_id,num_gpu,submit_time,iterations,model_name,
+  duration,interval``; one group.
+
+Quota files are JSON, one object per group; ``borrow_limit`` null or absent means the group may
+borrow every idle GPU::
+
+    {"vc1": {"guaranteed": 64, "borrow_limit": 128}, "vc2": {"guaranteed": 32}}
+
+Without a quota file, :func:`derive_quotas` guarantees each group GPUs in proportion to its
+share of the trace's GPU-time (largest remainders, so they add up to the cluster) and no
+borrowing limit.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from scheduler.model import Quota, SchedulerError
+
+
+class TraceError(SchedulerError):
+    """A trace or quota file that cannot be read; the message names the file and line."""
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    id: str
+    submit: float
+    duration: float
+    gpus: int
+    user: str = ""
+    group: str = ""
+    gpu_type: str | None = None
+
+
+def read(path: str | Path) -> list[Job]:
+    """The trace's jobs in submit order (file order among equal submit times)."""
+    path = Path(path)
+    try:
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+            header = set(rows[0]) if rows else set()
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise TraceError(f"cannot read trace {path}: {exc}") from exc
+    if {"timestamp", "duration", "num_gpus", "cluster"} <= header:
+        parse = _philly
+    elif {"job_id", "num_gpu", "submit_time", "duration"} <= header:
+        parse = _tiresias
+    elif {"submit_time", "duration", "num_gpus"} <= header:
+        parse = _plain
+    else:
+        raise TraceError(
+            f"{path}: unknown trace format (header {sorted(header)}); a plain trace needs "
+            "submit_time,duration,num_gpus"
+        )
+    try:
+        jobs = parse(rows)
+    except (KeyError, ValueError) as exc:
+        raise TraceError(f"{path}: bad row: {exc}") from exc
+    return sorted(jobs, key=lambda j: j.submit)
+
+
+def _plain(rows: list[dict[str, str]]) -> list[Job]:
+    return [
+        Job(
+            id=r.get("job_id") or str(i),
+            submit=float(r["submit_time"]),
+            duration=float(r["duration"]),
+            gpus=int(r["num_gpus"]),
+            user=r.get("user") or "",
+            group=r.get("group") or "",
+            gpu_type=r.get("gpu_type") or None,
+        )
+        for i, r in enumerate(rows)
+    ]
+
+
+def _philly(rows: list[dict[str, str]]) -> list[Job]:
+    stamps = [datetime.fromisoformat(r["timestamp"]).timestamp() for r in rows]
+    first = min(stamps, default=0.0)
+    return [
+        Job(str(i), t - first, float(r["duration"]), int(r["num_gpus"]), group=r["cluster"])
+        for i, (t, r) in enumerate(zip(stamps, rows, strict=True))
+    ]
+
+
+def _tiresias(rows: list[dict[str, str]]) -> list[Job]:
+    return [
+        Job(r["job_id"], float(r["submit_time"]), float(r["duration"]), int(r["num_gpu"]))
+        for r in rows
+    ]
+
+
+def read_quotas(path: str | Path) -> dict[str, Quota]:
+    """Quotas from a JSON file (see the module docstring)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError("expected one object of groups")
+        return {
+            str(group): Quota(int(q["guaranteed"]), _limit(q.get("borrow_limit")))
+            for group, q in data.items()
+        }
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TraceError(
+            f'cannot read quota file {path}: {exc}; expected {{"group": {{"guaranteed": 8, '
+            '"borrow_limit": 64}}'
+        ) from exc
+
+
+def _limit(value: object) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int | float | str):
+        raise TypeError(f"borrow_limit must be a number or null, not {value!r}")
+    return int(value)
+
+
+def derive_quotas(jobs: Iterable[Job], capacity: int) -> dict[str, Quota]:
+    """Guarantees proportional to each group's GPU-time in the trace, summing to
+    ``capacity``; no borrowing limit."""
+    work: dict[str, float] = defaultdict(float)
+    for job in jobs:
+        work[job.group] += job.gpus * job.duration
+    total = sum(work.values())
+    if total <= 0:
+        return {}
+    exact = {g: capacity * w / total for g, w in work.items()}
+    share = {g: math.floor(x) for g, x in exact.items()}
+    left = capacity - sum(share.values())
+    for g in sorted(exact, key=lambda g: share[g] - exact[g])[:left]:
+        share[g] += 1
+    return {g: Quota(share[g]) for g in sorted(share)}
+
+
+def weights(quotas: Mapping[str, Quota], groups: Iterable[str]) -> dict[str, float]:
+    """Each group's weight for fairness metrics: its guarantee (plus one, so a group without a
+    guarantee still counts a little); equal weights when there are no quotas."""
+    return {g: quotas[g].guaranteed + 1.0 if g in quotas else 1.0 for g in groups}

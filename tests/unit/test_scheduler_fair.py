@@ -1,0 +1,180 @@
+"""Quotas with borrowing, reclaim and fair share, on static snapshots; submit-time checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import (
+    Gpu,
+    NodeCapacity,
+    Pending,
+    Quota,
+    Running,
+    Snapshot,
+    UnknownPolicyError,
+    explain,
+    never_fits,
+    plan,
+)
+from scheduler.fair import Fair
+from scheduler.fairshare import fair_order
+
+
+def node(i: int, free: list[int], size: int = 4, model: str = "A100") -> NodeCapacity:
+    return NodeCapacity(i, free, 0, tuple(Gpu(g, model, 40960) for g in range(size)))
+
+
+def run(
+    rid: str,
+    node_id: int,
+    gpus: tuple[int, ...],
+    group: str,
+    start: float,
+    borrowed: bool = True,
+    **kw: object,
+) -> Running:
+    return Running(rid, node_id, gpus, group=group, start_time=start, borrowed=borrowed,
+                   **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+QUOTAS = {"a": Quota(4, None), "b": Quota(4, 2)}
+
+
+def test_calls_within_the_guarantee_are_nominal_the_rest_borrow() -> None:
+    snap = Snapshot(
+        [node(1, [0, 1, 2, 3]), node(2, [0, 1, 2, 3])],
+        [Pending("a1", 3, group="a"), Pending("a2", 2, group="a")],
+        quotas=QUOTAS,
+    )
+    out = plan(snap, "fair")
+    assert [(d.invocation_id, d.borrowed) for d in out] == [("a1", False), ("a2", True)]
+
+
+def test_a_group_never_exceeds_its_ceiling() -> None:
+    snap = Snapshot(
+        [node(1, [0, 1, 2, 3]), node(2, [0, 1, 2, 3])],
+        [Pending(f"b{i}", 1, group="b") for i in range(8)],
+        quotas=QUOTAS,
+    )
+    assert len(plan(snap, "fair")) == 6
+    assert "quota ceiling" in explain(snap, "fair")["b6"][1]
+
+
+def test_reclaim_preempts_the_youngest_borrowed_calls_just_enough() -> None:
+    # Group b borrows all of node 1 (its guarantee is 4 but it holds 4 + these); a wants 2.
+    running = [
+        run("old", 1, (0,), "b", start=10),
+        run("young", 1, (1,), "b", start=30),
+        run("mid", 1, (2, 3), "b", start=20),
+        run("nominal", 2, (0, 1, 2, 3), "b", start=0, borrowed=False),
+    ]
+    snap = Snapshot([node(1, []), node(2, [])], [Pending("a1", 2, group="a")], running,
+                    quotas=QUOTAS, now=100)  # fmt: skip
+    out = plan(snap, "fair")
+    assert list(out) == []  # the victims still hold the GPUs: a1 starts next round
+    assert [p.invocation_id for p in out.preemptions] == ["young", "mid"]
+    assert "reclaimed for group a" in out.preemptions[0].reason
+    assert "reclaiming GPUs on node 1" in explain(snap, "fair")["a1"][1]
+
+
+def test_reclaim_in_flight_is_not_repeated() -> None:
+    running = [
+        run("old", 1, (0,), "b", start=10),
+        run("young", 1, (1,), "b", start=30, preempting=True),
+        run("mid", 1, (2, 3), "b", start=20),
+        run("nominal", 2, (0, 1, 2, 3), "b", start=0, borrowed=False),
+    ]
+    snap = Snapshot([node(1, []), node(2, [])], [Pending("a1", 1, group="a")], running,
+                    quotas=QUOTAS)  # fmt: skip
+    out = plan(snap, "fair")
+    assert list(out) == [] and out.preemptions == []
+
+
+def test_reclaim_never_takes_a_group_below_its_guarantee() -> None:
+    running = [run(f"b{i}", 1, (i,), "b", start=i) for i in range(4)]  # exactly b's guarantee
+    snap = Snapshot([node(1, [])], [Pending("a1", 1, group="a")], running, quotas=QUOTAS)
+    out = plan(snap, "fair")
+    assert out.preemptions == []
+    assert "nothing borrowed to reclaim" in explain(snap, "fair")["a1"][1]
+
+
+def test_borrowers_cannot_take_room_being_reclaimed() -> None:
+    running = [
+        run("b1", 1, (0, 1), "b", start=1),
+        run("b2", 1, (2,), "b", start=2),
+        run("bn", 2, (0, 1, 2, 3), "b", start=0, borrowed=False),
+    ]
+    pending = [Pending("a1", 2, group="a"), Pending("c1", 1, group="c")]
+    snap = Snapshot([node(1, [3]), node(2, [])], pending, running, quotas=QUOTAS)
+    out = plan(snap, "fair")
+    assert [p.invocation_id for p in out.preemptions] == ["b2"]
+    assert list(out) == []  # node 1's free GPU 3 is kept for a1
+
+
+def test_fair_share_orders_borrowers_by_decayed_usage_per_guaranteed_gpu() -> None:
+    pending = [Pending("x", 1, group="heavy"), Pending("y", 1, group="light")]
+    quotas = {"heavy": Quota(10), "light": Quota(1)}
+    order = fair_order(pending, {"heavy": 500.0, "light": 100.0}, {}, quotas)
+    assert [c.id for c in order] == ["x", "y"]  # 50 per GPU against 100
+    order = fair_order(pending, {"heavy": 5000.0, "light": 100.0}, {}, quotas)
+    assert [c.id for c in order] == ["y", "x"]
+
+
+def test_priority_comes_before_fair_share_and_users_before_queue_order() -> None:
+    pending = [
+        Pending("p0", 1, group="g", user="u1"),
+        Pending("p1", 1, group="g", user="u2"),
+        Pending("urgent", 1, group="g", user="u1", priority=5),
+    ]
+    order = fair_order(pending, {}, {("g", "u1"): 10.0})
+    assert [c.id for c in order] == ["urgent", "p1", "p0"]
+
+
+def test_groups_without_a_quota_borrow_everything_and_can_be_reclaimed() -> None:
+    snap = Snapshot([node(1, [0, 1, 2, 3])], [Pending(f"z{i}", 1, group="zz") for i in range(4)])
+    out = plan(snap, "fair")
+    assert len(out) == 4 and all(d.borrowed for d in out)
+
+
+def test_unknown_policy_names_the_choices() -> None:
+    with pytest.raises(UnknownPolicyError, match="fair"):
+        plan(Snapshot([], []), "lottery")
+
+
+def test_never_fits_names_the_reason() -> None:
+    nodes = [node(1, [], size=8), node(2, [], size=8, model="V100")]
+    assert never_fits(Pending("ok", 8), nodes) is None
+    assert never_fits(Pending("gang", 16), nodes) is None
+    assert "largest node has 8" in (never_fits(Pending("big", 17), nodes) or "")
+    assert "no node has H100" in (never_fits(Pending("h", 1, gpu_model="H100"), nodes) or "")
+    msg = never_fits(Pending("m", 1, min_memory_mib=80000), nodes) or ""
+    assert "at least 80000 MiB" in msg
+    assert "largest node has 8" in (never_fits(Pending("a", 9, gpu_model="A100"), nodes) or "")
+    assert "may hold at most 6" in (never_fits(Pending("q", 7, group="b"), nodes, QUOTAS) or "")
+    assert never_fits(Pending("q", 6, group="b"), nodes, QUOTAS) is None
+    assert never_fits(Pending("any", 64), []) is None  # no nodes yet: cannot judge
+
+
+def test_a_round_reclaims_for_a_bounded_number_of_calls_and_says_so() -> None:
+    running = [run(f"b{i}", 1 + i // 4, (i % 4,), "b", start=i) for i in range(8)]
+    quotas = {"a": Quota(6), "b": Quota(0)}
+    pending = [Pending(f"a{i}", 1, group="a") for i in range(6)]
+    snap = Snapshot([node(1, []), node(2, [])], pending, running, quotas=quotas)
+    out = plan(snap, Fair(max_reclaims=2))
+    assert len(out.preemptions) == 2 and out.more
+    everything = plan(snap, "fair")
+    assert len(everything.preemptions) == 6 and not everything.more
+    assert [p.invocation_id for p in everything.preemptions][:2] == ["b7", "b6"]  # youngest
+
+
+def test_the_starvation_guard_reserves_room_for_a_long_waiting_big_call() -> None:
+    # c's 4-GPU call is above its guarantee; small borrowers would take every freed GPU.
+    running = [run("x", 1, (0, 1), "b", start=0, expected_s=100.0)]
+    pending = [Pending("big", 4, group="c", submit_time=0), Pending("small", 1, group="b",
+               submit_time=900, expected_s=500.0)]  # fmt: skip
+    quotas = {"b": Quota(2), "c": Quota(2)}
+    snap = Snapshot([node(1, [2, 3])], pending, running, quotas=quotas, now=1000)
+    assert [d.invocation_id for d in plan(snap, "fair")] == ["small"]
+    guarded = Fair(starve_after_s=600)
+    assert plan(snap, guarded) == []
+    assert "reserved for it" in explain(snap, guarded)["big"][1]

@@ -1,0 +1,208 @@
+"""Hypothesis properties of both policies: no GPU handed out twice, no gang split or partial,
+constraints and quotas kept, guarantees won back, and no group starved in a replay."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler import (
+    Gpu,
+    NodeCapacity,
+    Pending,
+    Plan,
+    Policy,
+    Quota,
+    Running,
+    Snapshot,
+    placement,
+    plan,
+)
+from scheduler.fair import Fair
+from scheduler.replay import Cluster, Simulator
+from scheduler.traces import Job
+
+GROUPS = ["a", "b", "c"]
+
+
+@st.composite
+def snapshots(draw: st.DrawFn, one_gpu: bool = False) -> Snapshot:
+    """A consistent cluster: free GPUs are exactly those no running call holds."""
+    nodes: list[NodeCapacity] = []
+    running: list[Running] = []
+    for i in range(draw(st.integers(1, 6))):
+        size = 4 if one_gpu else draw(st.sampled_from([4, 8]))
+        model = "A100" if one_gpu else draw(st.sampled_from(["A100", "H100"]))
+        links = None if one_gpu else draw(st.sampled_from([None, 2]))
+        gpus = tuple(Gpu(g, model, 40960, None if links is None else g // 4) for g in range(size))
+        free = list(range(size))
+        while free:
+            if not draw(st.booleans()):
+                break
+            n = 1 if one_gpu else draw(st.integers(1, len(free)))
+            taken, free = tuple(free[:n]), free[n:]
+            running.append(Running(
+                f"r{len(running)}", i, taken, group=draw(st.sampled_from(GROUPS)),
+                start_time=draw(st.floats(0, 100)), expected_s=draw(st.none() | st.floats(1, 99)),
+                borrowed=draw(st.booleans()), preemptible=draw(st.booleans()) or one_gpu,
+                preempting=draw(st.booleans()) and not one_gpu,
+            ))  # fmt: skip
+        nodes.append(NodeCapacity(i, free, draw(st.integers(0, 2)), gpus,
+                                  draining=draw(st.booleans()) and not one_gpu))  # fmt: skip
+    sizes = st.just(1) if one_gpu else st.sampled_from([0, 1, 2, 3, 4, 8, 12, 16])
+    pending = [
+        Pending(f"p{j}", draw(sizes), group=draw(st.sampled_from(GROUPS)),
+                gpu_model=None if one_gpu else draw(st.sampled_from([None, None, "H100"])),
+                expected_s=draw(st.none() | st.floats(1, 200)))
+        for j in range(draw(st.integers(0, 25)))
+    ]  # fmt: skip
+    quotas = {
+        g: Quota(draw(st.integers(0, 8)), draw(st.none() | st.integers(0, 16))) for g in GROUPS
+    }
+    if one_gpu:  # guarantees the cluster can honour
+        total = sum(len(n.gpus) for n in nodes)
+        quotas = {g: Quota(total // len(GROUPS)) for g in GROUPS}
+    return Snapshot(nodes, pending, running, quotas, now=50.0)
+
+
+def held(snap: Snapshot) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for r in snap.running:
+        if not r.preempting:
+            out[r.group] += r.gpus
+    return out
+
+
+POLICIES: list[str | Policy] = ["fifo", "fair", Fair(starve_after_s=0)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(snapshots(), st.sampled_from(POLICIES))
+def test_plans_never_double_book_split_or_bend_the_rules(
+    snap: Snapshot, policy: str | Policy
+) -> None:
+    out = plan(snap, policy)
+    calls = {c.id: c for c in snap.pending}
+    nodes = {n.node_id: n for n in snap.nodes}
+    held_gpus = {(p.node_id, g) for r in snap.running for p in r.parts for g in p.gpu_indices}
+    used: Counter[tuple[int, int]] = Counter()
+    assert len({d.invocation_id for d in out}) == len(out)
+    for d in out:
+        call = calls[d.invocation_id]
+        for part in d.parts:
+            node = nodes[part.node_id]
+            assert not node.draining
+            assert set(part.gpu_indices) <= set(node.free_gpus)
+            by_index = {g.index: g for g in node.gpus}
+            assert all(placement.gpu_ok(by_index[g], call) for g in part.gpu_indices)
+            used.update((part.node_id, g) for g in part.gpu_indices)
+        got = sum(len(p.gpu_indices) for p in d.parts)
+        if len(d.parts) == 1:
+            assert got == call.gpus  # a single-node gang, complete
+        else:  # whole nodes, only for calls bigger than any node that qualifies
+            assert got >= call.gpus
+            assert all(len(p.gpu_indices) == len(nodes[p.node_id].gpus) for p in d.parts)
+            assert call.gpus > max(len(n.gpus) for n in snap.nodes if not n.draining)
+    assert all(n == 1 for n in used.values())
+    assert not set(used) & held_gpus
+    check_preemptions(snap, out, policy)
+
+
+def check_preemptions(snap: Snapshot, out: Plan, policy: str | Policy) -> None:
+    running = {r.id: r for r in snap.running}
+    victims = [p.invocation_id for p in out.preemptions]
+    assert len(set(victims)) == len(victims)
+    if policy == "fifo":
+        assert not victims
+    for v in victims:
+        assert running[v].preemptible and not running[v].preempting
+    after = held(snap)
+    before = dict(after)
+    for v in victims:
+        after[running[v].group] -= running[v].gpus
+    for d in out:
+        after[next(c.group for c in snap.pending if c.id == d.invocation_id)] += sum(
+            len(p.gpu_indices) for p in d.parts
+        )
+    if policy != "fifo":
+        for g, n in after.items():
+            quota = snap.quotas[g]
+            assert n <= max(quota.ceiling, before.get(g, 0))  # placing never passes a ceiling
+            if before.get(g, 0) > quota.guaranteed:  # reclaim stops at the guarantee...
+                assert n >= quota.guaranteed or any(  # ...unless one whole call straddles it
+                    running[v].group == g for v in victims
+                )
+
+
+def settle(snap: Snapshot, policy: Policy) -> Snapshot:
+    """Apply plans (preempted calls leave at once and queue again) until nothing changes."""
+    for _ in range(60):
+        out = plan(snap, policy)
+        if not out and not out.preemptions:
+            return snap
+        nodes = {n.node_id: NodeCapacity(n.node_id, list(n.free_gpus), 0, n.gpus)
+                 for n in snap.nodes}  # fmt: skip
+        running = {r.id: r for r in snap.running}
+        pending = {c.id: c for c in snap.pending}
+        for p in out.preemptions:
+            victim = running.pop(p.invocation_id)
+            nodes[victim.node_id].free_gpus += list(victim.gpu_indices)
+            pending[victim.id] = Pending(victim.id, victim.gpus, group=victim.group)
+        for d in out:
+            call = pending.pop(d.invocation_id)
+            nodes[d.node_id].free_gpus = [
+                g for g in nodes[d.node_id].free_gpus if g not in d.gpu_indices
+            ]
+            running[call.id] = Running(call.id, d.node_id, d.gpu_indices, group=call.group,
+                                       start_time=snap.now, borrowed=d.borrowed)  # fmt: skip
+        snap = Snapshot(list(nodes.values()), list(pending.values()), list(running.values()),
+                        snap.quotas, now=snap.now + 1)  # fmt: skip
+    raise AssertionError("plans kept changing the cluster")
+
+
+@settings(max_examples=150, deadline=None)
+@given(snapshots(one_gpu=True), st.sampled_from([None, 0.0]))
+def test_groups_get_their_guarantee_back_when_they_have_work(
+    snap: Snapshot, starve_after_s: float | None
+) -> None:
+    final = settle(snap, Fair(starve_after_s=starve_after_s))
+    have = held(final)
+    waiting = Counter(c.group for c in final.pending)
+    for g, quota in final.quotas.items():
+        demand = have.get(g, 0) + waiting[g]
+        assert have.get(g, 0) >= min(quota.guaranteed, demand), (g, have, waiting)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.integers(1, 4), min_size=2, max_size=4),
+    st.integers(4, 6),
+    st.integers(0, 2**16),
+)
+def test_no_group_starves_under_sustained_demand(sizes: list[int], nodes: int, seed: int) -> None:
+    """Every group submits a steady stream that alone would fill the cluster, and the first
+    group also dumps a long backlog at t=0. Each group is guaranteed at least one of its calls
+    (the rest of the cluster goes to the first), so its first call starts as soon as it is
+    submitted, reclaiming borrowed GPUs if need be, and every job completes."""
+    rng = random.Random(seed)
+    jobs = [Job(f"hog{i}", 0.0, 500.0, rng.choice([1, 2, 4]), group="g0") for i in range(30)]
+    for g, size in enumerate(sizes):
+        t = 1.0 + g
+        while t < 1000:
+            jobs.append(Job(f"{g}-{t}", t, rng.uniform(20, 200), size, group=f"g{g}"))
+            t += rng.uniform(5, 40)
+    jobs.sort(key=lambda j: j.submit)
+    capacity = nodes * 4
+    quotas = {f"g{g}": Quota(size) for g, size in enumerate(sizes)}
+    quotas["g0"] = Quota(capacity - sum(sizes[1:]))
+    sim = Simulator(jobs, Fair(starve_after_s=200), Cluster(nodes, 4), quotas)
+    sim.run()
+    assert sim.rejected == 0 and len(sim.completed) == len(jobs)
+    first: dict[str, tuple[float, float]] = {}  # group -> (first submit, first start)
+    for i, job in enumerate(jobs):
+        submit, start = first.get(job.group, (job.submit, sim.started[i]))
+        first[job.group] = (min(submit, job.submit), min(start, sim.started[i]))
+    assert all(start == submit for submit, start in first.values()), first

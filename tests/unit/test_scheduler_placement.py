@@ -1,0 +1,164 @@
+"""Gang placement filter and rank steps on static node lists, and the indexed version."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from scheduler import Gpu, NodeCapacity, Pending, Snapshot, plan
+from scheduler import placement as pl
+from scheduler.capacity import Capacity
+
+
+def node(
+    i: int, free: list[int], size: int = 8, model: str = "A100", links: int = 0, **kw: object
+) -> NodeCapacity:
+    """An 8-GPU node; ``links`` NVLink groups of equal size (0: topology unknown)."""
+    per = size // links if links else 0
+    gpus = tuple(Gpu(g, model, 40960, g // per if links else None) for g in range(size))
+    return NodeCapacity(i, free, 0, gpus, **kw)  # type: ignore[arg-type]
+
+
+def test_gpu_filter_matches_model_case_insensitively_and_memory() -> None:
+    gpu = Gpu(0, "A100", 40960)
+    assert pl.gpu_ok(gpu, Pending("a", 1, gpu_model="a100"))
+    assert not pl.gpu_ok(gpu, Pending("a", 1, gpu_model="H100"))
+    assert pl.gpu_ok(gpu, Pending("a", 1, min_memory_mib=40960))
+    assert not pl.gpu_ok(gpu, Pending("a", 1, min_memory_mib=40961))
+
+
+def test_a_model_asked_for_matches_the_nvml_names_that_contain_it() -> None:
+    nvml = Gpu(0, "NVIDIA A100-SXM4-80GB", 81920)
+    assert pl.gpu_ok(nvml, Pending("a", 1, gpu_model="A100"))
+    assert pl.gpu_ok(nvml, Pending("a", 1, gpu_model="a100-sxm4"))
+    assert not pl.gpu_ok(nvml, Pending("a", 1, gpu_model="H100"))
+    nodes = [NodeCapacity(1, [0], 0, (Gpu(0, "NVIDIA H100 80GB HBM3", 81920),)), node(2, [0])]
+    [decision] = plan(Snapshot(nodes, [Pending("h", 1, gpu_model="H100")]))
+    assert decision.node_id == 1
+
+
+def test_usable_gpus_skip_draining_nodes_and_unknown_inventory_for_constrained_calls() -> None:
+    assert pl.usable(node(1, [3, 1], draining=True), [3, 1], Pending("a", 1)) == []
+    bare = NodeCapacity(2, [0, 1])
+    assert pl.usable(bare, [1, 0], Pending("a", 1)) == [0, 1]
+    assert pl.usable(bare, [1, 0], Pending("a", 1, gpu_model="A100")) == []
+
+
+def test_choose_takes_the_tightest_nvlink_group_that_holds_the_call() -> None:
+    n = node(1, [], links=2)  # GPUs 0-3 and 4-7
+    assert pl.choose(n, [0, 1, 2, 4, 5], 2) == ((4, 5), True)
+    assert pl.choose(n, [0, 1, 2, 4, 5], 3) == ((0, 1, 2), True)
+    gpus, connected = pl.choose(n, [0, 1, 4, 5, 6], 4)
+    assert not connected and len(gpus) == 4 and {4, 5, 6} <= set(gpus)
+
+
+def test_choose_without_topology_takes_the_lowest_indices() -> None:
+    assert pl.choose(node(1, []), [2, 5, 7], 2) == ((2, 5), True)
+
+
+def test_rank_prefers_connected_then_best_fit_then_warm_then_order() -> None:
+    call = Pending("c", 2, user="u", function="f")
+    split = node(1, [0, 4], links=2)  # fits exactly but across groups
+    loose = node(2, [0, 1, 2, 3, 4], links=2)
+    tight = node(3, [0, 1, 2], links=2)
+    warm = node(4, [0, 1, 2], links=2, warm=frozenset({("u", "f")}))
+    ranked = pl.rank([split, loose, tight, warm], call)
+    assert [n.node_id for n in ranked] == [4, 3, 2, 1]
+
+
+def test_a_node_must_hold_the_whole_call() -> None:
+    assert pl.rank([node(1, [0]), node(2, [1])], Pending("c", 2)) == []
+
+
+def nodes_strategy() -> st.SearchStrategy[list[NodeCapacity]]:
+    one = st.builds(
+        lambda free, links, model, warm, draining: (free, links, model, warm, draining),
+        st.sets(st.integers(0, 7)),
+        st.sampled_from([0, 2, 4]),
+        st.sampled_from(["A100", "H100"]),
+        st.booleans(),
+        st.booleans(),
+    )
+    return st.lists(one, max_size=12).map(
+        lambda specs: [
+            node(
+                i,
+                sorted(free),
+                links=links,
+                model=model,
+                draining=drain,
+                warm=frozenset({("u", "f")}) if warm else frozenset(),
+            )
+            for i, (free, links, model, warm, drain) in enumerate(specs)
+        ]
+    )
+
+
+calls = st.builds(
+    lambda n, model: Pending("c", n, user="u", function="f", gpu_model=model),
+    st.integers(1, 8),
+    st.sampled_from([None, "A100", "H100"]),
+)
+
+
+@given(nodes_strategy(), calls)
+def test_the_index_picks_a_node_ranked_as_high_as_the_reference(
+    nodes: list[NodeCapacity], call: Pending
+) -> None:
+    reference = pl.rank(nodes, call)
+    found = Capacity(nodes).find(call)
+    if not reference:
+        assert found is None
+        return
+    assert found is not None
+    state, gpus = found
+
+    def key(n: NodeCapacity) -> tuple[int, int, int]:
+        return pl.rank_key(n, pl.usable(n, n.free_gpus, call), call, 0)[:3]
+
+    assert key(state.node) == key(reference[0])
+    assert len(gpus) == call.gpus and set(gpus) <= set(state.node.free_gpus)
+
+
+def test_a_gang_bigger_than_any_node_gets_whole_free_nodes_all_at_once() -> None:
+    nodes = [node(1, list(range(8))), node(2, [0, 1, 2]), node(3, list(range(8)))]
+    (d,) = plan(Snapshot(nodes, [Pending("big", 12)]))
+    assert [(p.node_id, p.gpu_indices) for p in d.parts] == [
+        (1, tuple(range(8))),
+        (3, tuple(range(8))),
+    ]
+    # One whole node short: nothing at all, never a partial gang.
+    assert plan(Snapshot(nodes, [Pending("huge", 17)])) == []
+
+
+def test_whole_nodes_need_a_known_inventory_and_no_draining() -> None:
+    bare = [NodeCapacity(1, list(range(8))), NodeCapacity(2, list(range(8)))]
+    assert plan(Snapshot(bare, [Pending("big", 16)])) == []
+    nodes = [node(1, list(range(8))), node(2, list(range(8)), draining=True)]
+    assert plan(Snapshot(nodes, [Pending("big", 16)])) == []
+
+
+def test_constraints_filter_nodes_and_draining_nodes_get_nothing() -> None:
+    nodes = [
+        node(1, list(range(8)), model="A100"),
+        node(2, list(range(8)), model="H100", draining=True),
+        node(3, [0, 1], model="H100"),
+    ]
+    nodes[1].free_cpu_slots = 4
+    out = plan(Snapshot(nodes, [Pending("h", 2, gpu_model="H100"), Pending("h2", 1,
+               gpu_model="H100"), Pending("cpu", 0)]))  # fmt: skip
+    assert [(d.invocation_id, d.node_id) for d in out] == [("h", 3)]
+
+
+def test_warm_worker_breaks_ties_between_equal_nodes() -> None:
+    nodes = [node(1, [0, 1]), node(2, [0, 1], warm=frozenset({("ann", "train")}))]
+    (d,) = plan(Snapshot(nodes, [Pending("c", 1, user="ann", function="train")]))
+    assert d.node_id == 2
+    (d,) = plan(Snapshot(nodes, [Pending("c", 1, user="bob", function="train")]))
+    assert d.node_id == 1
+
+
+def test_best_fit_keeps_the_big_hole_for_the_big_call() -> None:
+    nodes = [node(1, list(range(8))), node(2, [0, 1])]
+    out = plan(Snapshot(nodes, [Pending("small", 2), Pending("big", 8)]))
+    assert [(d.invocation_id, d.node_id) for d in out] == [("small", 2), ("big", 1)]
