@@ -24,13 +24,26 @@ async def migrate(database_url: str) -> list[str]:
         return await db.migrate(conn)
 
 
-async def add_user(database_url: str, name: str, *, is_admin: bool = False) -> str:
-    """Create the user if new and return a fresh token for them."""
+class AdminError(Exception):
+    """What an admin command was asked cannot be done; the message says why."""
+
+
+async def add_user(
+    database_url: str, name: str, *, is_admin: bool = False, group: str | None = None
+) -> str:
+    """Create the user if new (in ``group``, else 'default'; an existing user is moved to
+    ``group`` when given) and return a fresh token for them."""
     async with _connection(database_url) as conn:
         async with conn.transaction():
+            if group is not None and not await db.group_exists(conn, group):
+                raise AdminError(f"no group {group!r}: create it with 'bulletin group set'")
             user_id = await db.find_user(conn, name)
             if user_id is None:
-                user_id = await db.create_user(conn, name, is_admin=is_admin)
+                user_id = await db.create_user(
+                    conn, name, is_admin=is_admin, group=group or "default"
+                )
+            elif group is not None:
+                await db.set_user_group(conn, name, group)
             token = auth.new_token("user")
             await db.add_token(conn, auth.token_hash(token), user_id=user_id)
         return token
@@ -72,3 +85,21 @@ async def ensure_database(server_url: str, name: str) -> None:
     """CREATE DATABASE ``name`` unless it exists (``server_url`` names another database)."""
     async with _connection(server_url) as conn:
         await db.ensure_database(conn, name)
+
+
+async def set_group(
+    database_url: str, name: str, guaranteed_gpus: int, borrow_limit_gpus: int | None
+) -> None:
+    """Create group NAME or change its quota."""
+    async with _connection(database_url) as conn:
+        await db.set_group(conn, name, guaranteed_gpus, borrow_limit_gpus)
+
+
+async def groups(database_url: str) -> list[db.GroupRow]:
+    async with _connection(database_url) as conn:
+        return await db.groups(conn)
+
+
+async def usage(database_url: str, days: int) -> list[db.UsageRow]:
+    async with _connection(database_url) as conn:
+        return await db.usage(conn, days)

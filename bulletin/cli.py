@@ -239,12 +239,90 @@ def user() -> None:
 @user.command("add")
 @click.argument("name")
 @click.option("--admin", "is_admin", is_flag=True, help="Make the user an administrator.")
+@click.option(
+    "--group",
+    default=None,
+    help="The user's group, the quota unit (default: 'default'); moves an existing user.",
+)
 @database_option
-def user_add(name: str, is_admin: bool, database_url: str) -> None:
+def user_add(name: str, is_admin: bool, group: str | None, database_url: str) -> None:
     """Create user NAME (if new) and print a new token for them."""
     from bulletin import admin
 
-    click.echo(asyncio.run(admin.add_user(database_url, name, is_admin=is_admin)))
+    try:
+        token = asyncio.run(admin.add_user(database_url, name, is_admin=is_admin, group=group))
+    except admin.AdminError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(token)
+
+
+@cli.group()
+def group() -> None:
+    """Manage groups: the quota unit of the fair scheduler (see docs/scheduling.md)."""
+
+
+_GROUP_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+
+
+@group.command("set")
+@click.argument("name")
+@click.option(
+    "--guaranteed",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="GPUs the group always gets back, preempting other groups' borrowed work.",
+)
+@click.option(
+    "--borrow-limit",
+    type=click.IntRange(0),
+    default=None,
+    help="How many GPUs beyond the guarantee it may borrow while idle [default: no limit].",
+)
+@database_option
+def group_set(name: str, guaranteed: int, borrow_limit: int | None, database_url: str) -> None:
+    """Create group NAME or set its quota."""
+    import re
+
+    from bulletin import admin
+
+    if not re.fullmatch(_GROUP_NAME, name):
+        raise click.BadParameter(
+            "use letters, digits, '.', '_' and '-' (at most 64, starting with a letter or "
+            "digit)",
+            param_hint="NAME",
+        )
+    asyncio.run(admin.set_group(database_url, name, guaranteed, borrow_limit))
+    limit = "no limit" if borrow_limit is None else f"up to {borrow_limit} more"
+    click.echo(f"group {name}: {guaranteed} GPUs guaranteed, borrows {limit}")
+
+
+@group.command("list")
+@database_option
+def group_list(database_url: str) -> None:
+    """Groups, their quotas and how many users each has."""
+    from bulletin import admin
+
+    for g in asyncio.run(admin.groups(database_url)):
+        limit = "no limit" if g.borrow_limit_gpus is None else str(g.borrow_limit_gpus)
+        click.echo(
+            f"{g.name}: {g.guaranteed_gpus} GPUs guaranteed, borrow limit {limit}, "
+            f"{g.users} users"
+        )
+
+
+@cli.command()
+@click.option("--days", type=click.IntRange(1, 3660), default=30, show_default=True)
+@database_option
+def usage(days: int, database_url: str) -> None:
+    """GPU-hours per user and group over the last DAYS days (UTC), most first."""
+    from bulletin import admin
+
+    rows = asyncio.run(admin.usage(database_url, days))
+    if not rows:
+        click.echo(f"no GPU use recorded in the last {days} days")
+    for r in rows:
+        click.echo(f"{r.user} ({r.group}): {r.gpu_seconds / 3600:.2f} GPU-hours, {r.calls} calls")
 
 
 @cli.group()
@@ -308,6 +386,20 @@ def node_list(database_url: str) -> None:
         )
         for gpu in status.gpu_health:
             click.echo(f"  {describe(gpu)}")
+
+
+@cli.command(
+    context_settings={"ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def replay(args: tuple[str, ...]) -> None:
+    """Replay a job trace through a scheduling policy on a virtual clock and print its
+    metrics: bulletin replay TRACE.csv --policy fair --nodes 64 --gpus-per-node 8 (--help
+    for all options)."""
+    from scheduler.replay import main as replay_main
+
+    raise SystemExit(replay_main(list(args)))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -90,6 +90,8 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fals
 #: Paths inside the cluster's shared directory (the NAS) that calls may name: payload files
 #: written by the sdk and result files written by workers.
 SharedPayload = Annotated[str, msgspec.Meta(pattern="^bulletin/payloads/[A-Za-z0-9_.-]{1,100}$")]
+#: A GPU model name to match, as NVML reports it ("NVIDIA A100-SXM4-80GB" matches "A100").
+GpuModel = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9 _.-]{1,64}$")]
 SharedResult = Annotated[str, msgspec.Meta(pattern="^bulletin/results/[A-Za-z0-9_.-]{1,100}$")]
 
 
@@ -106,6 +108,16 @@ class CallSpec(_Msg, frozen=True, kw_only=True):
     payload: bytes | None = None
     payload_blob: Id | None = None
     payload_file: SharedPayload | None = None
+    #: Higher goes first, before fair share; default 0. Users may only lower it (down to
+    #: -1000, to let others go first, like SLURM's nice); administrators may raise it to 1000.
+    priority: Annotated[int, msgspec.Meta(ge=-1000, le=1000)] = 0
+    #: Only GPUs whose model name contains this (case-insensitive), e.g. "A100".
+    gpu_model: GpuModel | None = None
+    #: Only GPUs with at least this much memory, in MiB.
+    gpu_memory_mb: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
+    #: How long the call is expected to run, in seconds: lets FIFO backfill past it (the
+    #: time limit, ``timeout_s``, is used when this is not given).
+    expected_s: Annotated[float, msgspec.Meta(gt=0, le=1e9)] | None = None
 
 
 class SubmitRequest(_Msg, frozen=True, kw_only=True):
@@ -155,6 +167,46 @@ class Invocation(_Msg, frozen=True, kw_only=True):
     result_file: str | None = None
     log_count: int = 0
     timeline: Timeline = msgspec.field(default_factory=Timeline)
+    priority: int = 0
+    #: How often the call was preempted (stopped and queued again for a group's guarantee).
+    preemptions: int = 0
+    #: While queued: its place in the scheduler's order (1 is next) and why it waits, as of
+    #: the last scheduling round that looked at it; None before one has.
+    queue_position: int | None = None
+    wait_reason: str | None = None
+
+
+#: A group's name: also a path segment of the admin API.
+GroupName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+
+
+class GroupQuota(_Msg, frozen=True, kw_only=True):
+    """A group's quota: GPUs it can always get back (preempting other groups' borrowed
+    work), and how many more it may borrow while they are idle (None: no limit)."""
+
+    guaranteed_gpus: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    borrow_limit_gpus: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None = None
+
+
+class Group(_Msg, frozen=True, kw_only=True):
+    name: str
+    guaranteed_gpus: int
+    borrow_limit_gpus: int | None
+    users: int
+
+
+class UserGroup(_Msg, frozen=True, kw_only=True):
+    group: GroupName
+
+
+class UsageEntry(_Msg, frozen=True, kw_only=True):
+    """GPU-seconds one user used in one group over the period asked for, and the calls of
+    theirs that ended in it."""
+
+    user: str
+    group: str
+    gpu_seconds: float
+    calls: int
 
 
 class WatchItem(_Msg, frozen=True, kw_only=True):
@@ -235,6 +287,9 @@ class GpuInfo(_Msg, frozen=True, kw_only=True):
     name: Name
     memory_mb: int
     fake: bool = False
+    #: GPUs of a node sharing this number are connected by NVLink (directly or through
+    #: NVSwitches); None: no NVLink, or unknown.
+    nvlink_group: int | None = None
 
 
 class RegisterRequest(_Msg, frozen=True, kw_only=True):
@@ -299,6 +354,25 @@ class HeartbeatRequest(_Msg, frozen=True, kw_only=True):
 
     running: list[Attempt]
     gpu_health: list[GpuHealthReport] = msgspec.field(default_factory=list)
+    #: The warm workers the node keeps, as (owner's user name, function name): the scheduler
+    #: prefers this node for those calls, among equally good nodes.
+    warm: list[WarmWorker] = msgspec.field(default_factory=list)
+
+
+class WarmWorker(_Msg, frozen=True, kw_only=True):
+    owner: Name
+    function: Name
+
+
+class Preemption(_Msg, frozen=True, kw_only=True):
+    """Stop an attempt so its GPUs go to another group: SIGTERM to the call's processes,
+    SIGKILL ``grace_s`` later, then hand it back (``ReleaseRequest``): it is queued again. A
+    call that finishes within the grace completes normally."""
+
+    invocation_id: Id
+    epoch: Int32
+    grace_s: float
+    reason: str = ""
 
 
 class HeartbeatResponse(_Msg, frozen=True, kw_only=True):
@@ -308,16 +382,21 @@ class HeartbeatResponse(_Msg, frozen=True, kw_only=True):
     # Whether the node gets no new work (an admin drained it, or a GPU failed), and why.
     draining: bool = False
     drain_reason: str | None = None
+    #: Attempts to preempt (repeated until they are handed back; acting on one is idempotent).
+    preempt: list[Preemption] = msgspec.field(default_factory=list)
 
 
 class PollRequest(_Msg, frozen=True, kw_only=True):
     running: list[Attempt]
     timeout_s: float = 20.0
+    #: Attempts of ``running`` already being preempted: not news, so not answered again.
+    preempting: list[Attempt] = msgspec.field(default_factory=list)
 
 
 class PollResponse(_Msg, frozen=True, kw_only=True):
     assignments: list[Assignment]
     revoked: list[Attempt]
+    preempt: list[Preemption] = msgspec.field(default_factory=list)
 
 
 class StartRequest(_Msg, frozen=True, kw_only=True):

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import auth, cluster, db, invocations, nodes, scheduling
+from gateway import admin, auth, cluster, db, invocations, nodes, scheduling
 from gateway.config import GatewayConfig
 from gateway.errors import HANDLERS
 from gateway.notify import Hub
@@ -81,6 +81,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         *invocations.ROUTES,
         *cluster.ROUTES,
         *nodes.ROUTES,
+        *admin.ROUTES,
     ]
     app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)
     app.state.config = config

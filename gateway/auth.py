@@ -55,3 +55,14 @@ async def node_id(request: Request) -> int:
     found = await principal(request, "node")
     assert found.node_id is not None
     return found.node_id
+
+
+async def admin(request: Request) -> db.Principal:
+    """The caller, who must hold an administrator's user token."""
+    found = await principal(request, "user")
+    if not found.is_admin:
+        raise Forbidden(
+            f"user {found.name!r} is not an administrator (bulletin user add NAME --admin)",
+            code="not_admin",
+        )
+    return found

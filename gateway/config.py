@@ -6,6 +6,8 @@ import os
 
 import msgspec
 
+from scheduler import POLICIES, Policy, policies
+
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: PostgreSQL to use, e.g. postgresql://bulletin:secret@db-host/bulletin
@@ -43,6 +45,20 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Payload and result files left in the shared directory longer than this (seconds) are
     #: deleted.
     shared_ttl_s: float = 86400.0
+    #: How the scheduler shares GPUs: "fair" (group quotas with borrowing, fair share by
+    #: decayed usage, preemption to give guarantees back) or "fifo" (first come, first served,
+    #: with backfill). See docs/scheduling.md.
+    scheduler_policy: str = "fair"
+    #: Fair share: a GPU-second used this many seconds ago counts half. One day (HTCondor's
+    #: default) did better than SLURM's 7 days on the Philly trace (docs/benchmarks.md).
+    fair_share_half_life_s: float = 86400.0
+    #: Seconds a preempted call has between SIGTERM (its notice) and SIGKILL; it is then
+    #: queued again.
+    preemption_grace_s: float = 30.0
+    #: fair: a borrower (a call above its group's guarantee) that has waited this many
+    #: seconds gets a reservation, so a big call cannot wait for ever behind smaller ones; 0:
+    #: never (the default: holding room idle costs the others, see docs/scheduling.md).
+    fair_starve_after_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -53,9 +69,18 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
             "recheck_s",
             "schedule_interval_s",
             "shared_ttl_s",
+            "fair_share_half_life_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"gateway setting {name} must be a positive number of seconds")
+        if self.preemption_grace_s < 0:
+            raise ValueError("preemption_grace_s must be 0 or more seconds")
+        if self.fair_starve_after_s < 0:
+            raise ValueError("fair_starve_after_s must be 0 (never) or more seconds")
+        if self.scheduler_policy not in POLICIES:
+            raise ValueError(
+                f"scheduler_policy {self.scheduler_policy!r} is not one of {sorted(POLICIES)}"
+            )
         if self.heartbeat_s >= self.lease_s:
             raise ValueError("heartbeat_s must be shorter than lease_s, or every lease expires")
         if self.inline_limit < 1024:
@@ -67,6 +92,12 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"shared_dir must be an absolute path (the same on every node), "
                 f"not {self.shared_dir!r}"
             )
+
+    def policy(self) -> Policy:
+        """A fresh instance of the configured scheduling policy, with its settings."""
+        if self.scheduler_policy == "fair" and self.fair_starve_after_s > 0:
+            return policies.get("fair", starve_after_s=self.fair_starve_after_s)
+        return policies.get(self.scheduler_policy)
 
     @property
     def sweep_interval_s(self) -> float:

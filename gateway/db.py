@@ -11,6 +11,7 @@ Times come from the database clock only.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import asyncpg
 import msgspec
 
 from bulletin import wire
+from scheduler import Pending, Running
 
 CHANNEL = "bulletin_events"
 _LEASED = ("assigned", "running")
@@ -85,11 +87,17 @@ class Principal:
     user_id: int | None
     node_id: int | None
     name: str
+    is_admin: bool = False
 
 
-async def create_user(conn: Conn, name: str, *, is_admin: bool = False) -> int:
+async def create_user(
+    conn: Conn, name: str, *, is_admin: bool = False, group: str = "default"
+) -> int:
     row = await conn.fetchrow(
-        "INSERT INTO users (name, is_admin) VALUES ($1, $2) RETURNING id", name, is_admin
+        "INSERT INTO users (name, is_admin, group_name) VALUES ($1, $2, $3) RETURNING id",
+        name,
+        is_admin,
+        group,
     )
     assert row is not None
     return int(row["id"])
@@ -126,14 +134,15 @@ async def add_token(
 
 async def lookup_token(conn: Conn, token_hash: bytes) -> Principal | None:
     row = await conn.fetchrow(
-        "SELECT t.kind, t.user_id, t.node_id, coalesce(u.name, n.name) AS name"
+        "SELECT t.kind, t.user_id, t.node_id, coalesce(u.name, n.name) AS name,"
+        " coalesce(u.is_admin, false) AS is_admin"
         " FROM tokens t LEFT JOIN users u ON u.id = t.user_id"
         " LEFT JOIN nodes n ON n.id = t.node_id WHERE t.token_hash = $1",
         token_hash,
     )
     if row is None:
         return None
-    return Principal(row["kind"], row["user_id"], row["node_id"], row["name"])
+    return Principal(row["kind"], row["user_id"], row["node_id"], row["name"], row["is_admin"])
 
 
 async def register_node(
@@ -150,12 +159,13 @@ async def register_node(
     await conn.execute("SELECT pg_notify($1, 'q')", CHANNEL)
 
 
-async def largest_node_gpus(conn: Conn) -> int | None:
-    """The most GPUs any registered node offers; None while no node has registered."""
-    value = await conn.fetchval(
-        "SELECT max(jsonb_array_length(gpus)) FROM nodes WHERE registered_at IS NOT NULL"
+async def registered_nodes(conn: Conn) -> list[NodeRow]:
+    """Every node that has registered, draining or not, live or not: what the cluster has."""
+    rows = await conn.fetch(
+        "SELECT id, name, gpus::text AS gpus, cpu_slots FROM nodes"
+        " WHERE registered_at IS NOT NULL ORDER BY id"
     )
-    return None if value is None else int(value)
+    return [NodeRow(r["id"], r["name"], _GPU_LIST.decode(r["gpus"]), r["cpu_slots"]) for r in rows]
 
 
 async def leave(conn: Conn, node_id: int) -> None:
@@ -222,12 +232,16 @@ async def submit(
     async with conn.transaction():
         await conn.execute(
             "INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,"
-            " max_retries, timeout_s, payload, payload_blob, payload_file, payload_size)"
+            " max_retries, timeout_s, payload, payload_blob, payload_file, payload_size,"
+            " priority, gpu_model, gpu_memory_mb, expected_s)"
             " SELECT u.id, $1, u.key, u.fn, u.gpus, u.retries, u.timeout, u.payload, u.blob,"
-            "  u.file, coalesce(length(u.payload), b.size, 0)"
+            "  u.file, coalesce(length(u.payload), b.size, 0), u.priority, u.model, u.memory,"
+            "  u.expected"
             " FROM unnest($2::uuid[], $3::text[], $4::text[], $5::int[], $6::int[],"
-            "  $7::float8[], $8::bytea[], $9::uuid[], $10::text[]) WITH ORDINALITY"
-            "  AS u(id, key, fn, gpus, retries, timeout, payload, blob, file, ord)"
+            "  $7::float8[], $8::bytea[], $9::uuid[], $10::text[], $11::int[], $12::text[],"
+            "  $13::int[], $14::float8[]) WITH ORDINALITY"
+            "  AS u(id, key, fn, gpus, retries, timeout, payload, blob, file, priority, model,"
+            "  memory, expected, ord)"
             " LEFT JOIN blobs b ON b.id = u.blob"
             # In input order, so that seq (the queue order) follows it.
             " ORDER BY u.ord"
@@ -242,6 +256,10 @@ async def submit(
             [c.payload for c in calls],
             [None if c.payload_blob is None else uuid.UUID(c.payload_blob) for c in calls],
             [c.payload_file for c in calls],
+            [c.priority for c in calls],
+            [c.gpu_model for c in calls],
+            [c.gpu_memory_mb for c in calls],
+            [c.expected_s for c in calls],
         )
         rows = await conn.fetch(
             "SELECT i.id, k.ord FROM unnest($2::text[]) WITH ORDINALITY AS k(key, ord)"
@@ -290,7 +308,8 @@ def _invocation_columns(result: str = "i.result") -> str:
         " extract(epoch FROM i.code_started_at) AS t_started,"
         " extract(epoch FROM i.code_finished_at) AS t_finished,"
         " extract(epoch FROM i.finished_at) AS t_stored,"
-        " extract(epoch FROM i.fetched_at) AS t_fetched, i.warm"
+        " extract(epoch FROM i.fetched_at) AS t_fetched, i.warm,"
+        " i.priority, i.preemptions, i.queue_position, i.wait_reason"
     )
 
 
@@ -326,6 +345,10 @@ def to_invocation(row: asyncpg.Record) -> wire.Invocation:
             fetched=_f(row["t_fetched"]),
             warm=row["warm"],
         ),
+        priority=row["priority"],
+        preemptions=row["preemptions"],
+        queue_position=row["queue_position"] if row["state"] == "queued" else None,
+        wait_reason=row["wait_reason"] if row["state"] == "queued" else None,
     )
 
 
@@ -454,23 +477,11 @@ class NodeRow:
     name: str
     gpus: list[wire.GpuInfo]
     cpu_slots: int
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseRow:
-    node_id: int
-    gpus: int
-    gpu_indices: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class QueuedRow:
-    id: str
-    owner_id: int
-    gpus: int
+    warm: list[wire.WarmWorker] = dataclasses.field(default_factory=list)
 
 
 _GPU_LIST = msgspec.json.Decoder(list[wire.GpuInfo])
+_WARM_LIST = msgspec.json.Decoder(list[wire.WarmWorker])
 
 
 async def live_nodes(
@@ -480,59 +491,126 @@ async def live_nodes(
     With ``lock``, their rows stay locked until the transaction ends (the scheduler plans and
     commits under these locks)."""
     rows = await conn.fetch(
-        "SELECT id, name, gpus::text AS gpus, cpu_slots FROM nodes"
+        "SELECT id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm FROM nodes"
         " WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) AND NOT draining"
         " ORDER BY id" + (" FOR UPDATE" if lock else ""),
         heartbeat_timeout_s,
     )
-    return [NodeRow(r["id"], r["name"], _GPU_LIST.decode(r["gpus"]), r["cpu_slots"]) for r in rows]
+    return [
+        NodeRow(
+            r["id"],
+            r["name"],
+            _GPU_LIST.decode(r["gpus"]),
+            r["cpu_slots"],
+            _WARM_LIST.decode(r["warm"]),
+        )
+        for r in rows
+    ]
 
 
-async def leases(conn: Conn) -> list[LeaseRow]:
+async def leases(conn: Conn) -> list[Running]:
+    """Every call holding resources on a node (assigned or running), as the scheduler sees
+    it; ``start_time`` is when it got them (database clock)."""
     rows = await conn.fetch(
-        "SELECT node_id, gpus, gpu_indices FROM invocations WHERE state IN ('assigned', 'running')"
+        "SELECT i.id::text AS id, i.node_id, i.gpu_indices, u.name AS \"user\","
+        " u.group_name AS \"group\", i.function_name AS function, i.priority, i.borrowed,"
+        " i.preempt_at IS NOT NULL AS preempting,"
+        " extract(epoch FROM coalesce(i.scheduled_at, i.submitted_at))::float8 AS start_time,"
+        " coalesce(i.expected_s, i.timeout_s) AS expected_s"
+        " FROM invocations i JOIN users u ON u.id = i.owner_id"
+        " WHERE i.state IN ('assigned', 'running')"
     )
-    return [LeaseRow(r["node_id"], r["gpus"], list(r["gpu_indices"])) for r in rows]
+    return [Running(**{**r, "gpu_indices": tuple(r["gpu_indices"])}) for r in rows]
 
 
-def _queued_sql(limit: int) -> str:
-    # The LIMIT is a literal inside a MATERIALIZED CTE on purpose: as a prepared-statement
-    # parameter PostgreSQL switched to a generic plan that ran for minutes on a 120k-row backlog.
+def _queued_sql(per_user: int) -> str:
+    # The LIMIT is a literal on purpose: as a prepared-statement parameter PostgreSQL switched
+    # to a generic plan that ran for minutes on a 120k-row backlog. Per user, through the
+    # (owner_id, seq) index: a long backlog of one user must not hide everyone else's calls.
     return (
-        "WITH q AS MATERIALIZED (SELECT id, owner_id, gpus FROM invocations"
-        f" WHERE state = 'queued' ORDER BY seq LIMIT {int(limit)})"
-        " SELECT id, owner_id, gpus FROM q"
+        "SELECT q.id::text AS id, q.gpus, u.name AS \"user\", u.group_name AS \"group\","
+        " q.function_name AS function, q.priority, q.gpu_model,"
+        " coalesce(q.gpu_memory_mb, 0) AS min_memory_mib,"
+        " extract(epoch FROM q.submitted_at)::float8 AS submit_time,"
+        " coalesce(q.expected_s, q.timeout_s) AS expected_s"
+        " FROM users u CROSS JOIN LATERAL (SELECT id, gpus, function_name, priority,"
+        "  gpu_model, gpu_memory_mb, seq, submitted_at, expected_s, timeout_s FROM invocations"
+        f"  WHERE owner_id = u.id AND state = 'queued' ORDER BY seq LIMIT {int(per_user)}) q"
+        " ORDER BY q.seq"
     )
 
 
-async def queued(conn: Conn, limit: int) -> list[QueuedRow]:
-    if limit <= 0:
+async def queued(conn: Conn, per_user: int) -> list[Pending]:
+    """The first ``per_user`` queued calls of every user, in queue (submission) order, as
+    the scheduler sees them."""
+    if per_user <= 0:
         return []
-    rows = await conn.fetch(_queued_sql(limit))
-    return [QueuedRow(str(r["id"]), r["owner_id"], r["gpus"]) for r in rows]
+    return [Pending(**r) for r in await conn.fetch(_queued_sql(per_user))]
 
 
 async def assign(
-    conn: asyncpg.Connection, decisions: Sequence[tuple[str, int, Sequence[int]]], lease_s: float
+    conn: asyncpg.Connection,
+    decisions: Sequence[tuple[str, int, Sequence[int], bool]],
+    lease_s: float,
 ) -> list[tuple[str, int]]:
-    """Lease still-queued invocations to nodes: ``(invocation_id, node_id, gpu_indices)``.
-    Returns the (invocation_id, node_id) pairs actually assigned (a call cancelled meanwhile
-    is skipped). The caller holds the node rows locked (``live_nodes(lock=True)``) and
-    computed capacity under that lock, in the same transaction."""
+    """Lease still-queued invocations to nodes: ``(invocation_id, node_id, gpu_indices,
+    borrowed)``. Returns the (invocation_id, node_id) pairs actually assigned (a call
+    cancelled meanwhile is skipped). The caller holds the node rows locked
+    (``live_nodes(lock=True)``) and computed capacity under that lock, in the same
+    transaction."""
     rows = await conn.fetch(
         "UPDATE invocations i SET state = 'assigned', node_id = d.node_id,"
         " gpu_indices = d.gpus::int[], attempts = i.attempts + 1, epoch = i.epoch + 1,"
         " log_ack = -1, scheduled_at = clock_timestamp(), delivered_at = NULL, started_at = NULL,"
         " worker_acquired_at = NULL, code_started_at = NULL, code_finished_at = NULL, warm = NULL,"
+        " borrowed = d.borrowed, preempt_at = NULL, queue_position = NULL, wait_reason = NULL,"
         " lease_expires_at = clock_timestamp() + make_interval(secs => $4)"
-        " FROM unnest($1::uuid[], $2::bigint[], $3::text[]) AS d(id, node_id, gpus)"
+        " FROM unnest($1::uuid[], $2::bigint[], $3::text[], $5::bool[])"
+        "  AS d(id, node_id, gpus, borrowed)"
         " WHERE i.id = d.id AND i.state = 'queued' RETURNING i.id, i.node_id",
         [uuid.UUID(d[0]) for d in decisions],
         [d[1] for d in decisions],
         ["{" + ",".join(map(str, d[2])) + "}" for d in decisions],
         lease_s,
+        [d[3] for d in decisions],
     )
     return [(str(r["id"]), int(r["node_id"])) for r in rows]
+
+
+async def preempt(
+    conn: asyncpg.Connection, preemptions: Sequence[tuple[str, str]]
+) -> list[tuple[str, int]]:
+    """Tell the nodes running these calls to stop them: ``(invocation_id, reason)``. Their
+    nodes see it in their next poll or heartbeat, give the call its grace, then hand it back
+    (``release``) and it is queued again. Returns (invocation_id, node_id) of those marked."""
+    if not preemptions:
+        return []
+    rows = await conn.fetch(
+        "UPDATE invocations i SET preempt_at = clock_timestamp(), preempt_reason = p.reason"
+        " FROM unnest($1::uuid[], $2::text[]) AS p(id, reason)"
+        " WHERE i.id = p.id AND i.state IN ('assigned', 'running') AND i.preempt_at IS NULL"
+        " RETURNING i.id, i.node_id",
+        [uuid.UUID(p[0]) for p in preemptions],
+        [p[1] for p in preemptions],
+    )
+    for r in rows:
+        await _notify(conn, f"i:{r['id']}")
+    return [(str(r["id"]), int(r["node_id"])) for r in rows]
+
+
+async def explain_waits(conn: Conn, waits: Sequence[tuple[str, int, str]]) -> None:
+    """Store where queued calls stand and why they wait: ``(id, position, reason)``."""
+    if not waits:
+        return
+    await conn.execute(
+        "UPDATE invocations i SET queue_position = w.position, wait_reason = w.reason"
+        " FROM unnest($1::uuid[], $2::int[], $3::text[]) AS w(id, position, reason)"
+        " WHERE i.id = w.id AND i.state = 'queued'"
+        "  AND (i.queue_position, i.wait_reason) IS DISTINCT FROM (w.position, w.reason)",
+        [uuid.UUID(w[0]) for w in waits],
+        [w[1] for w in waits],
+        [w[2] for w in waits],
+    )
 
 
 async def notify_nodes(conn: Conn, node_ids: Iterable[int]) -> None:
@@ -556,7 +634,8 @@ async def expire_leases(conn: asyncpg.Connection) -> list[tuple[str, str]]:
             "   || i.attempts || ' attempt(s); raise max_retries to retry more' END,"
             "  finished_at = CASE WHEN i.attempts <= i.max_retries THEN NULL"
             "   ELSE clock_timestamp() END,"
-            "  node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL"
+            "  node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL,"
+            "  borrowed = false, preempt_at = NULL"
             " FROM expired WHERE i.id = expired.id RETURNING i.id, i.state"
         )
         for r in rows:
@@ -564,6 +643,162 @@ async def expire_leases(conn: asyncpg.Connection) -> list[tuple[str, str]]:
         if rows:
             await _notify(conn, "q")
     return [(str(r["id"]), r["state"]) for r in rows]
+
+
+# -------------------------------------------------------------------- groups, quotas, usage
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRow:
+    name: str
+    guaranteed_gpus: int
+    #: None: may borrow every idle GPU.
+    borrow_limit_gpus: int | None
+    users: int = 0
+
+
+async def groups(conn: Conn) -> list[GroupRow]:
+    rows = await conn.fetch(
+        "SELECT g.name, g.guaranteed_gpus, g.borrow_limit_gpus, count(u.id) AS users"
+        " FROM groups g LEFT JOIN users u ON u.group_name = g.name GROUP BY g.name ORDER BY g.name"
+    )
+    return [
+        GroupRow(r["name"], r["guaranteed_gpus"], r["borrow_limit_gpus"], r["users"])
+        for r in rows
+    ]
+
+
+async def set_group(
+    conn: Conn, name: str, guaranteed_gpus: int, borrow_limit_gpus: int | None
+) -> None:
+    """Create group ``name`` or change its quota."""
+    await conn.execute(
+        "INSERT INTO groups (name, guaranteed_gpus, borrow_limit_gpus) VALUES ($1, $2, $3)"
+        " ON CONFLICT (name) DO UPDATE SET guaranteed_gpus = EXCLUDED.guaranteed_gpus,"
+        " borrow_limit_gpus = EXCLUDED.borrow_limit_gpus",
+        name,
+        guaranteed_gpus,
+        borrow_limit_gpus,
+    )
+    await _notify(conn, "q")
+
+
+async def group_exists(conn: Conn, name: str) -> bool:
+    return bool(await conn.fetchval("SELECT EXISTS (SELECT 1 FROM groups WHERE name = $1)", name))
+
+
+async def set_user_group(conn: Conn, user: str, group: str) -> bool:
+    """Move a user to an existing group; False if there is no such user."""
+    status = await conn.execute("UPDATE users SET group_name = $2 WHERE name = $1", user, group)
+    return status.endswith(" 1")
+
+
+async def user_group(conn: Conn, user_id: int) -> str:
+    value = await conn.fetchval("SELECT group_name FROM users WHERE id = $1", user_id)
+    return str(value)
+
+
+async def now(conn: Conn) -> float:
+    """The database clock, in seconds since the epoch."""
+    return float(await conn.fetchval("SELECT extract(epoch FROM clock_timestamp())"))
+
+
+async def fair_usage(conn: Conn) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    """Decayed GPU-seconds per group, and per (group, user), as of the last accrual."""
+    rows = await conn.fetch("SELECT group_name, user_name, decayed_gpu_seconds FROM fair_usage")
+    groups = {r["group_name"]: r["decayed_gpu_seconds"] for r in rows if r["user_name"] == ""}
+    users = {
+        (r["group_name"], r["user_name"]): r["decayed_gpu_seconds"]
+        for r in rows
+        if r["user_name"] != ""
+    }
+    return groups, users
+
+
+async def accrue_usage(conn: asyncpg.Connection, half_life_s: float) -> None:
+    """Add the GPU-seconds used since the last accrual: to each user's day (accounting) and,
+    after decaying what is there by the time passed, to each group's and user's fair-share
+    usage. Calls that ended since count up to their end."""
+    async with conn.transaction():
+        clock = await conn.fetchrow(
+            "SELECT accrued_at, clock_timestamp() AS now FROM usage_clock FOR UPDATE"
+        )
+        assert clock is not None
+        # Two index scans (leased calls; calls ended since): no pass over the whole table.
+        ran = await conn.fetch(
+            "WITH ran AS ("
+            "  SELECT owner_id, gpus, scheduled_at, finished_at FROM invocations"
+            "  WHERE state IN ('assigned', 'running')"
+            "  UNION ALL"
+            "  SELECT owner_id, gpus, scheduled_at, finished_at FROM invocations"
+            "  WHERE finished_at > $1 AND scheduled_at IS NOT NULL)"
+            " SELECT r.owner_id, u.name AS user_name, u.group_name,"
+            " sum(r.gpus * extract(epoch FROM least($2, coalesce(r.finished_at, $2))"
+            "  - greatest($1, r.scheduled_at))) AS gpu_s,"
+            " count(*) FILTER (WHERE r.finished_at > $1) AS ended"
+            " FROM ran r JOIN users u ON u.id = r.owner_id WHERE r.scheduled_at < $2"
+            " GROUP BY r.owner_id, u.name, u.group_name",
+            clock["accrued_at"],
+            clock["now"],
+        )
+        await conn.execute("UPDATE usage_clock SET accrued_at = $1", clock["now"])
+        seconds = (clock["now"] - clock["accrued_at"]).total_seconds()
+        await conn.execute(
+            "UPDATE fair_usage SET decayed_gpu_seconds = decayed_gpu_seconds * $1",
+            0.5 ** (max(0.0, seconds) / half_life_s),
+        )
+        if not ran:
+            return
+        owners = [r["owner_id"] for r in ran]
+        names = [r["user_name"] for r in ran]
+        groups = [r["group_name"] for r in ran]
+        used = [max(0.0, float(r["gpu_s"] or 0)) for r in ran]
+        await conn.execute(
+            "INSERT INTO usage_daily (day, user_id, group_name, gpu_seconds, calls)"
+            " SELECT ($1::timestamptz AT TIME ZONE 'UTC')::date, u.owner, u.grp, u.used, u.ended"
+            " FROM unnest($2::bigint[], $3::text[], $4::float8[], $5::bigint[])"
+            "  AS u(owner, grp, used, ended)"
+            " ON CONFLICT (day, user_id, group_name) DO UPDATE SET"
+            " gpu_seconds = usage_daily.gpu_seconds + EXCLUDED.gpu_seconds,"
+            " calls = usage_daily.calls + EXCLUDED.calls",
+            clock["now"],
+            owners,
+            groups,
+            used,
+            [r["ended"] for r in ran],
+        )
+        await conn.execute(
+            "INSERT INTO fair_usage (group_name, user_name, decayed_gpu_seconds)"
+            " SELECT u.grp, k.who, sum(u.used)"
+            " FROM unnest($1::text[], $2::text[], $3::float8[]) AS u(grp, name, used),"
+            "  LATERAL (VALUES (u.name), ('')) AS k(who)"
+            " GROUP BY u.grp, k.who"
+            " ON CONFLICT (group_name, user_name) DO UPDATE SET"
+            " decayed_gpu_seconds = fair_usage.decayed_gpu_seconds + EXCLUDED.decayed_gpu_seconds",
+            groups,
+            names,
+            used,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    user: str
+    group: str
+    gpu_seconds: float
+    calls: int
+
+
+async def usage(conn: Conn, days: int) -> list[UsageRow]:
+    """GPU-seconds and ended calls per user and group over the last ``days`` days (UTC)."""
+    rows = await conn.fetch(
+        "SELECT u.name, d.group_name, sum(d.gpu_seconds) AS gpu_s, sum(d.calls) AS calls"
+        " FROM usage_daily d JOIN users u ON u.id = d.user_id"
+        " WHERE d.day > (now() AT TIME ZONE 'UTC')::date - $1::int"
+        " GROUP BY u.name, d.group_name ORDER BY gpu_s DESC, u.name",
+        days,
+    )
+    return [UsageRow(r["name"], r["group_name"], float(r["gpu_s"]), int(r["calls"])) for r in rows]
 
 
 # ------------------------------------------------------------------------------ node routes
@@ -574,7 +809,7 @@ def _attempt_arrays(running: Sequence[wire.Attempt]) -> tuple[list[str], list[in
     return [a.invocation_id for a in running], [a.epoch for a in running]
 
 
-_HEALTH = msgspec.json.Encoder()
+_JSON = msgspec.json.Encoder()
 
 
 @dataclass(frozen=True)
@@ -589,7 +824,8 @@ async def heartbeat(
     running: Sequence[wire.Attempt],
     lease_s: float,
     health: Sequence[wire.GpuHealthReport] = (),
-) -> tuple[list[wire.Attempt], Drain]:
+    warm: Sequence[wire.WarmWorker] = (),
+) -> tuple[StopOrders, Drain]:
     """Mark the node alive, store its GPUs' health (a critical GPU drains the node), renew
     the leases it still holds; return the attempts it must stop and whether it drains."""
     critical = "; ".join(f"GPU {h.index}: {h.critical}" for h in health if h.critical)
@@ -599,27 +835,28 @@ async def heartbeat(
             " gpu_health = CASE WHEN $2 THEN $3::jsonb ELSE gpu_health END,"
             " health_at = CASE WHEN $2 THEN clock_timestamp() ELSE health_at END,"
             " drain_reason = CASE WHEN $4 <> '' AND NOT draining THEN $4 ELSE drain_reason END,"
-            " draining = draining OR $4 <> ''"
+            " draining = draining OR $4 <> '', warm = $5::jsonb"
             " WHERE id = $1 RETURNING draining, drain_reason",
             node_id,
             bool(health),
-            _HEALTH.encode(list(health)).decode(),
+            _JSON.encode(list(health)).decode(),
             critical,
+            _JSON.encode(list(warm)).decode(),
         )
         held = await conn.fetch(
             "UPDATE invocations i"
             " SET lease_expires_at = clock_timestamp() + make_interval(secs => $4)"
             " FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
             " WHERE i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1"
-            "  AND i.state IN ('assigned', 'running') RETURNING i.id",
+            "  AND i.state IN ('assigned', 'running')"
+            " RETURNING i.id, i.preempt_at IS NOT NULL AS preempt, i.preempt_reason",
             node_id,
             *_attempt_arrays(running),
             lease_s,
         )
-    kept = {str(r["id"]) for r in held}
-    revoked = [a for a in running if a.invocation_id not in kept]
+    orders = _orders(running, {str(r["id"]): r for r in held})
     drain = Drain(bool(row["draining"]), row["drain_reason"]) if row else Drain(False, None)
-    return revoked, drain
+    return orders, drain
 
 
 async def set_draining(conn: Conn, name: str, draining: bool, reason: str | None) -> bool:
@@ -669,19 +906,41 @@ async def node_statuses(conn: Conn) -> list[NodeStatus]:
 _HEALTH_LIST = msgspec.json.Decoder(list[wire.GpuHealthReport])
 
 
-async def revoked(conn: Conn, node_id: int, running: Sequence[wire.Attempt]) -> list[wire.Attempt]:
-    """The attempts among ``running`` that are no longer leased to this node."""
+@dataclass(frozen=True, slots=True)
+class StopOrders:
+    """What a node must stop: attempts no longer leased to it, and attempts to preempt
+    (``(attempt, reason)``)."""
+
+    revoked: list[wire.Attempt]
+    preempt: list[tuple[wire.Attempt, str]]
+
+
+def _orders(running: Sequence[wire.Attempt], kept: dict[str, asyncpg.Record]) -> StopOrders:
+    """``kept``: the rows (``preempt``, ``preempt_reason``) of attempts still leased."""
+    return StopOrders(
+        revoked=[a for a in running if a.invocation_id not in kept],
+        preempt=[
+            (a, kept[a.invocation_id]["preempt_reason"] or "")
+            for a in running
+            if a.invocation_id in kept and kept[a.invocation_id]["preempt"]
+        ],
+    )
+
+
+async def stop_orders(conn: Conn, node_id: int, running: Sequence[wire.Attempt]) -> StopOrders:
+    """Of the attempts in ``running``: those no longer leased to this node, and those the
+    scheduler preempts."""
     if not running:
-        return []
+        return StopOrders([], [])
     rows = await conn.fetch(
-        "SELECT a.id FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
+        "SELECT a.id, i.preempt_at IS NOT NULL AS preempt, i.preempt_reason"
+        " FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
         " JOIN invocations i ON i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1"
         "  AND i.state IN ('assigned', 'running')",
         node_id,
         *_attempt_arrays(running),
     )
-    kept = {str(r["id"]) for r in rows}
-    return [a for a in running if a.invocation_id not in kept]
+    return _orders(running, {str(r["id"]): r for r in rows})
 
 
 async def deliver(
@@ -747,7 +1006,8 @@ async def release(conn: asyncpg.Connection, node_id: int, invocation_id: str, ep
         status = await conn.execute(
             "UPDATE invocations i SET state = 'queued', attempts = i.attempts - 1,"
             " node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL,"
-            " delivered_at = NULL, started_at = NULL"
+            " delivered_at = NULL, started_at = NULL, borrowed = false,"
+            " preemptions = i.preemptions + (i.preempt_at IS NOT NULL)::int, preempt_at = NULL"
             f" WHERE {_FENCE}",
             uuid.UUID(invocation_id),
             node_id,

@@ -12,10 +12,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from bulletin import shared, wire
-from gateway import auth, db
+from gateway import auth, db, scheduling
 from gateway.config import GatewayConfig
 from gateway.errors import NotFound, PayloadTooLarge, Unprocessable
 from gateway.http import body, int_param, reply, store_blob, stream_blob
+from scheduler import Pending, Quota, never_fits
 
 MAX_RETRIES = 10
 MAX_LOG_CHUNKS = 10_000
@@ -63,13 +64,22 @@ def _check_payload_file(name: str, where: str, root: str) -> None:
 
 
 async def submit(request: Request) -> Response:
-    owner = await auth.user_id(request)
+    caller = await auth.principal(request, "user")
+    assert caller.user_id is not None
+    owner = caller.user_id
     req = await body(request, wire.SubmitRequest)
     if not 1 <= len(req.calls) <= wire.MAX_SUBMIT:
         raise Unprocessable(f"submit between 1 and {wire.MAX_SUBMIT} calls per request")
     config = request.app.state.config
     calls = [_check_call(c, i, config) for i, c in enumerate(req.calls)]
-    await _check_fits(request, calls)
+    raised = [i for i, c in enumerate(calls) if c.priority > 0]
+    if raised and not caller.is_admin:
+        raise Unprocessable(
+            f"calls[{raised[0]}].priority is {calls[raised[0]].priority}: only administrators "
+            "may raise a call's priority above 0; a negative priority lets others go first",
+            code="priority_not_allowed",
+        )
+    await _check_fits(request, owner, calls)
     keys = [c.idempotency_key for c in calls]
     if len(set(keys)) != len(keys):
         raise Unprocessable("two calls in one request share an idempotency_key")
@@ -85,19 +95,31 @@ async def submit(request: Request) -> Response:
     return reply(wire.SubmitResponse(ids=ids), 201)
 
 
-async def _check_fits(request: Request, calls: list[wire.CallSpec]) -> None:
-    """Reject a call no node could ever run, rather than queueing it for ever. While no node
-    has registered yet, calls wait for one."""
-    most = max(c.gpus for c in calls)
-    if most == 0:
+async def _check_fits(request: Request, owner: int, calls: list[wire.CallSpec]) -> None:
+    """Reject a call no node could ever run, rather than queueing it for ever: more GPUs than
+    the owner's group may ever hold, GPU models or memory no node has, or more GPUs than the
+    largest node (a call runs on one node). While no node has registered yet, calls wait."""
+    distinct = {(c.gpus, c.gpu_model, c.gpu_memory_mb) for c in calls}
+    if all(gpus == 0 for gpus, _, _ in distinct):
         return
-    largest = await db.largest_node_gpus(request.app.state.pool)
-    if largest is not None and most > largest:
-        raise Unprocessable(
-            f"no node in this cluster has {most} GPUs (the largest has {largest}): "
-            "ask for fewer GPUs, or spread the work over several calls",
-            code="never_fits",
+    pool = request.app.state.pool
+    nodes = [scheduling.node_capacity(n) for n in await db.registered_nodes(pool)]
+    group = await db.user_group(pool, owner)
+    quotas = {g.name: Quota(g.guaranteed_gpus, g.borrow_limit_gpus) for g in await db.groups(pool)}
+    for gpus, model, memory in sorted(distinct, key=lambda d: -d[0]):
+        call = Pending(
+            "new", gpus, group=group, gpu_model=model, min_memory_mib=memory or 0
         )
+        reason = never_fits(call, nodes, quotas)
+        largest = max((n.size for n in nodes), default=None)
+        if reason is None and largest is not None and gpus > largest:
+            reason = (
+                f"no node in this cluster has {gpus} GPUs (the largest has {largest}), and a "
+                "call runs on one node: ask for fewer GPUs, or spread the work over several "
+                "calls"
+            )
+        if reason is not None:
+            raise Unprocessable(reason, code="never_fits")
 
 
 def _valid_id(value: str) -> str:

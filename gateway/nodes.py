@@ -4,6 +4,7 @@ to its own node; every write is fenced by ``(invocation_id, epoch)`` (409 when s
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -63,15 +64,35 @@ async def heartbeat(request: Request) -> Response:
     req = await body(request, wire.HeartbeatRequest)
     lease_s = request.app.state.config.lease_s
     async with request.app.state.relaxed.acquire() as conn:
-        revoked, drain = await db.heartbeat(conn, node_id, req.running, lease_s, req.gpu_health)
+        orders, drain = await db.heartbeat(
+            conn, node_id, req.running, lease_s, req.gpu_health, req.warm
+        )
     return reply(
         wire.HeartbeatResponse(
-            revoked=revoked,
+            revoked=orders.revoked,
             lease_s=lease_s,
             draining=drain.draining,
             drain_reason=drain.reason,
+            preempt=_preemptions(request, orders.preempt),
         )
     )
+
+
+def _preemptions(
+    request: Request,
+    orders: list[tuple[wire.Attempt, str]],
+    known: Sequence[wire.Attempt] = (),
+) -> list[wire.Preemption]:
+    """Preemption orders for the node, with the configured grace; ``known``: the attempts
+    it already preempts (not news)."""
+    grace_s = request.app.state.config.preemption_grace_s
+    return [
+        wire.Preemption(
+            invocation_id=a.invocation_id, epoch=a.epoch, grace_s=grace_s, reason=reason
+        )
+        for a, reason in orders
+        if a not in known
+    ]
 
 
 async def poll(request: Request) -> Response:
@@ -83,13 +104,16 @@ async def poll(request: Request) -> Response:
     deadline = time.monotonic() + min(max(req.timeout_s, 0.0), config.long_poll_s)
     async with request.app.state.hub.subscribe([f"n:{node_id}"]) as sub:
         while True:
-            revoked = await db.revoked(pool, node_id, req.running)
+            orders = await db.stop_orders(pool, node_id, req.running)
+            preempt = _preemptions(request, orders.preempt, req.preempting)
             work = await db.deliver(
                 relaxed, node_id, req.running, config.inline_limit, config.lease_s
             )
             remaining = deadline - time.monotonic()
-            if work or revoked or remaining <= 0:
-                return reply(wire.PollResponse(assignments=work, revoked=revoked))
+            if work or orders.revoked or preempt or remaining <= 0:
+                return reply(
+                    wire.PollResponse(assignments=work, revoked=orders.revoked, preempt=preempt)
+                )
             await sub.wait(min(remaining, config.recheck_s))
 
 

@@ -1,7 +1,9 @@
 """Hosts the scheduler loop. Every gateway runs it; one at a time leads, chosen by a
 PostgreSQL session advisory lock, and the others stand by to take over if the leader's
-connection drops. Each round: expire leases, read a snapshot under node row locks, call the
-pure ``scheduler.plan``, commit the decisions in that same transaction."""
+connection drops. Each round: expire leases and accrue usage (on the clock), read a snapshot
+under node row locks (live nodes, what runs on them, each user's queue head, quotas, decayed
+usage), run the configured policy (``scheduler``: pure), and commit its placements and
+preemptions in that same transaction."""
 
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import asyncpg
 from gateway import db
 from gateway.config import GatewayConfig
 from gateway.notify import Hub
-from scheduler import NodeCapacity, Pending, Snapshot, plan
+from scheduler import Gpu, NodeCapacity, Quota, Running, Snapshot
 
 log = logging.getLogger(__name__)
 LEADER_LOCK = 7242002
+#: How often the leader stores each queued call's position and reason (call.status()).
+EXPLAIN_S = 2.0
 # The leader lock lives as long as this connection. If the leader's host vanishes without
 # closing it, TCP keepalives let PostgreSQL notice within about a minute and free the lock.
 _KEEPALIVE = {
@@ -28,8 +32,8 @@ _KEEPALIVE = {
 }
 
 
-def capacity(nodes: list[db.NodeRow], leases: list[db.LeaseRow]) -> list[NodeCapacity]:
-    """Free GPUs and CPU slots of each live node, given the leases held on it."""
+def capacity(nodes: list[db.NodeRow], leases: list[Running]) -> list[NodeCapacity]:
+    """Each live node's inventory and what is free on it, given the leases held on it."""
     used_gpus: dict[int, set[int]] = defaultdict(set)
     used_cpu: Counter[int] = Counter()
     for lease in leases:
@@ -37,8 +41,8 @@ def capacity(nodes: list[db.NodeRow], leases: list[db.LeaseRow]) -> list[NodeCap
             used_cpu[lease.node_id] += 1
         used_gpus[lease.node_id].update(lease.gpu_indices)
     return [
-        NodeCapacity(
-            node_id=n.id,
+        node_capacity(
+            n,
             free_gpus=[g.index for g in n.gpus if g.index not in used_gpus[n.id]],
             free_cpu_slots=max(0, n.cpu_slots - used_cpu[n.id]),
         )
@@ -46,48 +50,94 @@ def capacity(nodes: list[db.NodeRow], leases: list[db.LeaseRow]) -> list[NodeCap
     ]
 
 
+def node_capacity(
+    node: db.NodeRow, *, free_gpus: list[int] | None = None, free_cpu_slots: int | None = None
+) -> NodeCapacity:
+    """A node as the scheduler sees it: its GPUs, and what is free (all, unless given)."""
+    return NodeCapacity(
+        node_id=node.id,
+        free_gpus=[g.index for g in node.gpus] if free_gpus is None else free_gpus,
+        free_cpu_slots=node.cpu_slots if free_cpu_slots is None else free_cpu_slots,
+        gpus=tuple(Gpu(g.index, g.name, g.memory_mb, g.nvlink_group) for g in node.gpus),
+        warm=frozenset((w.owner, w.function) for w in node.warm),
+    )
+
+
 def look_ahead(free: list[NodeCapacity], most: int) -> int:
-    """How far down the queue a round looks: enough to fill what is free, with room to
-    backfill past calls that do not fit, without re-reading a huge backlog every round."""
+    """How far down each user's queue a round looks: enough to fill what is free, with room
+    to backfill past calls that do not fit, and some even when nothing is free (a group
+    owed its guarantee reclaims GPUs), without re-reading a huge backlog every round."""
     units = sum(len(n.free_gpus) + n.free_cpu_slots for n in free)
-    return max(1, min(most, 64 + 16 * units)) if units else 0
+    return max(1, min(most, 16 + 16 * units))
 
 
-async def plan_round(conn: asyncpg.Connection, config: GatewayConfig) -> int:
-    """One planning round in one transaction; returns how many calls were placed."""
+async def plan_round(
+    conn: asyncpg.Connection, config: GatewayConfig, *, explain: bool = False
+) -> int:
+    """One planning round in one transaction; returns how many calls were placed or
+    preempted (non-zero also when the policy asks for another round at once). With
+    ``explain``, also stores where each pending call stands and why."""
     async with conn.transaction():
         # The live nodes, locked: capacity is read and committed under the same locks.
         nodes = await db.live_nodes(conn, config.node_timeout_s, lock=True)
         if not nodes:
             return 0
-        free = capacity(nodes, await db.leases(conn))
-        pending = await db.queued(conn, look_ahead(free, config.plan_batch))
-        if not pending:
+        leases = await db.leases(conn)
+        free = capacity(nodes, leases)
+        queued = await db.queued(conn, look_ahead(free, config.plan_batch))
+        if not queued:
             return 0
-        snapshot = Snapshot(nodes=free, pending=[Pending(q.id, q.gpus) for q in pending])
-        decisions = plan(snapshot)
-        if not decisions:
-            return 0
-        placed = await db.assign(
-            conn, [(d.invocation_id, d.node_id, d.gpu_indices) for d in decisions], config.lease_s
+        groups = await db.groups(conn)
+        usage, user_usage = await db.fair_usage(conn)
+        snapshot = Snapshot(
+            nodes=free,
+            pending=queued,
+            running=leases,
+            quotas={g.name: Quota(g.guaranteed_gpus, g.borrow_limit_gpus) for g in groups},
+            usage=usage,
+            user_usage=user_usage,
+            now=await db.now(conn),
         )
-        await db.notify_nodes(conn, {node for _, node in placed})
-    return len(placed)
+        why: dict[str, tuple[int, str]] | None = {} if explain else None
+        result = config.policy().plan(snapshot, why)
+        # A gang over several nodes cannot run yet: never_fits rejects those at submission.
+        placements = [d for d in result if not d.more]
+        placed = await db.assign(
+            conn,
+            [(d.invocation_id, d.node_id, d.gpu_indices, d.borrowed) for d in placements],
+            config.lease_s,
+        )
+        preempted = await db.preempt(
+            conn, [(p.invocation_id, p.reason) for p in result.preemptions]
+        )
+        for invocation_id, reason in ((p.invocation_id, p.reason) for p in result.preemptions):
+            log.info("preempting %s: %s", invocation_id, reason)
+        if why:
+            await db.explain_waits(conn, [(i, pos, reason) for i, (pos, reason) in why.items()])
+        await db.notify_nodes(conn, {node for _, node in [*placed, *preempted]})
+    # The policy caps the preemptions of one round; it says when it wants another at once.
+    return len(placed) + len(preempted) + (1 if result.more else 0)
 
 
 async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig) -> None:
     """Plan whenever woken by a notification, and at least every schedule_interval_s."""
-    last_expiry = 0.0
+    last_expiry = last_explain = 0.0
     while True:
         async with hub.subscribe(["q"]) as sub:
             # Leases lapse on the clock, not on news: expiring them on every wake-up would put
-            # a transaction on the path of each call for nothing.
+            # a transaction on the path of each call for nothing. Usage accrues likewise.
             if time.monotonic() - last_expiry >= config.schedule_interval_s:
                 last_expiry = time.monotonic()
                 expired = await db.expire_leases(conn)
                 if expired:
                     log.warning("leases expired: %s", ", ".join(f"{i}->{s}" for i, s in expired))
-            placed = await plan_round(conn, config)
+                await db.accrue_usage(conn, config.fair_share_half_life_s)
+            # Where each queued call stands is stored at most every EXPLAIN_S: it costs a
+            # write per waiting call.
+            explain = time.monotonic() - last_explain >= EXPLAIN_S
+            if explain:
+                last_explain = time.monotonic()
+            placed = await plan_round(conn, config, explain=explain)
             if placed:
                 log.debug("placed %d calls", placed)
                 continue  # there may be more queued than one round looks at

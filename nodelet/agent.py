@@ -254,7 +254,9 @@ class Node:
         while True:
             try:
                 response = await self._client.poll(
-                    self.running(), hold_s=self.registration.long_poll_s
+                    self.running(),
+                    hold_s=self.registration.long_poll_s,
+                    preempting=[a.ref for a in self._live() if a.preempting],
                 )
             except AuthRejected:
                 raise
@@ -264,6 +266,7 @@ class Node:
                 continue
             backoff.reset()
             self._revoke(response.revoked)
+            self._preempt(response.preempt)
             for assignment in response.assignments:
                 self._launch(assignment)
 
@@ -288,6 +291,12 @@ class Node:
                 log.info("%s revoked by the gateway; killing it", attempt)
                 attempt.kill()
 
+    def _preempt(self, orders: list[wire.Preemption]) -> None:
+        for order in orders:
+            attempt = self.attempts.get((order.invocation_id, order.epoch))
+            if attempt is not None:
+                attempt.preempt(order.grace_s, order.reason)
+
     async def _heartbeat_loop(self) -> None:
         while True:
             sent = time.monotonic()
@@ -304,7 +313,9 @@ class Node:
         health = [self._critical.get(i, report) for i, report in sorted(self._health.items())]
         reported = dict(self._critical)
         try:
-            response = await self._client.heartbeat(running, gpu_health=health, timeout_s=timeout_s)
+            response = await self._client.heartbeat(
+                running, gpu_health=health, warm=self._pool.warm_functions(), timeout_s=timeout_s
+            )
         except AuthRejected:
             raise
         except NodeletError as exc:
@@ -315,6 +326,7 @@ class Node:
                 del self._critical[index]
         self.lease_s = response.lease_s
         self._revoke(response.revoked)
+        self._preempt(response.preempt)
         self._note_draining(response)
         return True
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import os
 import secrets
@@ -99,6 +100,10 @@ class Attempt:
         self._worker: Worker | None = None
         self.task: asyncio.Task[None] | None = None
         self.killed = False
+        #: The scheduler preempts this attempt (see :meth:`preempt`).
+        self.preempting = False
+        self._preempt_grace_s = 0.0
+        self._stopper: asyncio.Task[bool] | None = None
         # When the gateway last (re)started this attempt's lease, by the local monotonic clock:
         # the lease began when the assignment was made, just before it reached us.
         self.renewed_at = time.monotonic()
@@ -122,6 +127,23 @@ class Attempt:
             self._worker.kill()
         if self.task is not None:
             self.task.cancel()
+
+    def preempt(self, grace_s: float, reason: str) -> None:
+        """Stop the call so its GPUs go to another group: SIGTERM to its processes (its
+        notice: a handler may save a checkpoint), SIGKILL after ``grace_s``; then hand it back
+        to be queued again. A call that succeeds within the grace completes. Idempotent."""
+        if self.preempting or self.killed:
+            return
+        self.preempting = True
+        self._preempt_grace_s = grace_s
+        log.info("%s preempted (%s): SIGTERM now, SIGKILL after %g s", self, reason, grace_s)
+        if self._worker is not None:
+            self._stop_for_preemption(self._worker)
+
+    def _stop_for_preemption(self, worker: Worker) -> None:
+        self._stopper = asyncio.create_task(
+            worker.stop(self._preempt_grace_s), name=f"{self.name}-preempt"
+        )
 
     async def run(self) -> None:
         """Run to completion. Gateway refusals end the attempt quietly; nothing is raised."""
@@ -148,11 +170,16 @@ class Attempt:
                 task = await self._task(attempt_dir)
                 if isinstance(task, Report):
                     report = task  # the call cannot run on this node
+                elif self.preempting:
+                    report = None
                 else:
                     report = await self._execute(task)
                 await started
             finally:
                 started.cancel()
+            if report is None or (self.preempting and report.request.state != "succeeded"):
+                await self._hand_back()
+                return
             await self._complete(report, attempt_dir)
         finally:
             shutil.rmtree(attempt_dir, ignore_errors=True)
@@ -232,6 +259,8 @@ class Attempt:
         function = self.assignment.function_name or None
         worker = self._worker = await self._pool.acquire(key, function)
         acquired = time.time()
+        if self.preempting:  # preempted while the worker was being acquired
+            self._stop_for_preemption(worker)
         shipper = LogShipper(
             self._client, self.ref, flush_s=self._facts.log_flush_s, on_stale=worker.kill
         )
@@ -250,9 +279,15 @@ class Attempt:
         report = self._report(task.result_path, worker, ending, oom_kills)
         timing = {"worker_acquired": acquired, "warm": worker.warm}
         report = replace(report, request=msgspec.structs.replace(report.request, **timing))
-        if ending is _Ending.FINISHED and not self.killed:
+        if ending is _Ending.FINISHED and not self.killed and not self.preempting:
             self._worker = None
-            self._pool.release(worker, key, function=function, recycle=_broken_cuda(report.request))
+            self._pool.release(
+                worker,
+                key,
+                function=function,
+                owner=self.assignment.owner_name,
+                recycle=_broken_cuda(report.request),
+            )
         return report
 
     def _ship_output(
@@ -407,7 +442,17 @@ class Attempt:
             ).request
         return msgspec.structs.replace(request, result=None, result_blob=blob.id)
 
+    async def _hand_back(self) -> None:
+        """Give a preempted attempt back: its call is queued again, the attempt not counted
+        against its retries."""
+        await _retrying(
+            functools.partial(self._client.release, timeout_s=self._client.timeout_s), *self._ids
+        )
+        log.info("%s handed back after preemption; it is queued again", self)
+
     async def _reap(self) -> None:
+        if self._stopper is not None:
+            self._stopper.cancel()
         worker = self._worker
         if worker is None:
             return

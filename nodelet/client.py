@@ -69,15 +69,25 @@ class GatewayClient:
         running: list[wire.Attempt],
         *,
         gpu_health: list[wire.GpuHealthReport] | None = None,
+        warm: list[wire.WarmWorker] | None = None,
         timeout_s: float | None = None,
     ) -> wire.HeartbeatResponse:
-        request = wire.HeartbeatRequest(running=running, gpu_health=gpu_health or [])
+        request = wire.HeartbeatRequest(
+            running=running, gpu_health=gpu_health or [], warm=warm or []
+        )
         response = await self._post("/v1/node/heartbeat", request, timeout_s=timeout_s)
         return _decode(_heartbeat_decoder, response)
 
-    async def poll(self, running: list[wire.Attempt], *, hold_s: float) -> wire.PollResponse:
-        """Long-poll for work; the gateway holds the request up to ``hold_s`` seconds."""
-        request = wire.PollRequest(running=running, timeout_s=hold_s)
+    async def poll(
+        self,
+        running: list[wire.Attempt],
+        *,
+        hold_s: float,
+        preempting: list[wire.Attempt] | None = None,
+    ) -> wire.PollResponse:
+        """Long-poll for work; the gateway holds the request up to ``hold_s`` seconds.
+        ``preempting``: attempts of ``running`` already being preempted."""
+        request = wire.PollRequest(running=running, timeout_s=hold_s, preempting=preempting or [])
         response = await self._post("/v1/node/poll", request, timeout_s=hold_s + self.timeout_s)
         return _decode(_poll_decoder, response)
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
 import pynvml
 
 from bulletin import wire
@@ -155,7 +156,16 @@ class NvmlProvider:
         # NVML counts its initialisations, so this works while health() holds it open too.
         pynvml.nvmlInit()
         try:
-            return [_nvml_gpu(index) for index in range(pynvml.nvmlDeviceGetCount())]
+            gpus = [_nvml_gpu(index) for index in range(pynvml.nvmlDeviceGetCount())]
+            try:
+                groups = nvlink_groups(len(gpus), _nvlinks(len(gpus)))
+            except pynvml.NVMLError as exc:
+                log.warning("cannot read the GPUs' NVLink topology (%s); placing without", exc)
+                groups = [None] * len(gpus)
+            return [
+                msgspec.structs.replace(gpu, nvlink_group=group)
+                for gpu, group in zip(gpus, groups, strict=True)
+            ]
         finally:
             pynvml.nvmlShutdown()
 
@@ -306,6 +316,62 @@ def _nvml_gpu(index: int) -> wire.GpuInfo:
         name=_text(pynvml.nvmlDeviceGetName(handle)),
         memory_mb=int(memory.total) // _MIB,
     )
+
+
+def nvlink_groups(count: int, links: Sequence[tuple[int, int | None]]) -> list[int | None]:
+    """Each GPU's NVLink group (the lowest index in it), from its active links as (GPU,
+    peer GPU) pairs, the peer None for a link to an NVSwitch: GPUs on switches all reach each
+    other. A GPU without NVLink gets None."""
+    parent = list(range(count))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    on_switch: list[int] = []
+    linked: set[int] = set()
+    for gpu, peer in links:
+        linked.add(gpu)
+        if peer is None:
+            on_switch.append(gpu)
+        else:
+            linked.add(peer)
+            parent[root(gpu)] = root(peer)
+    for gpu in on_switch[1:]:
+        parent[root(gpu)] = root(on_switch[0])
+    lowest: dict[int, int] = {}
+    for i in range(count):
+        lowest.setdefault(root(i), i)
+    return [lowest[root(i)] if i in linked else None for i in range(count)]
+
+
+def _nvlinks(count: int) -> list[tuple[int, int | None]]:
+    """The active NVLinks of the node's GPUs as (GPU, peer GPU or None for an NVSwitch);
+    none where NVML cannot tell (no NVLink, an old driver)."""
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    by_bus = {_bus(pynvml.nvmlDeviceGetPciInfo(h).busId): i for i, h in enumerate(handles)}
+    links: list[tuple[int, int | None]] = []
+    for index, handle in enumerate(handles):
+        for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                if pynvml.nvmlDeviceGetNvLinkState(handle, link) != pynvml.NVML_FEATURE_ENABLED:
+                    continue
+                remote = _bus(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+            except pynvml.NVMLError:
+                break  # no such link on this GPU (or no NVLink at all)
+            links.append((index, by_bus.get(remote)))
+    return links
+
+
+def _bus(bus_id: str | bytes) -> str:
+    """A PCI bus id in one spelling: NVML pads the domain to 4 or 8 digits."""
+    parts = _text(bus_id).lower().split(":")
+    if len(parts) != 3:
+        return ":".join(parts)
+    domain, bus, device = parts
+    return f"{int(domain, 16):x}:{bus}:{device}"
 
 
 def _text(value: str | bytes) -> str:

@@ -57,6 +57,8 @@ class Worker:
         #: function are preferred: module-level caches such as a loaded model survive).
         self.calls = 0
         self.last_function: str | None = None
+        #: The user name of the owner of its last call (reported with its function).
+        self.last_owner: str | None = None
         self._cgroup_removed: asyncio.Future[None] | None = None
 
     @property
@@ -344,6 +346,7 @@ class WorkerPool:
         key: WarmKey,
         *,
         function: str | None = None,
+        owner: str | None = None,
         recycle: str | None = None,
     ) -> None:
         """Keep a worker that finished a call cleanly, warm for the next call of ``key``
@@ -351,7 +354,7 @@ class WorkerPool:
         recycle it: for ``recycle`` (a reason, e.g. a CUDA error), after ``max_calls`` calls,
         or over ``max_rss_mb``. The spares refill in the background."""
         worker.calls += 1
-        worker.last_function = function
+        worker.last_function, worker.last_owner = function, owner
         recycle = recycle or self._worn_out(worker)
         if recycle is not None:
             log.info("worker %d recycled: %s", worker.pid, recycle)
@@ -367,6 +370,15 @@ class WorkerPool:
         self._warm.append((key, worker, time.monotonic()))
         while len(self._warm) > self.max_warm:
             self._retire(self._warm.popleft()[1])
+
+    def warm_functions(self) -> list[wire.WarmWorker]:
+        """(owner, function) of each live warm worker, for the scheduler's affinity."""
+        pairs = {
+            (w.last_owner, w.last_function)
+            for _, w, _ in self._warm
+            if w.returncode is None and w.last_owner and w.last_function
+        }
+        return [wire.WarmWorker(owner=o, function=f) for o, f in sorted(pairs)]
 
     def _worn_out(self, worker: Worker) -> str | None:
         if self.max_calls and worker.calls >= self.max_calls:

@@ -40,6 +40,37 @@ class Prepared:
             self.payload_path = None
 
 
+class Status(str):
+    """A call's state, with where it stands in the queue and why it waits while queued
+    (``position`` 1 is next; None before the scheduler has looked at it), and how often it was
+    preempted. Compares and prints as the state; ``repr`` says the rest."""
+
+    position: int | None
+    reason: str | None
+    preemptions: int
+
+    def __new__(
+        cls,
+        state: str,
+        position: int | None = None,
+        reason: str | None = None,
+        preemptions: int = 0,
+    ) -> Status:
+        status = super().__new__(cls, state)
+        status.position, status.reason, status.preemptions = position, reason, preemptions
+        return status
+
+    def __repr__(self) -> str:
+        details = []
+        if self.position is not None:
+            details.append(f"position {self.position}")
+        if self.reason:
+            details.append(self.reason)
+        if self.preemptions:
+            details.append(f"preempted {self.preemptions} time(s)")
+        return f"<Status {self}" + (f" ({'; '.join(details)})" if details else "") + ">"
+
+
 class Call(Generic[R]):
     """A remote invocation: wait for its result, cancel it, or look at its state.
 
@@ -132,9 +163,12 @@ class Call(Generic[R]):
         """Ask the gateway to cancel the call; cancelling a finished call changes nothing."""
         self._client.cancel(self._id)
 
-    def status(self) -> str:
-        """The current state: queued, assigned, running, succeeded, failed, timed_out, cancelled."""
-        return self.info().state.value
+    def status(self) -> Status:
+        """The current state: queued, assigned, running, succeeded, failed, timed_out,
+        cancelled. A string (``call.status() == "queued"``) that, while queued, also says
+        where the call stands and why it waits (``.position``, ``.reason``)."""
+        info = self.info()
+        return Status(info.state.value, info.queue_position, info.wait_reason, info.preemptions)
 
     def info(self) -> wire.Invocation:
         """Everything the gateway knows of the call (state, node, attempts, timeline...)."""

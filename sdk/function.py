@@ -8,6 +8,7 @@ import functools
 import inspect
 import math
 import numbers
+import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, NoReturn, ParamSpec, TypeVar, overload
@@ -23,7 +24,18 @@ from sdk.config import default_client
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_VALID = ("gpus", "max_retries", "timeout", "name", "move_to_device", "sync_globals")
+_VALID = (
+    "gpus",
+    "gpu",
+    "gpu_memory_gb",
+    "priority",
+    "max_retries",
+    "timeout",
+    "expected_duration",
+    "name",
+    "move_to_device",
+    "sync_globals",
+)
 MAX_RETRIES = 10
 
 
@@ -32,8 +44,12 @@ class Options:
     """How a function's calls are submitted (validated by ``sdk.function``)."""
 
     gpus: int = 0
+    gpu: str | None = None
+    gpu_memory_gb: float | None = None
+    priority: int = 0
     max_retries: int = 2
     timeout: float | None = None
+    expected_duration: float | None = None
     name: str | None = None
     move_to_device: bool = True
     sync_globals: bool = True
@@ -135,6 +151,12 @@ class Function(Generic[P, R]):
             gpus=options.gpus,
             max_retries=options.max_retries,
             timeout_s=options.timeout,
+            priority=options.priority,
+            gpu_model=options.gpu,
+            gpu_memory_mb=None
+            if options.gpu_memory_gb is None
+            else math.ceil(options.gpu_memory_gb * 1024),
+            expected_s=options.expected_duration,
         )
         packed = sent.packed
         size = packed.nbytes
@@ -156,8 +178,12 @@ def _replace(spec: wire.CallSpec, **changes: Any) -> wire.CallSpec:
 def function(
     *,
     gpus: int = 0,
+    gpu: str | None = None,
+    gpu_memory_gb: float | None = None,
+    priority: int = 0,
     max_retries: int = 2,
     timeout: float | None = None,
+    expected_duration: float | None = None,
     name: str | None = None,
     move_to_device: bool = True,
     sync_globals: bool = True,
@@ -171,10 +197,16 @@ def function(fn: Callable[..., Any], /) -> NoReturn: ...
 def function(*args: Any, **kwargs: Any) -> Any:
     """Make a function run on the cluster when called.
 
-    ``gpus``: GPUs per call (0: CPU only). ``max_retries``: re-runs after infrastructure
-    failures (node lost, worker died), 0 to 10; an exception raised by the function itself
-    is never retried. ``timeout``: seconds a call may run, or None. ``name``: the name shown
-    in listings and the dashboard (default: the function's qualified name).
+    ``gpus``: GPUs per call (0: CPU only), all on one node. ``gpu``: only GPUs whose model
+    name contains this (``"A100"``, ``"H100"``). ``gpu_memory_gb``: only GPUs with at least
+    this much memory. ``priority`` (default 0): higher goes first, before fair share; users
+    may lower it (to -1000) to let others go first, only administrators raise it (to 1000).
+    ``expected_duration``: seconds the call is expected to take (lets the scheduler
+    backfill; the ``timeout`` serves when not given). ``max_retries``: re-runs after
+    infrastructure failures (node lost, worker died), 0 to 10; an exception raised by the
+    function itself is never retried. ``timeout``: seconds a call may run, or None.
+    ``name``: the name shown in listings and the dashboard (default: the function's
+    qualified name).
     ``move_to_device``: move tensors and modules among the arguments and globals to the
     call's GPU before it runs (they always come back on the CPU). ``sync_globals``: bring
     back the globals the call changed and apply them here (see docs/notebook-state.md).
@@ -212,8 +244,14 @@ def _options(kwargs: Mapping[str, Any]) -> Options:
             raise TypeError(_unknown_message(key))
     return Options(
         gpus=_gpus(kwargs.get("gpus", 0)),
+        gpu=_gpu_model(kwargs.get("gpu")),
+        gpu_memory_gb=_seconds_or_none("gpu_memory_gb", kwargs.get("gpu_memory_gb"), "GiB"),
+        priority=_priority(kwargs.get("priority", 0)),
         max_retries=_max_retries(kwargs.get("max_retries", 2)),
         timeout=_timeout(kwargs.get("timeout")),
+        expected_duration=_seconds_or_none(
+            "expected_duration", kwargs.get("expected_duration"), "seconds"
+        ),
         name=_name(kwargs.get("name")),
         move_to_device=_flag("move_to_device", kwargs.get("move_to_device", True)),
         sync_globals=_flag("sync_globals", kwargs.get("sync_globals", True)),
@@ -250,14 +288,41 @@ def _max_retries(value: Any) -> int:
 
 
 def _timeout(value: Any) -> float | None:
+    return _seconds_or_none("timeout", value, "seconds")
+
+
+def _seconds_or_none(name: str, value: Any, unit: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"timeout must be a number of seconds or None, got {value!r}")
-    seconds = float(value)
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {value}")
-    return seconds
+        raise TypeError(f"{name} must be a number of {unit} or None, got {value!r}")
+    amount = float(value)
+    if not (amount > 0 and math.isfinite(amount)):
+        raise ValueError(f"{name} must be a positive number of {unit} or None, got {value}")
+    return amount
+
+
+def _gpu_model(value: Any) -> str | None:
+    if value is None:
+        return None
+    if _whole(value):
+        raise TypeError(
+            f"gpu names a GPU model, such as gpu='A100'; for a number of GPUs use gpus={value}"
+        )
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9 _.-]{1,64}", value):
+        raise ValueError(
+            f"gpu must be part of a GPU model name such as 'A100' or 'H100' (letters, digits, "
+            f"spaces, '.', '_', '-'; at most 64), got {value!r}"
+        )
+    return value
+
+
+def _priority(value: Any) -> int:
+    if not _whole(value):
+        raise TypeError(f"priority must be an int, got {value!r}")
+    if not -1000 <= value <= 1000:
+        raise ValueError(f"priority must be between -1000 and 1000, got {value}")
+    return int(value)
 
 
 def _flag(name: str, value: Any) -> bool:

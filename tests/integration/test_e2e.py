@@ -266,7 +266,7 @@ def test_a_call_no_node_could_ever_run_is_rejected_at_submit(cluster: Cluster) -
     def too_big() -> None:
         pass
 
-    with pytest.raises(sdk.InvalidRequest, match="no node in this cluster has 3 GPUs"):
+    with pytest.raises(sdk.InvalidRequest, match="needs 3 GPUs but the largest node has 2"):
         too_big()
 
 

@@ -360,3 +360,15 @@ def test_close_then_health_opens_nvml_again(nvml: FakeNvml) -> None:
     assert len(nvml.freed) == 2
     assert len(provider.health()) == 2
     assert nvml.initialised == 1
+
+
+def test_nvlink_groups_join_gpus_linked_directly_or_through_switches() -> None:
+    from nodelet.gpus import nvlink_groups
+
+    # Two NVLink pairs (a PCIe box with bridges): 0-1 and 2-3; GPU 4 has no NVLink.
+    assert nvlink_groups(5, [(0, 1), (1, 0), (2, 3), (3, 2)]) == [0, 0, 2, 2, None]
+    # An HGX board: every GPU's links go to NVSwitches, so all reach each other.
+    assert nvlink_groups(8, [(i, None) for i in range(8) for _ in range(2)]) == [0] * 8
+    # A ring 0-1-2-3 is one group.
+    assert nvlink_groups(4, [(0, 1), (1, 2), (2, 3)]) == [0, 0, 0, 0]
+    assert nvlink_groups(2, []) == [None, None]

@@ -45,23 +45,53 @@ def test_positional_arguments_are_refused_as_keyword_only() -> None:
     assert "gpus" in str(info.value)
 
 
-@pytest.mark.parametrize(("key", "suggestion"), [("gpu", "gpus"), ("retries", "max_retries")])
+@pytest.mark.parametrize(("key", "suggestion"), [("gpuss", "gpus"), ("retries", "max_retries")])
 def test_unknown_keyword_suggests_the_closest(key: str, suggestion: str) -> None:
     with pytest.raises(TypeError) as info:
         sdk.function(**{key: 1})  # type: ignore[call-overload]
     message = str(info.value)
     assert repr(key) in message
     assert f"Did you mean {suggestion!r}?" in message
-    valid = "gpus, max_retries, timeout, name, move_to_device, sync_globals"
+    valid = (
+        "gpus, gpu, gpu_memory_gb, priority, max_retries, timeout, expected_duration, name, "
+        "move_to_device, sync_globals"
+    )
     assert f"Valid arguments: {valid}." in message
 
 
 def test_unknown_keyword_without_a_close_one_lists_the_valid() -> None:
     with pytest.raises(TypeError) as info:
-        sdk.function(memory="8G")  # type: ignore[call-overload]
-    assert "'memory'" in str(info.value)
+        sdk.function(queue="long")  # type: ignore[call-overload]
+    assert "'queue'" in str(info.value)
     assert "Did you mean" not in str(info.value)
-    assert "gpus, max_retries, timeout, name" in str(info.value)
+    assert "gpus, gpu, gpu_memory_gb, priority, max_retries, timeout" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"gpu": 1}, TypeError, "gpu names a GPU model, such as gpu='A100'; for a number of GPUs"),
+        ({"gpu": "A100; drop"}, ValueError, "gpu must be part of a GPU model name"),
+        ({"gpu_memory_gb": 0}, ValueError, "gpu_memory_gb must be a positive number of GiB"),
+        ({"priority": 5000}, ValueError, "priority must be between -1000 and 1000, got 5000"),
+        ({"priority": 1.5}, TypeError, "priority must be an int"),
+        ({"expected_duration": -1}, ValueError, "expected_duration must be a positive number"),
+    ],
+)
+def test_scheduling_options_are_checked(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        sdk.function(**options)
+
+
+def test_scheduling_options_are_kept() -> None:
+    fn = sdk.function(gpus=2, gpu="A100", gpu_memory_gb=39.5, priority=7, expected_duration=60)(
+        lambda: None
+    )
+    options = fn._options
+    assert (options.gpu, options.gpu_memory_gb, options.priority) == ("A100", 39.5, 7)
+    assert options.expected_duration == 60.0
 
 
 def test_negative_gpus() -> None:

@@ -1,0 +1,95 @@
+"""Admin routes: groups and their quotas, users' groups, and usage. An administrator's user
+token only (403 for others); the same operations exist as ``bulletin`` commands that talk to
+the database directly."""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from bulletin import wire
+from gateway import auth, db
+from gateway.errors import NotFound, Unprocessable
+from gateway.http import body, int_param, reply
+
+#: The longest usage period one request may ask for, in days.
+MAX_USAGE_DAYS = 3660
+
+
+def _group(row: db.GroupRow) -> wire.Group:
+    return wire.Group(
+        name=row.name,
+        guaranteed_gpus=row.guaranteed_gpus,
+        borrow_limit_gpus=row.borrow_limit_gpus,
+        users=row.users,
+    )
+
+
+def _path_name(request: Request, key: str, kind: type[str], what: str) -> str:
+    value = str(request.path_params[key])
+    try:
+        return msgspec.convert(value, kind)
+    except msgspec.ValidationError:
+        raise Unprocessable(f"{key} {value!r}: {what}") from None
+
+
+def _group_name(request: Request) -> str:
+    return _path_name(
+        request,
+        "name",
+        wire.GroupName,
+        "use letters, digits, '.', '_' and '-' (at most 64, starting with a letter or digit)",
+    )
+
+
+async def list_groups(request: Request) -> Response:
+    await auth.admin(request)
+    return reply([_group(g) for g in await db.groups(request.app.state.pool)])
+
+
+async def put_group(request: Request) -> Response:
+    await auth.admin(request)
+    name = _group_name(request)
+    quota = await body(request, wire.GroupQuota)
+    pool = request.app.state.pool
+    await db.set_group(pool, name, quota.guaranteed_gpus, quota.borrow_limit_gpus)
+    [row] = [g for g in await db.groups(pool) if g.name == name]
+    return reply(_group(row))
+
+
+async def put_user_group(request: Request) -> Response:
+    await auth.admin(request)
+    user = _path_name(request, "name", wire.Name, "not a user name")
+    req = await body(request, wire.UserGroup)
+    pool = request.app.state.pool
+    if not await db.group_exists(pool, req.group):
+        raise Unprocessable(
+            f"no group {req.group!r}: create it first (PUT /v1/admin/groups/{req.group})"
+        )
+    if not await db.set_user_group(pool, user, req.group):
+        raise NotFound(f"no user {user!r}")
+    return Response(status_code=204)
+
+
+async def usage(request: Request) -> Response:
+    await auth.admin(request)
+    days = int_param(request, "days", default=30)
+    if not 1 <= days <= MAX_USAGE_DAYS:
+        raise Unprocessable(f"days must be between 1 and {MAX_USAGE_DAYS}, got {days}")
+    rows = await db.usage(request.app.state.pool, days)
+    return reply(
+        [
+            wire.UsageEntry(user=r.user, group=r.group, gpu_seconds=r.gpu_seconds, calls=r.calls)
+            for r in rows
+        ]
+    )
+
+
+ROUTES = [
+    Route("/v1/admin/groups", list_groups, methods=["GET"]),
+    Route("/v1/admin/groups/{name}", put_group, methods=["PUT"]),
+    Route("/v1/admin/users/{name}/group", put_user_group, methods=["PUT"]),
+    Route("/v1/admin/usage", usage, methods=["GET"]),
+]

@@ -1,0 +1,204 @@
+"""The fair scheduler live: a group gets its guarantee back by preempting borrowed work
+(which is queued again and completes), calls that can never fit are refused at submission
+with the reason, a waiting call says why, usage is accounted, and admins manage quotas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import sdk
+from bulletin import admin
+from tests.conftest import Cluster, running, wait_until
+
+
+@pytest.fixture
+def fair(database_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """A gateway with the fair policy and a 1 s preemption grace; no nodelet yet."""
+    options = {"scheduler-policy": "fair", "preemption-grace-s": "1"}
+    with running(Cluster(database_url, tmp_path), request, options=options) as cluster:
+        yield cluster
+
+
+def hold(directory: str, name: str) -> str:
+    """Runs until ``directory/release`` exists; a SIGTERM (a preemption notice) is noted in
+    ``directory/<name>.notice`` and ends the call as Python's default would."""
+    import os
+    import signal
+    import sys
+    import time
+
+    def notice(signum: int, frame: object) -> None:
+        with open(os.path.join(directory, f"{name}.notice"), "a") as file:
+            file.write("SIGTERM\n")
+        sys.exit(1)
+
+    signal.signal(signal.SIGTERM, notice)
+    open(os.path.join(directory, f"{name}.started"), "a").close()
+    while not os.path.exists(os.path.join(directory, "release")):
+        time.sleep(0.05)
+    return f"{name} done"
+
+
+def quick(tag: str) -> str:
+    return f"{tag} ran"
+
+
+def test_a_group_gets_its_guarantee_back_by_preempting_borrowed_work(
+    fair: Cluster, tmp_path: Path
+) -> None:
+    fair.set_group("vision", 1)
+    fair.set_group("nlp", 1)
+    alice = fair.add_user("alice", group="vision")
+    bob = fair.add_user("bob", group="nlp")
+    fair.start_nodelet(fake_gpus=2)
+    gpu_hold = sdk.function(gpus=1, max_retries=0)(hold)
+    sdk.connect(fair.url, alice)
+    first = gpu_hold.spawn(str(tmp_path), "first")
+    wait_until(lambda: (tmp_path / "first.started").exists(), 30, "alice's first call to start")
+    second = gpu_hold.spawn(str(tmp_path), "second")  # over vision's guarantee: borrowed
+    wait_until(lambda: (tmp_path / "second.started").exists(), 30, "alice's borrowed call")
+
+    sdk.connect(fair.url, bob)  # alice's calls keep their own client
+    bobs = sdk.function(gpus=1)(quick).spawn("bob")
+    assert bobs.result(timeout=60) == "bob ran", "nlp got its guaranteed GPU back"
+    assert (tmp_path / "second.notice").read_text() == "SIGTERM\n", "the youngest got notice"
+    assert not (tmp_path / "first.notice").exists(), "work within the guarantee is not touched"
+    status = second.status()
+    assert status.preemptions == 1
+    assert first.status() == "running" and first.status().preemptions == 0
+
+    (tmp_path / "release").touch()
+    assert first.result(timeout=60) == "first done"
+    assert second.result(timeout=60) == "second done", "the preempted call ran again"
+    assert second.info().attempts == 1, "a preemption does not use up a retry"
+    gateway_log = (fair.dir / "gateway.log").read_text()
+    assert f"preempting {second.id}" in gateway_log
+
+
+def test_calls_that_can_never_fit_are_refused_with_the_reason(fair: Cluster) -> None:
+    fair.set_group("small", 1, borrow_limit=0)
+    sdk.connect(fair.url, fair.add_user("carol", group="small"))
+    fair.start_nodelet(fake_gpus=2)
+    wait_until(lambda: "registered" in (fair.dir / "node-a.log").read_text(), 30, "the node")
+    cases = [
+        (sdk.function(gpus=2)(quick), "group small may hold at most 1"),
+        (sdk.function(gpus=1, gpu="A100")(quick), "no node has A100 GPUs; models here: Fake"),
+        (sdk.function(gpus=1, gpu_memory_gb=64)(quick), "with at least 65536 MiB"),
+    ]
+    for fn, reason in cases:
+        with pytest.raises(sdk.InvalidRequest, match=reason):
+            fn("x")
+    sdk.connect(fair.url, fair.token)  # alice, in 'default': no quota ceiling
+    with pytest.raises(sdk.InvalidRequest, match=r"the largest node has 2"):
+        sdk.function(gpus=3)(quick)("x")
+    assert sdk.function(gpus=1, gpu="Fake", gpu_memory_gb=16)(quick)("y") == "y ran"
+
+
+def test_only_administrators_raise_a_calls_priority(fair: Cluster) -> None:
+    fair.start_nodelet(fake_gpus=1)
+    sdk.connect(fair.url, fair.token)
+    with pytest.raises(sdk.InvalidRequest, match="only administrators may raise a call's prio"):
+        sdk.function(priority=5)(quick)("x")
+    assert sdk.function(priority=-5)(quick)("nice") == "nice ran"
+    sdk.connect(fair.url, fair.add_user("root", is_admin=True))
+    urgent = sdk.function(priority=5)(quick).spawn("urgent")
+    assert urgent.result(timeout=30) == "urgent ran" and urgent.info().priority == 5
+
+
+def test_a_waiting_call_says_where_it_stands_and_why(fair: Cluster, tmp_path: Path) -> None:
+    fair.start_nodelet(fake_gpus=2)
+    sdk.connect(fair.url, fair.token)
+    gpu_hold = sdk.function(gpus=2)(hold)
+    holding = gpu_hold.spawn(str(tmp_path), "all")
+    wait_until(lambda: (tmp_path / "all.started").exists(), 30, "the call holding both GPUs")
+    waiting = sdk.function(gpus=1)(quick).spawn("later")
+    wait_until(lambda: waiting.status().position is not None, 30, "the scheduler's explanation")
+    status = waiting.status()
+    assert status == "queued" and status.position == 1
+    assert status.reason and "GPU" in status.reason
+    assert "position 1" in repr(status)
+    (tmp_path / "release").touch()
+    assert holding.result(timeout=30) == "all done"
+    assert waiting.result(timeout=30) == "later ran"
+    assert waiting.status().position is None
+
+
+def test_usage_is_accounted_per_user_and_group(fair: Cluster, tmp_path: Path) -> None:
+    fair.set_group("vision", 2)
+    sdk.connect(fair.url, fair.add_user("dave", group="vision"))
+    fair.start_nodelet(fake_gpus=2)
+
+    @sdk.function(gpus=2)
+    def busy(seconds: float) -> None:
+        time.sleep(seconds)
+
+    busy(2.0)
+    rows: list[admin.db.UsageRow] = []
+
+    def accounted() -> bool:
+        rows[:] = asyncio.run(admin.usage(fair.database_url, 1))
+        return any(r.user == "dave" and r.calls == 1 for r in rows)
+
+    wait_until(accounted, 10, "the leader to accrue dave's usage")
+    [dave] = [r for r in rows if r.user == "dave"]
+    assert dave.group == "vision"
+    assert 2 * 2.0 <= dave.gpu_seconds < 2 * 2.0 + 2 * 3, "2 GPUs for about 2 s"
+
+
+def test_admins_manage_groups_over_http(fair: Cluster) -> None:
+    root = httpx.Client(
+        base_url=fair.url,
+        headers={"Authorization": f"Bearer {fair.add_user('root', is_admin=True)}"},
+    )
+    user = httpx.Client(base_url=fair.url, headers={"Authorization": f"Bearer {fair.token}"})
+    assert user.get("/v1/admin/groups").status_code == 403
+    assert user.put("/v1/admin/groups/x", json={"guaranteed_gpus": 1}).status_code == 403
+    r = root.put("/v1/admin/groups/vision", json={"guaranteed_gpus": 8, "borrow_limit_gpus": 16})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"name": "vision", "guaranteed_gpus": 8, "borrow_limit_gpus": 16, "users": 0}
+    assert root.put("/v1/admin/users/alice/group", json={"group": "vision"}).status_code == 204
+    groups = {g["name"]: g for g in root.get("/v1/admin/groups").json()}
+    assert groups["vision"]["users"] == 1 and groups["default"]["guaranteed_gpus"] == 0
+    bad = [
+        root.put("/v1/admin/groups/bad name", json={"guaranteed_gpus": 1}),
+        root.put("/v1/admin/groups/v", json={"guaranteed_gpus": -1}),
+        root.put("/v1/admin/users/alice/group", json={"group": "nope"}),
+        root.get("/v1/admin/usage", params={"days": 0}),
+    ]
+    assert [r.status_code for r in bad] == [422, 422, 422, 422], [r.text for r in bad]
+    assert "create it first" in bad[2].json()["detail"]
+    assert root.put("/v1/admin/users/nobody/group", json={"group": "vision"}).status_code == 404
+    assert root.get("/v1/admin/usage").json() == []
+
+
+def _http(url: str, token: str) -> httpx.Client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"})
+
+
+def test_a_call_prefers_a_node_where_its_function_is_warm(fair: Cluster, tmp_path: Path) -> None:
+    # node-a, registered first, comes first among equals; a blocker keeps it busy while
+    # `quick` first runs, on node-b.
+    fair.start_nodelet("node-a", fake_gpus=1)
+    sdk.connect(fair.url, fair.token)
+    blocker = sdk.function(gpus=1)(hold).spawn(str(tmp_path), "blocker")
+    wait_until(lambda: (tmp_path / "blocker.started").exists(), 30, "the blocker to start")
+    fair.start_nodelet("node-b", fake_gpus=1)
+    where = sdk.function(gpus=1)(quick)
+    first = where.spawn("first")
+    assert first.result(timeout=30) == "first ran"
+    (tmp_path / "release").touch()
+    assert blocker.result(timeout=30) == "blocker done"
+    assert (blocker.info().node, first.info().node) == ("node-a", "node-b")
+    # Both nodes are free and equal now; the one where `quick` is warm wins once its
+    # heartbeat (every 0.5 s here) has reported it.
+    time.sleep(2)
+    second = where.spawn("second")
+    assert second.result(timeout=30) == "second ran"
+    assert second.info().node == "node-b"
+    assert second.info().timeline.warm
