@@ -16,12 +16,13 @@ Quick example::
     call = train_step.spawn(21)          # returns at once; call.result() waits
     list(train_step.map(range(10)))      # one call per item, results in order
     sdk.Call.from_id(call.id).result()   # re-attach, e.g. after a kernel restart
+    call.status()                        # 'queued', and while it waits: where and why
 
 Errors are described in ``sdk.errors``; an exception raised by the remote function is
 re-raised here with its own type and the remote traceback.
 """
 
-from sdk.call import Call
+from sdk.call import Call, Status
 from sdk.client import Client
 from sdk.config import connect
 from sdk.errors import (
@@ -66,6 +67,7 @@ __all__ = [
     "SerializationError",
     "StateSyncWarning",
     "StateTooLarge",
+    "Status",
     "VersionSkewError",
     "WorkerDiedError",
     "connect",
