@@ -11,12 +11,11 @@ from scheduler import Quota, policies, replay, traces
 from scheduler.replay import Cluster, Simulator
 from scheduler.traces import Job, TraceError
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-TIRESIAS = TRACES / "tiresias_60_job.csv"
+#: A copy of the shared traces' Tiresias 60-job file (tests/data/traces/README.md).
+TIRESIAS = Path(__file__).resolve().parents[1] / "data" / "traces" / "tiresias_60_job.csv"
 KEYS = {"avg_jct_s", "p50_jct_s", "p99_jct_s", "avg_queue_s", "p99_queue_s", "utilization",
         "jain_fairness", "preemptions", "wall_s"}  # fmt: skip
 
-needs_traces = pytest.mark.skipif(not TIRESIAS.exists(), reason="shared traces not present")
 
 
 def write(tmp_path: Path, name: str, text: str) -> str:
@@ -39,7 +38,6 @@ def simulate(
     return sim
 
 
-@needs_traces
 @pytest.mark.parametrize("policy", ["fifo", "fair"])
 def test_the_tiresias_trace_replays_deterministically(policy: str) -> None:
     jobs = traces.read(TIRESIAS)
@@ -52,7 +50,6 @@ def test_the_tiresias_trace_replays_deterministically(policy: str) -> None:
         assert sim.started[i] >= job.submit
 
 
-@needs_traces
 def test_the_command_line_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> None:
     code = replay.main([str(TIRESIAS), "--policy", "fair", "--nodes", "2",
                         "--gpus-per-node", "4", "--format", "json"])  # fmt: skip

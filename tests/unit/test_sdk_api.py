@@ -24,6 +24,7 @@ def test_all_is_pinned() -> None:
         "SerializationError",
         "StateSyncWarning",
         "StateTooLarge",
+        "Status",
         "VersionSkewError",
         "WorkerDiedError",
         "connect",
