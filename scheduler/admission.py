@@ -1,7 +1,9 @@
 """Submit-time rejection: calls that can never run on this cluster, with the reason.
 
 Looks at every node, draining ones included (draining is temporary), and at the group's quota
-ceiling. A cluster with no nodes rejects nothing: nodes may still register.
+ceiling: a call bigger than any node runs on whole nodes and holds all their GPUs, so it can
+never run if the fewest whole nodes that hold it have more GPUs than its group may hold.
+A cluster with no nodes rejects nothing: nodes may still register.
 """
 
 from __future__ import annotations
@@ -36,13 +38,24 @@ def never_fits(
         return f"no node has {_what(call)}; models here: {_models(nodes)}"
     if call.gpus <= largest:
         return None
-    whole = sum(len(n.gpus) for n in nodes if placement.whole_node_ok(n, call))
-    if call.gpus <= whole:
-        return None
-    return (
-        f"needs {call.gpus} {_what(call)} but the largest node has {largest} and whole nodes "
-        f"add up to {whole}; ask for at most {max(largest, whole)}"
-    )
+    sizes = sorted((len(n.gpus) for n in nodes if placement.whole_node_ok(n, call)), reverse=True)
+    whole = sum(sizes)
+    if call.gpus > whole:
+        return (
+            f"needs {call.gpus} {_what(call)} but the largest node has {largest} and whole "
+            f"nodes add up to {whole}; ask for at most {max(largest, whole)}"
+        )
+    picked = placement.fewest_whole(sizes, call.gpus) or []
+    taking = sum(sizes[i] for i in picked)
+    if taking > quota.ceiling:  # a gang holds every GPU of its whole nodes
+        return (
+            f"needs {call.gpus} {_what(call)}, more than any node has, so it runs on whole "
+            f"nodes, and the fewest whole nodes that hold it have {taking} GPUs; group "
+            f"{call.group or '(none)'} may hold at most {quota.ceiling:g} (guarantee "
+            f"{quota.guaranteed} + borrowing limit {quota.borrow_limit}); ask for at most "
+            f"{largest} (one node), or ask an admin to raise the quota"
+        )
+    return None
 
 
 def _qualifying(node: NodeCapacity, call: Pending) -> int:

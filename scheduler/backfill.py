@@ -84,15 +84,19 @@ def releases(
 
 
 def reserve(
-    call: Pending, cap: Capacity, snapshot: Snapshot, rel: dict[int, list[Release]]
+    call: Pending,
+    cap: Capacity,
+    snapshot: Snapshot,
+    rel: dict[int, list[Release]],
+    limit: float = math.inf,
 ) -> Reservation | None:
     """Reserve the earliest room for ``call`` and withdraw it from ``cap``; None if the call
     can never fit on these nodes as far as the running calls' ends tell. ``rel`` comes from
-    :func:`releases`."""
+    :func:`releases`; whole nodes for a gang add up to no more than ``limit`` GPUs."""
     if call.gpus == 0:
         return None
     if call.gpus > cap.largest_for(call):
-        found = _whole_nodes(call, cap, snapshot, rel)
+        found = _whole_nodes(call, cap, snapshot, rel, limit)
     else:
         found = _one_node(call, cap, snapshot, rel)
     if found is None or found.start == math.inf:
@@ -127,7 +131,11 @@ def _one_node(
 
 
 def _whole_nodes(
-    call: Pending, cap: Capacity, snapshot: Snapshot, rel: dict[int, list[Release]]
+    call: Pending,
+    cap: Capacity,
+    snapshot: Snapshot,
+    rel: dict[int, list[Release]],
+    limit: float,
 ) -> Reservation | None:
     ready = sorted(
         (max((end for end, _ in rel.get(n.node_id, ())), default=snapshot.now), order, n)
@@ -135,10 +143,14 @@ def _whole_nodes(
         if placement.whole_node_ok(n, call)
     )
     total = 0
-    for i, (start, _, node) in enumerate(ready):
+    chosen: list[int] = []
+    for start, _, node in ready:
+        if total + len(node.gpus) > limit:
+            continue  # the gang would hold more GPUs than its group may
         total += len(node.gpus)
+        chosen.append(node.node_id)
         if total >= call.gpus:
-            return Reservation(call.id, start, {n.node_id: 0 for _, _, n in ready[: i + 1]})
+            return Reservation(call.id, start, dict.fromkeys(chosen, 0))
     return None
 
 

@@ -11,6 +11,7 @@ that failed to fit is remembered and larger ones of the same kind fail at once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from scheduler import placement
@@ -223,8 +224,10 @@ class Capacity:
 
     # ------------------------------------------------------------------ placement
 
-    def place(self, call: Pending) -> tuple[Part, ...] | None:
-        """Find room for the whole call and take it; None if it does not fit now."""
+    def place(self, call: Pending, limit: float = math.inf) -> tuple[Part, ...] | None:
+        """Find room for the whole call and take it; None if it does not fit now, or if it
+        would take more than ``limit`` GPUs (a gang on whole nodes takes all their GPUs, which
+        may be more than it asks for: see :meth:`find_whole`)."""
         n = call.gpus
         if n == 0:
             state = self._find_cpu(call)
@@ -234,7 +237,7 @@ class Capacity:
             return (Part(state.node.node_id, ()),)
         whole = n > (self.largest if plain_call(call) else self.largest_for(call))
         key = (call.gpu_model, call.min_memory_mib, whole)
-        if n > self.free_gpus or n >= self._failed.get(key, n + 1):
+        if n > limit or n > self.free_gpus or n >= self._failed.get(key, n + 1):
             return None
         if not whole:
             choice = self.find(call)
@@ -244,6 +247,8 @@ class Capacity:
         if choices is None:
             self._failed[key] = n
             return None
+        if sum(len(gpus) for _, gpus in choices) > limit:
+            return None  # fits, but not within the limit (another call's may be higher)
         for state, gpus in choices:
             self.take(state, gpus)
         return tuple(Part(s.node.node_id, gpus) for s, gpus in choices)
@@ -276,16 +281,21 @@ class Capacity:
         return state, placement.choose(state.node, free, n)[0]
 
     def find_whole(self, call: Pending) -> list[Choice] | None:
-        """Whole free nodes adding up to the call's GPUs, largest first; None if too few."""
+        """Whole free nodes for a gang: the fewest GPUs at or above the call's, then the
+        fewest nodes, largest first (:func:`scheduler.placement.fewest_whole`); None if too
+        few. Several sets may hold the call: 12 GPUs fit on two free 8-GPU nodes (16) or on
+        an 8 and a 4 (12), and the gang takes every GPU of its nodes, so the second is what
+        it gets: no GPU is held idle, and its group is charged no more than needed."""
         nodes = sorted(self.whole_free(call), key=lambda s: (-len(s.free), s.order))
-        chosen: list[Choice] = []
-        total = 0
-        for state in nodes:
-            if total >= call.gpus:
-                break
-            chosen.append((state, tuple(state.free)))
-            total += len(state.free)
-        return chosen if total >= call.gpus else None
+        picked = placement.fewest_whole([len(s.free) for s in nodes], call.gpus)
+        if picked is None:
+            return None
+        return [(nodes[i], tuple(nodes[i].free)) for i in picked]
+
+    def whole_gpus(self, call: Pending) -> int | None:
+        """GPUs the gang would take on the whole nodes free now; None if they are too few."""
+        choices = self.find_whole(call)
+        return None if choices is None else sum(len(gpus) for _, gpus in choices)
 
     def warm_nodes(self, call: Pending) -> list[NodeState]:
         if not call.function or not self.warm:

@@ -39,7 +39,7 @@ from scheduler.model import (
     Snapshot,
 )
 from scheduler.quotas import Book
-from scheduler.reasons import Why, note, shortfall, starting
+from scheduler.reasons import Why, ahead, note, shortfall, starting
 from scheduler.reclaim import Reclaim, Reclaimer
 
 
@@ -99,8 +99,10 @@ class _Round:
         note(self.why, call, self.pos.get(call.id, 0), str, reason)
 
     def place(self, call: Pending) -> tuple[Part, ...] | None:
-        """Room for the call now: outside any reservation, or inside if it cannot delay it."""
-        parts = self.cap.place(call)
+        """Room for the call now: outside any reservation, or inside if it cannot delay it;
+        never more GPUs than its group may still take (a gang's whole nodes may hold more
+        than it asks for)."""
+        parts = self.cap.place(call, self.book.room(call.group))
         if parts is None and self.held is not None:
             choice = self.held.admit(call, self.cap, self.snapshot.now)
             if choice is not None:
@@ -108,8 +110,10 @@ class _Round:
         return parts
 
     def start(self, call: Pending, parts: tuple[Part, ...]) -> None:
-        borrowed = call.gpus > 0 and not self.book.nominal(call)
-        self.book.add(call.group, sum(len(p.gpu_indices) for p in parts))
+        taken = sum(len(p.gpu_indices) for p in parts)
+        quota = self.book.quota(call.group)
+        borrowed = taken > 0 and self.book.used[call.group] + taken > quota.guaranteed
+        self.book.add(call.group, taken)
         self.out.append(Decision.of(call.id, parts, borrowed))
         self.done.add(call.id)
         if self.why is not None:
@@ -123,11 +127,13 @@ class _Round:
                 continue
             if now - call.submit_time < after_s or not self.book.within_ceiling(call):
                 continue
-            parts = self.cap.place(call)
+            room = self.book.room(call.group)
+            parts = self.cap.place(call, room)
             if parts is not None:
                 self.start(call, parts)
                 continue  # the next starving call may need a reservation
-            self.held = reserve(call, self.cap, self.snapshot, releases(self.snapshot, []))
+            rel = releases(self.snapshot, [])
+            self.held = reserve(call, self.cap, self.snapshot, rel, limit=room)
             if self.held is not None:
                 self.done.add(call.id)
                 if self.why is not None:
@@ -161,13 +167,13 @@ class _Round:
                     note(self.why, call, self.pos.get(call.id, 0), _later, call, self.cap)
                     continue
                 can = self.policy.reclaim and shape not in stuck and book.any_borrowing()
-                found = reclaimer.reclaim(call) if can else None
+                found = reclaimer.reclaim(call, book.room(group)) if can else None
                 if found is None:
                     stuck.add(shape)
                     note(self.why, call, self.pos.get(call.id, 0), _unreclaimable, call, self.cap)
                     continue
                 reclaims += bool(found.victims)
-                book.add(group, call.gpus)  # promised: that much of its guarantee is spoken for
+                book.add(group, found.gpus)  # promised: that much of its quota is spoken for
                 reason = (
                     f"reclaimed for group {group} (within its guarantee of {guaranteed} GPUs) "
                     f"by call {call.id}"
@@ -192,9 +198,18 @@ class _Round:
             parts = self.place(call)
             if parts is None:
                 pos = self.pos.get(call.id, 0)
-                note(self.why, call, pos, _borrowing, call, cap, pos)
+                note(self.why, call, pos, self.waiting, call, pos)
                 continue
             self.start(call, parts)
+
+    def waiting(self, call: Pending, pos: int) -> str:
+        """Why a borrower did not start: no room, or its gang's whole nodes would take its
+        group past the ceiling."""
+        if call.gpus > self.cap.largest_for(call):
+            taking = self.cap.whole_gpus(call)
+            if taking is not None and taking > self.book.room(call.group):
+                return self.book.ceiling_reason(call, taking)
+        return _borrowing(call, self.cap, pos)
 
 
 def _unreclaimable(call: Pending, cap: Capacity) -> str:
@@ -213,4 +228,4 @@ def _reclaiming(found: Reclaim) -> str:
 
 
 def _borrowing(call: Pending, cap: Capacity, pos: int) -> str:
-    return f"{shortfall(call, cap)}; borrowing, behind {pos - 1} calls in fair-share order"
+    return f"{shortfall(call, cap)}; borrowing, {ahead(pos - 1)} in fair-share order"

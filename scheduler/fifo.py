@@ -33,7 +33,7 @@ class Fifo:
         out = Plan()
         order = queue_order(snapshot.pending)
         if cap.exhausted():  # nothing to place, nothing worth reserving
-            rest(why, order, 1, "no free GPU; behind {ahead} earlier calls")
+            rest(why, order, 1, "no free GPU; {ahead}")
             return out
         now = snapshot.now
         held: Reservation | None = None
@@ -43,12 +43,12 @@ class Fifo:
         examined = 0
         for pos, call in enumerate(order, 1):
             if cap.exhausted() and (held is None or not held.open(cap)):
-                rest(why, order, pos, "no free GPU; behind {ahead} earlier calls")
+                rest(why, order, pos, "no free GPU; {ahead}")
                 break
             if held is not None:
                 examined += 1
                 if self.max_backfill is not None and examined > self.max_backfill:
-                    rest(why, order, pos, "behind {ahead} earlier calls (backfill depth)")
+                    rest(why, order, pos, "{ahead} (past the backfill depth)")
                     break
             parts = cap.place(call)
             if parts is None and held is not None:

@@ -103,3 +103,44 @@ def whole_node_ok(node: NodeCapacity, call: Pending) -> bool:
     """Whether a node may be one of a multi-node gang's whole nodes: known size, all GPUs
     qualify."""
     return bool(node.gpus) and all(gpu_ok(g, call) for g in node.gpus)
+
+
+def fewest_whole(sizes: Sequence[int], n: int) -> list[int] | None:
+    """Which whole nodes (given by their sizes, best first) a gang of ``n`` GPUs gets: those
+    adding up to the fewest GPUs at or above ``n`` (a gang holds every GPU of its nodes, so
+    this is the least it can take), then the fewest nodes, then the earliest in the list.
+    Indices into ``sizes``, in order; None if all of them add up to fewer than ``n``."""
+    if n <= 0:
+        return []
+    if sum(sizes) < n:
+        return None
+    by_size: dict[int, list[int]] = defaultdict(list)
+    for i, size in enumerate(sizes):
+        if size > 0:
+            by_size[size].append(i)
+    kinds = sorted(by_size, reverse=True)
+    if len(kinds) == 1:
+        s = kinds[0]
+        return by_size[s][: -(-n // s)]
+    # Some set totals under n + the largest size (adding nodes until n is reached overshoots
+    # by less than the last one), so totals past that need not be looked at.
+    top = n + kinds[0] - 1
+    never = len(sizes) + 1
+    fewest = [0] + [never] * top  # fewest nodes adding up to exactly t, with the kinds so far
+    steps: list[list[int]] = []  # per kind: how many of its nodes that uses, per total
+    for s in kinds:
+        most = len(by_size[s])
+        now, step = fewest[:], [0] * (top + 1)
+        for t in range(s, top + 1):
+            for j in range(1, min(most, t // s) + 1):
+                if fewest[t - j * s] + j < now[t]:
+                    now[t], step[t] = fewest[t - j * s] + j, j
+        fewest = now
+        steps.append(step)
+    total = next(t for t in range(n, top + 1) if fewest[t] < never)
+    chosen: list[int] = []
+    for s, step in zip(reversed(kinds), reversed(steps), strict=True):
+        j = step[total]
+        chosen.extend(by_size[s][:j])
+        total -= j * s
+    return sorted(chosen)

@@ -39,7 +39,13 @@ class Book:
         return self.used[call.group] + call.gpus <= self.quota(call.group).guaranteed
 
     def within_ceiling(self, call: Pending) -> bool:
+        """Whether the call's request fits under its group's ceiling (a gang on whole nodes
+        may take more than it asks for: place it within :meth:`room`)."""
         return self.used[call.group] + call.gpus <= self.quota(call.group).ceiling
+
+    def room(self, group: str) -> float:
+        """The most GPUs the group may still take (inf: no ceiling)."""
+        return self.quota(group).ceiling - self.used[group]
 
     def borrowing(self, group: str) -> bool:
         """Whether the group holds more than its guarantee (so some of it is reclaimable)."""
@@ -51,10 +57,13 @@ class Book:
     def add(self, group: str, gpus: int) -> None:
         self.used[group] += gpus
 
-    def ceiling_reason(self, call: Pending) -> str:
+    def ceiling_reason(self, call: Pending, taking: int | None = None) -> str:
+        """Why the call would pass its group's ceiling; ``taking``: the GPUs its whole nodes
+        would take, when more than it asks for."""
         quota = self.quota(call.group)
+        nodes = "" if taking is None else f"; the whole nodes free for it would take {taking}"
         return (
             f"group {call.group or '(none)'} is at its quota ceiling: it holds "
             f"{self.used[call.group]} of at most {quota.ceiling:g} GPUs "
-            f"(guarantee {quota.guaranteed} + borrowing limit {quota.borrow_limit})"
+            f"(guarantee {quota.guaranteed} + borrowing limit {quota.borrow_limit}){nodes}"
         )

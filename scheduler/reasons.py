@@ -28,23 +28,42 @@ def note(
 
 
 def rest(why: Why | None, order: Sequence[Pending], pos: int, reason: str) -> None:
-    """Record ``reason`` (with ``{ahead}`` filled in) for ``order[pos - 1:]``."""
+    """Record ``reason`` (with ``{ahead}`` filled in: "behind 2 earlier calls") for
+    ``order[pos - 1:]``."""
     if why is not None:
         for i, call in enumerate(order[pos - 1 :], pos):
-            why[call.id] = (i, reason.format(ahead=i - 1))
+            why[call.id] = (i, reason.format(ahead=ahead(i - 1, "earlier calls")))
 
 
 def shortfall(call: Pending, cap: Capacity) -> str:
     """Why ``call`` does not fit in what ``cap`` has left."""
     if call.gpus == 0:
         return "waiting for a free CPU slot"
-    what = f"{call.gpu_model} GPUs" if call.gpu_model else "GPUs"
+    what = gpus(call.gpus, call.gpu_model)
     if call.min_memory_mib:
         what += f" with at least {call.min_memory_mib} MiB"
     if call.gpus > cap.largest_for(call):
-        whole = cap.whole_free(call)
-        return f"waiting for {call.gpus} {what} on whole nodes; {len(whole)} whole nodes free"
-    return f"waiting for {call.gpus} {what} on one node; {cap.most_free(call)} free at most"
+        whole = len(cap.whole_free(call))
+        return f"waiting for {what} on whole nodes; {plural(whole, 'whole node')} free"
+    most = cap.most_free(call)
+    free = "none free" if most == 0 else f"{most} free at most"
+    return f"waiting for {what} on one node; {free}"
+
+
+def plural(n: int, thing: str) -> str:
+    return f"{n} {thing}" + ("" if n == 1 else "s")
+
+
+def gpus(n: int, model: str | None = None) -> str:
+    """``1 GPU``, ``4 A100 GPUs``."""
+    return plural(n, f"{model} GPU" if model else "GPU")
+
+
+def ahead(n: int, what: str = "calls") -> str:
+    """Where a call stands: ``next``, ``behind 1 call``, ``behind 3 calls``."""
+    if n == 0:
+        return "next in line"
+    return f"behind {n} {what[:-1] if n == 1 else what}"
 
 
 def starting(parts: tuple[Part, ...], how: str = "") -> str:

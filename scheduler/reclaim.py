@@ -6,7 +6,8 @@ anyone's guarantee). Candidates are taken youngest first (those flagged borrowed
 rest), and only as many as make the call fit: for a single-node call, walking the candidates
 in that order, the first node whose free GPUs plus its candidates so far hold the call wins,
 with those candidates as victims. A multi-node gang clears the whole nodes needing the fewest
-victims. GPUs of calls already stopping count as free, so a round never preempts twice for the
+victims, leaving out nodes that would take its group past its ceiling (a gang holds every GPU
+of its nodes). GPUs of calls already stopping count as free, so a round never preempts twice for the
 same need. The chosen nodes are withdrawn from the round's index, so borrowers cannot take
 the room back before the reclaiming call starts; later reclaims may still use what is left
 there beyond the GPUs promised.
@@ -15,6 +16,7 @@ there beyond the GPUs promised.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -28,6 +30,8 @@ from scheduler.quotas import Book
 class Reclaim:
     node_ids: list[int]
     victims: list[Running] = field(default_factory=list)
+    #: GPUs the call will take there: all of its nodes' for a gang on whole nodes.
+    gpus: int = 0
 
 
 @dataclass(slots=True)
@@ -84,16 +88,21 @@ class Reclaimer:
             key=lambda r: (not r.borrowed, -r.start_time),
         )
 
-    def reclaim(self, call: Pending) -> Reclaim | None:
-        """Pick room for ``call`` (victims possibly none), withdraw it, charge the groups."""
-        if call.gpus == 0:
+    def reclaim(self, call: Pending, limit: float = math.inf) -> Reclaim | None:
+        """Pick room for ``call`` (victims possibly none), withdraw it, charge the groups;
+        the room holds at most ``limit`` GPUs (what the call's group may still take)."""
+        if call.gpus == 0 or call.gpus > limit:
             return None
         if not self._ready:
             self._prepare()
         if call.gpus > self.cap.largest_for(call):
-            found = self._whole_nodes(call)
+            found = self._whole_nodes(call, limit)
+            if found is not None:
+                found.gpus = sum(len(self._nodes[i].gpus) for i in found.node_ids)
         else:
             found = self._one_node(call)
+            if found is not None:
+                found.gpus = call.gpus
         if found is None:
             return None
         for victim in found.victims:
@@ -255,8 +264,9 @@ class Reclaimer:
         """Could still be picked this round (not chosen, its group still borrows)."""
         return run.id not in self.chosen and self._pickable(run, 0)
 
-    def _whole_nodes(self, call: Pending) -> Reclaim | None:
-        """Whole nodes to clear for a gang, those with the fewest calls on them first."""
+    def _whole_nodes(self, call: Pending, limit: float) -> Reclaim | None:
+        """Whole nodes to clear for a gang, those with the fewest calls on them first, adding
+        up to no more than ``limit`` GPUs."""
         if self._clearable is None:
             self._clearable = []
             for order, each in enumerate(self.snapshot.nodes):
@@ -271,6 +281,8 @@ class Reclaimer:
             node = self._node(option.node_id, call, whole=True)
             if node is None or any(r.id in self.chosen for r in runs):
                 continue
+            if total + len(node.gpus) > limit:
+                continue  # the gang would take its group past its ceiling
             after = defaultdict(int, released)
             for run in runs:
                 if run.group == call.group or not self._pickable(run, after[run.group]):

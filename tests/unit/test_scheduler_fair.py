@@ -178,3 +178,59 @@ def test_the_starvation_guard_reserves_room_for_a_long_waiting_big_call() -> Non
     guarded = Fair(starve_after_s=600)
     assert plan(snap, guarded) == []
     assert "reserved for it" in explain(snap, guarded)["big"][1]
+
+
+def gang_cluster(busy_small: bool) -> list[NodeCapacity]:
+    """Two free 8-GPU nodes and a 4-GPU node, busy (group b holds it) or free."""
+    return [
+        node(1, [0, 1, 2, 3, 4, 5, 6, 7], size=8),
+        node(2, [0, 1, 2, 3, 4, 5, 6, 7], size=8),
+        node(3, [] if busy_small else [0, 1, 2, 3]),
+    ]
+
+
+def test_a_gang_takes_the_fewest_whole_gpus_and_never_passes_its_ceiling() -> None:
+    # The case hypothesis found: group a holds 1 of at most 13 GPUs and asks for 12, more than
+    # any node has. Two whole 8-GPU nodes would give it 16 (a at 17); an 8 and a 4 give 12.
+    nodes = [node(0, [], size=4), *gang_cluster(busy_small=False)]
+    running = [
+        run("a0", 0, (0,), "a", start=0, borrowed=False, preemptible=False),
+        run("gone", 0, (1, 2, 3), "a", start=0, preempting=True),
+    ]
+    quotas = {"a": Quota(0, 13)}
+    snap = Snapshot(nodes, [Pending("g", 12, group="a")], running, quotas=quotas, now=50)
+    (d,) = plan(snap, "fair")
+    assert [(p.node_id, len(p.gpu_indices)) for p in d.parts] == [(1, 8), (3, 4)]
+    assert d.borrowed
+    # With the 4-GPU node busy, only 16 GPUs would do: the gang waits, and says why.
+    running.append(run("b0", 3, (0, 1, 2, 3), "b", start=0))
+    snap = Snapshot([*nodes[:3], node(3, [])], [Pending("g", 12, group="a")], running,
+                    quotas=quotas, now=50)  # fmt: skip
+    assert list(plan(snap, "fair")) == []
+    reason = explain(snap, "fair")["g"][1]
+    assert "quota ceiling" in reason and "would take 16" in reason
+    assert list(plan(snap, Fair(starve_after_s=0))) == []  # nor does the guard bend it
+
+
+def test_a_gang_within_its_guarantee_reclaims_whole_nodes_within_its_ceiling() -> None:
+    # a may hold 13; the free 8-GPU nodes alone would give its 12-GPU gang 16, so reclaim
+    # clears the 4-GPU node b borrows instead, and a's book is charged the 12 it will take.
+    running = [run("b0", 3, (0, 1, 2, 3), "b", start=0)]
+    quotas = {"a": Quota(12, 1), "b": Quota(0)}
+    pending = [Pending("g", 12, group="a"), Pending("a1", 1, group="a"),
+               Pending("a2", 1, group="a")]  # fmt: skip
+    snap = Snapshot(gang_cluster(busy_small=True), pending, running, quotas=quotas)
+    out = plan(snap, "fair")
+    assert [p.invocation_id for p in out.preemptions] == ["b0"]
+    assert [d.invocation_id for d in out] == ["a1"]  # 12 promised + 1: at the ceiling
+
+
+def test_never_fits_a_gang_whose_whole_nodes_pass_its_ceiling() -> None:
+    quotas = {"a": Quota(0, 13)}
+    eights = gang_cluster(busy_small=False)[:2]
+    msg = never_fits(Pending("g", 12, group="a"), eights, quotas) or ""
+    assert "have 16 GPUs" in msg and "may hold at most 13" in msg
+    assert never_fits(Pending("g", 16, group="a"), eights, {"a": Quota(0, 16)}) is None
+    # An 8 and a 4 hold it in 12, even while the 4-GPU node is busy: it waits, never refused.
+    assert never_fits(Pending("g", 12, group="a"), gang_cluster(True), quotas) is None
+    assert never_fits(Pending("g", 13, group="a"), gang_cluster(True), quotas) is not None

@@ -103,8 +103,8 @@ def test_explain_gives_position_and_reason() -> None:
 def test_explain_when_nothing_is_free_counts_calls_ahead() -> None:
     snap = Snapshot([node(1, [])], [Pending("a", 1), Pending("b", 2)])
     assert explain(snap) == {
-        "a": (1, "no free GPU; behind 0 earlier calls"),
-        "b": (2, "no free GPU; behind 1 earlier calls"),
+        "a": (1, "no free GPU; next in line"),
+        "b": (2, "no free GPU; behind 1 earlier call"),
     }
 
 

@@ -162,3 +162,25 @@ def test_best_fit_keeps_the_big_hole_for_the_big_call() -> None:
     nodes = [node(1, list(range(8))), node(2, [0, 1])]
     out = plan(Snapshot(nodes, [Pending("small", 2), Pending("big", 8)]))
     assert [(d.invocation_id, d.node_id) for d in out] == [("small", 2), ("big", 1)]
+
+
+@given(st.lists(st.sampled_from([1, 2, 4, 6, 8]), max_size=7), st.integers(0, 40))
+def test_whole_nodes_for_a_gang_are_the_fewest_gpus_then_the_fewest_nodes(
+    sizes: list[int], n: int
+) -> None:
+    from itertools import combinations
+
+    sets = [c for k in range(len(sizes) + 1) for c in combinations(range(len(sizes)), k)]
+    fits = [(sum(sizes[i] for i in c), len(c)) for c in sets if sum(sizes[i] for i in c) >= n]
+    picked = pl.fewest_whole(sizes, n)
+    if not fits:
+        assert picked is None
+        return
+    assert picked is not None and picked == sorted(set(picked))
+    assert (sum(sizes[i] for i in picked), len(picked)) == min(fits)
+
+
+def test_a_gang_gets_an_8_and_a_4_rather_than_two_8s() -> None:
+    nodes = [node(1, list(range(8))), node(2, list(range(8))), node(3, [0, 1, 2, 3], size=4)]
+    (d,) = plan(Snapshot(nodes, [Pending("big", 12)]))
+    assert [(p.node_id, len(p.gpu_indices)) for p in d.parts] == [(1, 8), (3, 4)]
