@@ -87,12 +87,44 @@ async def ensure_database(server_url: str, name: str) -> None:
         await db.ensure_database(conn, name)
 
 
+#: ``change_group(borrow_limit=NO_LIMIT)``: the group may borrow every idle GPU.
+NO_LIMIT = -1
+
+
 async def set_group(
     database_url: str, name: str, guaranteed_gpus: int, borrow_limit_gpus: int | None
 ) -> None:
-    """Create group NAME or change its quota."""
+    """Create group NAME or set its whole quota."""
     async with _connection(database_url) as conn:
         await db.set_group(conn, name, guaranteed_gpus, borrow_limit_gpus)
+
+
+async def change_group(
+    database_url: str, name: str, *, guaranteed: int | None, borrow_limit: int | None
+) -> db.GroupRow:
+    """Create group NAME or change the parts of its quota given (None: keep; a new group
+    has 0 guaranteed and no borrowing limit; ``NO_LIMIT``: lift the limit)."""
+    async with _connection(database_url) as conn, conn.transaction():
+        old = {g.name: g for g in await db.groups(conn)}.get(name)
+        keep_guarantee = old.guaranteed_gpus if old else 0
+        keep_limit = old.borrow_limit_gpus if old else None
+        limit = keep_limit if borrow_limit is None else borrow_limit
+        await db.set_group(
+            conn,
+            name,
+            keep_guarantee if guaranteed is None else guaranteed,
+            None if limit == NO_LIMIT else limit,
+        )
+        [row] = [g for g in await db.groups(conn) if g.name == name]
+        return row
+
+
+async def set_user_group(database_url: str, user: str, group: str) -> None:
+    async with _connection(database_url) as conn:
+        if not await db.group_exists(conn, group):
+            raise AdminError(f"no group {group!r}: create it with 'bulletin group set'")
+        if not await db.set_user_group(conn, user, group):
+            raise AdminError(f"no user {user!r}")
 
 
 async def groups(database_url: str) -> list[db.GroupRow]:

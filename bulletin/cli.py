@@ -256,6 +256,21 @@ def user_add(name: str, is_admin: bool, group: str | None, database_url: str) ->
     click.echo(token)
 
 
+@user.command("set-group")
+@click.argument("name")
+@click.argument("group_name", metavar="GROUP")
+@database_option
+def user_set_group(name: str, group_name: str, database_url: str) -> None:
+    """Move user NAME to GROUP (their queued and later calls count against its quota)."""
+    from bulletin import admin
+
+    try:
+        asyncio.run(admin.set_user_group(database_url, name, group_name))
+    except admin.AdminError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"user {name} is in group {group_name}")
+
+
 @cli.group()
 def group() -> None:
     """Manage groups: the quota unit of the fair scheduler (see docs/scheduling.md)."""
@@ -264,37 +279,56 @@ def group() -> None:
 _GROUP_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 
 
+_MOST_GPUS = 1_000_000
+
+
 @group.command("set")
 @click.argument("name")
 @click.option(
     "--guaranteed",
-    type=click.IntRange(0),
-    default=0,
-    show_default=True,
-    help="GPUs the group always gets back, preempting other groups' borrowed work.",
+    type=click.IntRange(0, _MOST_GPUS),
+    default=None,
+    help="GPUs the group always gets back, preempting other groups' borrowed work "
+    "[default: unchanged; 0 for a new group].",
 )
 @click.option(
     "--borrow-limit",
-    type=click.IntRange(0),
+    type=click.IntRange(0, _MOST_GPUS),
     default=None,
-    help="How many GPUs beyond the guarantee it may borrow while idle [default: no limit].",
+    help="How many GPUs beyond the guarantee it may borrow while idle "
+    "[default: unchanged; no limit for a new group].",
 )
+@click.option("--no-borrow-limit", is_flag=True, help="Let it borrow every idle GPU.")
 @database_option
-def group_set(name: str, guaranteed: int, borrow_limit: int | None, database_url: str) -> None:
-    """Create group NAME or set its quota."""
+def group_set(
+    name: str,
+    guaranteed: int | None,
+    borrow_limit: int | None,
+    no_borrow_limit: bool,
+    database_url: str,
+) -> None:
+    """Create group NAME or change its quota (options left out keep their value)."""
     import re
 
     from bulletin import admin
 
     if not re.fullmatch(_GROUP_NAME, name):
         raise click.BadParameter(
-            "use letters, digits, '.', '_' and '-' (at most 64, starting with a letter or "
-            "digit)",
+            "use letters, digits, '.', '_' and '-' (at most 64, starting with a letter or digit)",
             param_hint="NAME",
         )
-    asyncio.run(admin.set_group(database_url, name, guaranteed, borrow_limit))
-    limit = "no limit" if borrow_limit is None else f"up to {borrow_limit} more"
-    click.echo(f"group {name}: {guaranteed} GPUs guaranteed, borrows {limit}")
+    if no_borrow_limit and borrow_limit is not None:
+        raise click.UsageError("give --borrow-limit N or --no-borrow-limit, not both")
+    row = asyncio.run(
+        admin.change_group(
+            database_url,
+            name,
+            guaranteed=guaranteed,
+            borrow_limit=admin.NO_LIMIT if no_borrow_limit else borrow_limit,
+        )
+    )
+    limit = "no limit" if row.borrow_limit_gpus is None else f"up to {row.borrow_limit_gpus} more"
+    click.echo(f"group {name}: {row.guaranteed_gpus} GPUs guaranteed, borrows {limit}")
 
 
 @group.command("list")
@@ -306,8 +340,7 @@ def group_list(database_url: str) -> None:
     for g in asyncio.run(admin.groups(database_url)):
         limit = "no limit" if g.borrow_limit_gpus is None else str(g.borrow_limit_gpus)
         click.echo(
-            f"{g.name}: {g.guaranteed_gpus} GPUs guaranteed, borrow limit {limit}, "
-            f"{g.users} users"
+            f"{g.name}: {g.guaranteed_gpus} GPUs guaranteed, borrow limit {limit}, {g.users} users"
         )
 
 

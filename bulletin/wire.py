@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the nodelet acts on Preemption orders
 MIN_PROTOCOL_VERSION = 1
 
 #: Media type of the raw bodies of blob uploads and downloads.
@@ -168,8 +168,10 @@ class Invocation(_Msg, frozen=True, kw_only=True):
     log_count: int = 0
     timeline: Timeline = msgspec.field(default_factory=Timeline)
     priority: int = 0
-    #: How often the call was preempted (stopped and queued again for a group's guarantee).
+    #: How often the call was preempted (stopped and queued again for a group's guarantee),
+    #: and why the last time.
     preemptions: int = 0
+    preempt_reason: str | None = None
     #: While queued: its place in the scheduler's order (1 is next) and why it waits, as of
     #: the last scheduling round that looked at it; None before one has.
     queue_position: int | None = None

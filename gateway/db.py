@@ -25,6 +25,8 @@ from bulletin import wire
 from scheduler import Pending, Running
 
 CHANNEL = "bulletin_events"
+#: The first nodelet protocol that acts on preemption orders.
+PREEMPTING_PROTOCOL = 2
 _LEASED = ("assigned", "running")
 
 Conn: TypeAlias = asyncpg.Connection | asyncpg.Pool
@@ -309,7 +311,7 @@ def _invocation_columns(result: str = "i.result") -> str:
         " extract(epoch FROM i.code_finished_at) AS t_finished,"
         " extract(epoch FROM i.finished_at) AS t_stored,"
         " extract(epoch FROM i.fetched_at) AS t_fetched, i.warm,"
-        " i.priority, i.preemptions, i.queue_position, i.wait_reason"
+        " i.priority, i.preemptions, i.preempt_reason, i.queue_position, i.wait_reason"
     )
 
 
@@ -347,6 +349,7 @@ def to_invocation(row: asyncpg.Record) -> wire.Invocation:
         ),
         priority=row["priority"],
         preemptions=row["preemptions"],
+        preempt_reason=row["preempt_reason"],
         queue_position=row["queue_position"] if row["state"] == "queued" else None,
         wait_reason=row["wait_reason"] if row["state"] == "queued" else None,
     )
@@ -516,36 +519,43 @@ async def leases(conn: Conn) -> list[Running]:
         " u.group_name AS \"group\", i.function_name AS function, i.priority, i.borrowed,"
         " i.preempt_at IS NOT NULL AS preempting,"
         " extract(epoch FROM coalesce(i.scheduled_at, i.submitted_at))::float8 AS start_time,"
-        " coalesce(i.expected_s, i.timeout_s) AS expected_s"
-        " FROM invocations i JOIN users u ON u.id = i.owner_id"
+        " coalesce(i.expected_s, i.timeout_s) AS expected_s,"
+        # Preempting frees GPUs only; nodelets before protocol 2 cannot be told to.
+        f" i.gpus > 0 AND n.protocol_version >= {PREEMPTING_PROTOCOL} AS preemptible"
+        " FROM invocations i JOIN users u ON u.id = i.owner_id JOIN nodes n ON n.id = i.node_id"
         " WHERE i.state IN ('assigned', 'running')"
     )
     return [Running(**{**r, "gpu_indices": tuple(r["gpu_indices"])}) for r in rows]
 
 
-def _queued_sql(per_user: int) -> str:
-    # The LIMIT is a literal on purpose: as a prepared-statement parameter PostgreSQL switched
-    # to a generic plan that ran for minutes on a 120k-row backlog. Per user, through the
-    # (owner_id, seq) index: a long backlog of one user must not hide everyone else's calls.
+def _queued_sql(per_user: int, most: int) -> str:
+    # The LIMITs are literals on purpose: as prepared-statement parameters PostgreSQL
+    # switched to a generic plan that ran for minutes on a 120k-row backlog. Per user, through
+    # the (owner_id, seq) index: a long backlog of one user must not hide everyone else's
+    # calls; the users' heads are taken in turns up to ``most``, then put in queue order.
     return (
-        "SELECT q.id::text AS id, q.gpus, u.name AS \"user\", u.group_name AS \"group\","
-        " q.function_name AS function, q.priority, q.gpu_model,"
-        " coalesce(q.gpu_memory_mb, 0) AS min_memory_mib,"
-        " extract(epoch FROM q.submitted_at)::float8 AS submit_time,"
-        " coalesce(q.expected_s, q.timeout_s) AS expected_s"
-        " FROM users u CROSS JOIN LATERAL (SELECT id, gpus, function_name, priority,"
-        "  gpu_model, gpu_memory_mb, seq, submitted_at, expected_s, timeout_s FROM invocations"
-        f"  WHERE owner_id = u.id AND state = 'queued' ORDER BY seq LIMIT {int(per_user)}) q"
-        " ORDER BY q.seq"
+        "SELECT id, gpus, \"user\", \"group\", function, priority, gpu_model, min_memory_mib,"
+        " submit_time, expected_s FROM ("
+        " SELECT q.id::text AS id, q.gpus, u.name AS \"user\", u.group_name AS \"group\","
+        "  q.function_name AS function, q.priority, q.gpu_model,"
+        "  coalesce(q.gpu_memory_mb, 0) AS min_memory_mib,"
+        "  extract(epoch FROM q.submitted_at)::float8 AS submit_time,"
+        "  coalesce(q.expected_s, q.timeout_s) AS expected_s, q.seq, q.turn"
+        "  FROM users u CROSS JOIN LATERAL (SELECT id, gpus, function_name, priority,"
+        "   gpu_model, gpu_memory_mb, seq, submitted_at, expected_s, timeout_s,"
+        "   row_number() OVER (ORDER BY seq) AS turn FROM invocations"
+        f"   WHERE owner_id = u.id AND state = 'queued' ORDER BY seq LIMIT {int(per_user)}) q"
+        f"  ORDER BY q.turn, q.seq LIMIT {int(most)}) heads"
+        " ORDER BY seq"
     )
 
 
-async def queued(conn: Conn, per_user: int) -> list[Pending]:
-    """The first ``per_user`` queued calls of every user, in queue (submission) order, as
-    the scheduler sees them."""
-    if per_user <= 0:
+async def queued(conn: Conn, per_user: int, most: int) -> list[Pending]:
+    """The first ``per_user`` queued calls of every user, at most ``most`` in all (the
+    users' heads in turns), in queue (submission) order, as the scheduler sees them."""
+    if per_user <= 0 or most <= 0:
         return []
-    return [Pending(**r) for r in await conn.fetch(_queued_sql(per_user))]
+    return [Pending(**r) for r in await conn.fetch(_queued_sql(per_user, most))]
 
 
 async def assign(
@@ -617,26 +627,37 @@ async def notify_nodes(conn: Conn, node_ids: Iterable[int]) -> None:
     await _notify(conn, *(f"n:{n}" for n in sorted(set(node_ids))))
 
 
-async def expire_leases(conn: asyncpg.Connection) -> list[tuple[str, str]]:
+async def expire_leases(
+    conn: asyncpg.Connection, preempt_overdue_s: float | None = None
+) -> list[tuple[str, str]]:
     """Return attempts whose lease ran out to the queue (epoch moves on at the next
-    assignment) while retries remain, else fail them as ``node_lost``.
-    Returns (invocation_id, new_state) pairs."""
+    assignment) while retries remain, else fail them as ``node_lost``. An attempt being
+    preempted is queued again without using a retry, as if handed back; so is one whose
+    preemption is more than ``preempt_overdue_s`` old (its node never handed it back: it
+    sees it revoked). Returns (invocation_id, new_state) pairs."""
+    overdue = 1e9 if preempt_overdue_s is None else preempt_overdue_s
     async with conn.transaction():
         rows = await conn.fetch(
-            "WITH expired AS (SELECT id FROM invocations"
-            "  WHERE state IN ('assigned', 'running') AND lease_expires_at < clock_timestamp()"
-            "  FOR UPDATE SKIP LOCKED)"
+            "WITH expired AS (SELECT id, preempt_at IS NOT NULL AS preempted FROM invocations"
+            "  WHERE state IN ('assigned', 'running') AND (lease_expires_at < clock_timestamp()"
+            "   OR preempt_at < clock_timestamp() - make_interval(secs => $1))"
+            "  FOR UPDATE SKIP LOCKED),"
+            " e AS (SELECT i.id, e.preempted OR i.attempts <= i.max_retries AS requeue,"
+            "  e.preempted FROM invocations i JOIN expired e ON e.id = i.id)"
             " UPDATE invocations i SET"
-            "  state = CASE WHEN i.attempts <= i.max_retries THEN 'queued' ELSE 'failed' END,"
-            "  error_kind = CASE WHEN i.attempts <= i.max_retries THEN NULL ELSE 'node_lost' END,"
-            "  error_message = CASE WHEN i.attempts <= i.max_retries THEN NULL ELSE"
+            "  state = CASE WHEN e.requeue THEN 'queued' ELSE 'failed' END,"
+            "  attempts = i.attempts - e.preempted::int,"
+            "  preemptions = i.preemptions + e.preempted::int,"
+            "  error_kind = CASE WHEN e.requeue THEN NULL ELSE 'node_lost' END,"
+            "  error_message = CASE WHEN e.requeue THEN NULL ELSE"
             "   'the node running this call stopped renewing its lease (node lost) after '"
             "   || i.attempts || ' attempt(s); raise max_retries to retry more' END,"
-            "  finished_at = CASE WHEN i.attempts <= i.max_retries THEN NULL"
-            "   ELSE clock_timestamp() END,"
+            "  finished_at = CASE WHEN e.requeue THEN NULL ELSE clock_timestamp() END,"
+            "  scheduled_at = CASE WHEN e.requeue THEN NULL ELSE i.scheduled_at END,"
             "  node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL,"
             "  borrowed = false, preempt_at = NULL"
-            " FROM expired WHERE i.id = expired.id RETURNING i.id, i.state"
+            " FROM e WHERE i.id = e.id RETURNING i.id, i.state",
+            overdue,
         )
         for r in rows:
             await _notify(conn, f"i:{r['id']}")
@@ -1006,7 +1027,7 @@ async def release(conn: asyncpg.Connection, node_id: int, invocation_id: str, ep
         status = await conn.execute(
             "UPDATE invocations i SET state = 'queued', attempts = i.attempts - 1,"
             " node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL,"
-            " delivered_at = NULL, started_at = NULL, borrowed = false,"
+            " delivered_at = NULL, started_at = NULL, scheduled_at = NULL, borrowed = false,"
             " preemptions = i.preemptions + (i.preempt_at IS NOT NULL)::int, preempt_at = NULL"
             f" WHERE {_FENCE}",
             uuid.UUID(invocation_id),

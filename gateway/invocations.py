@@ -97,26 +97,28 @@ async def submit(request: Request) -> Response:
 
 async def _check_fits(request: Request, owner: int, calls: list[wire.CallSpec]) -> None:
     """Reject a call no node could ever run, rather than queueing it for ever: more GPUs than
-    the owner's group may ever hold, GPU models or memory no node has, or more GPUs than the
-    largest node (a call runs on one node). While no node has registered yet, calls wait."""
-    distinct = {(c.gpus, c.gpu_model, c.gpu_memory_mb) for c in calls}
-    if all(gpus == 0 for gpus, _, _ in distinct):
+    the owner's group may ever hold (under a policy with quotas), GPU models or memory no
+    node has, or more GPUs than one node has that it may use (a call runs on one node).
+    While no node has registered yet, calls wait."""
+    distinct = {(c.gpus, c.gpu_model, c.gpu_memory_mb) for c in calls if c.gpus > 0}
+    if not distinct:
         return
-    pool = request.app.state.pool
+    pool, config = request.app.state.pool, request.app.state.config
     nodes = [scheduling.node_capacity(n) for n in await db.registered_nodes(pool)]
     group = await db.user_group(pool, owner)
-    quotas = {g.name: Quota(g.guaranteed_gpus, g.borrow_limit_gpus) for g in await db.groups(pool)}
+    quotas = {}
+    if config.policy().uses_quotas:
+        groups = await db.groups(pool)
+        quotas = {g.name: Quota(g.guaranteed_gpus, g.borrow_limit_gpus) for g in groups}
     for gpus, model, memory in sorted(distinct, key=lambda d: -d[0]):
-        call = Pending(
-            "new", gpus, group=group, gpu_model=model, min_memory_mib=memory or 0
-        )
+        call = Pending("new", gpus, group=group, gpu_model=model, min_memory_mib=memory or 0)
         reason = never_fits(call, nodes, quotas)
-        largest = max((n.size for n in nodes), default=None)
-        if reason is None and largest is not None and gpus > largest:
+        largest = scheduling.largest_for(call, nodes)
+        if reason is None and nodes and gpus > largest:
             reason = (
-                f"no node in this cluster has {gpus} GPUs (the largest has {largest}), and a "
-                "call runs on one node: ask for fewer GPUs, or spread the work over several "
-                "calls"
+                f"needs {gpus} GPUs on one node, and the largest node here has {largest} it "
+                "may use; a call runs on one node: ask for fewer GPUs, or spread the work "
+                "over several calls"
             )
         if reason is not None:
             raise Unprocessable(reason, code="never_fits")

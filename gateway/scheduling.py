@@ -11,24 +11,26 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 
 import asyncpg
 
 from gateway import db
 from gateway.config import GatewayConfig
 from gateway.notify import Hub
-from scheduler import Gpu, NodeCapacity, Quota, Running, Snapshot
+from scheduler import Gpu, NodeCapacity, Pending, Quota, Running, Snapshot, placement
 
 log = logging.getLogger(__name__)
 LEADER_LOCK = 7242002
 #: How often the leader stores each queued call's position and reason (call.status()).
 EXPLAIN_S = 2.0
 # The leader lock lives as long as this connection. If the leader's host vanishes without
-# closing it, TCP keepalives let PostgreSQL notice within about a minute and free the lock.
+# closing it, TCP keepalives let PostgreSQL notice within about 11 s and free the lock.
 _KEEPALIVE = {
-    "tcp_keepalives_idle": "30",
-    "tcp_keepalives_interval": "10",
+    "tcp_keepalives_idle": "5",
+    "tcp_keepalives_interval": "2",
     "tcp_keepalives_count": "3",
+    "tcp_user_timeout": "10000",  # ms: unacknowledged data also ends it (Linux)
 }
 
 
@@ -71,6 +73,40 @@ def look_ahead(free: list[NodeCapacity], most: int) -> int:
     return max(1, min(most, 16 + 16 * units))
 
 
+NO_NODE = "no node is up to run it (none registered, or all draining or silent)"
+
+
+def largest_for(call: Pending, nodes: Sequence[NodeCapacity]) -> int:
+    """The most GPUs one of ``nodes`` has that ``call`` may use (its model and memory)."""
+    return max(
+        (len(placement.usable(n, [g.index for g in n.gpus], call)) for n in nodes), default=0
+    )
+
+
+def one_node_calls(
+    calls: list[Pending], nodes: Sequence[NodeCapacity]
+) -> tuple[list[Pending], list[tuple[Pending, str]]]:
+    """The calls some node could hold whole, and the others with why they wait."""
+    fit: list[Pending] = []
+    wait: list[tuple[Pending, str]] = []
+    largest: dict[tuple[str | None, int], int] = {}
+    for call in calls:
+        key = (call.gpu_model, call.min_memory_mib)
+        if key not in largest:
+            largest[key] = largest_for(call, nodes)
+        if call.gpus <= largest[key]:
+            fit.append(call)
+        else:
+            wait.append(
+                (
+                    call,
+                    f"needs {call.gpus} GPUs on one node; the largest live node has "
+                    f"{largest[key]} it may use",
+                )
+            )
+    return fit, wait
+
+
 async def plan_round(
     conn: asyncpg.Connection, config: GatewayConfig, *, explain: bool = False
 ) -> int:
@@ -81,12 +117,18 @@ async def plan_round(
         # The live nodes, locked: capacity is read and committed under the same locks.
         nodes = await db.live_nodes(conn, config.node_timeout_s, lock=True)
         if not nodes:
+            if explain:
+                waiting = await db.queued(conn, 16, config.plan_batch)
+                await db.explain_waits(conn, [(c.id, 1, NO_NODE) for c in waiting])
             return 0
         leases = await db.leases(conn)
         free = capacity(nodes, leases)
-        queued = await db.queued(conn, look_ahead(free, config.plan_batch))
+        queued = await db.queued(conn, look_ahead(free, config.plan_batch), config.plan_batch)
         if not queued:
             return 0
+        # A call runs on one node: one bigger than every live node waits, reserving nothing,
+        # until such a node is back (it fitted a registered node when it was submitted).
+        queued, too_big = one_node_calls(queued, free)
         groups = await db.groups(conn)
         usage, user_usage = await db.fair_usage(conn)
         snapshot = Snapshot(
@@ -100,11 +142,9 @@ async def plan_round(
         )
         why: dict[str, tuple[int, str]] | None = {} if explain else None
         result = config.policy().plan(snapshot, why)
-        # A gang over several nodes cannot run yet: never_fits rejects those at submission.
-        placements = [d for d in result if not d.more]
         placed = await db.assign(
             conn,
-            [(d.invocation_id, d.node_id, d.gpu_indices, d.borrowed) for d in placements],
+            [(d.invocation_id, d.node_id, d.gpu_indices, d.borrowed) for d in result],
             config.lease_s,
         )
         preempted = await db.preempt(
@@ -112,8 +152,10 @@ async def plan_round(
         )
         for invocation_id, reason in ((p.invocation_id, p.reason) for p in result.preemptions):
             log.info("preempting %s: %s", invocation_id, reason)
-        if why:
-            await db.explain_waits(conn, [(i, pos, reason) for i, (pos, reason) in why.items()])
+        if why is not None:
+            waits = [(i, pos, reason) for i, (pos, reason) in why.items()]
+            waits += [(c.id, len(queued) + 1, reason) for c, reason in too_big]
+            await db.explain_waits(conn, waits)
         await db.notify_nodes(conn, {node for _, node in [*placed, *preempted]})
     # The policy caps the preemptions of one round; it says when it wants another at once.
     return len(placed) + len(preempted) + (1 if result.more else 0)
@@ -128,7 +170,8 @@ async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig) -> Non
             # a transaction on the path of each call for nothing. Usage accrues likewise.
             if time.monotonic() - last_expiry >= config.schedule_interval_s:
                 last_expiry = time.monotonic()
-                expired = await db.expire_leases(conn)
+                overdue = config.preemption_grace_s + config.lease_s
+                expired = await db.expire_leases(conn, preempt_overdue_s=overdue)
                 if expired:
                     log.warning("leases expired: %s", ", ".join(f"{i}->{s}" for i, s in expired))
                 await db.accrue_usage(conn, config.fair_share_half_life_s)

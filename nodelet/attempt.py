@@ -154,8 +154,10 @@ class Attempt:
         except (NodeletError, OSError) as exc:
             # Not completing leaves the call to be requeued when its lease lapses.
             log.error("%s abandoned: %s", self, exc)
+            await self._hand_back_if_preempted()
         except Exception:
             log.exception("%s crashed; abandoned", self)
+            await self._hand_back_if_preempted()
         finally:
             await self._reap()
 
@@ -173,11 +175,13 @@ class Attempt:
                 elif self.preempting:
                     report = None
                 else:
-                    report = await self._execute(task)
+                    report = await self._execute(task)  # None: preempted before it started
                 await started
             finally:
                 started.cancel()
             if report is None or (self.preempting and report.request.state != "succeeded"):
+                # Its processes are gone before its GPUs are given to someone else.
+                await self._reap()
                 await self._hand_back()
                 return
             await self._complete(report, attempt_dir)
@@ -254,13 +258,15 @@ class Attempt:
             # The call may still complete: the gateway accepts it from an assigned attempt.
             log.warning("%s: could not mark it started (%s); running it anyway", self, exc)
 
-    async def _execute(self, task: wire.WorkerTask) -> Report:
+    async def _execute(self, task: wire.WorkerTask) -> Report | None:
         key = (self.assignment.owner, tuple(self.assignment.gpu_indices))
         function = self.assignment.function_name or None
-        worker = self._worker = await self._pool.acquire(key, function)
+        worker = await self._pool.acquire(key, function)
+        if self.preempting:  # preempted while the worker was being acquired: it ran nothing
+            self._pool.release(worker, key, function=worker.last_function, owner=worker.last_owner)
+            return None
+        self._worker = worker
         acquired = time.time()
-        if self.preempting:  # preempted while the worker was being acquired
-            self._stop_for_preemption(worker)
         shipper = LogShipper(
             self._client, self.ref, flush_s=self._facts.log_flush_s, on_stale=worker.kill
         )
@@ -442,6 +448,17 @@ class Attempt:
             ).request
         return msgspec.structs.replace(request, result=None, result_blob=blob.id)
 
+    async def _hand_back_if_preempted(self) -> None:
+        """After a failure: a preempted attempt is still handed back (best effort), so its
+        call does not wait for the lease to lapse."""
+        if not self.preempting:
+            return
+        await self._reap()
+        try:
+            await self._hand_back()
+        except NodeletError as exc:
+            log.warning("%s: could not hand it back (%s); its lease will lapse", self, exc)
+
     async def _hand_back(self) -> None:
         """Give a preempted attempt back: its call is queued again, the attempt not counted
         against its retries."""
@@ -453,7 +470,7 @@ class Attempt:
     async def _reap(self) -> None:
         if self._stopper is not None:
             self._stopper.cancel()
-        worker = self._worker
+        worker, self._worker = self._worker, None
         if worker is None:
             return
         worker.kill()

@@ -48,6 +48,8 @@ class Status(str):
     position: int | None
     reason: str | None
     preemptions: int
+    #: Why it was preempted the last time, if it was.
+    preempt_reason: str | None
 
     def __new__(
         cls,
@@ -55,9 +57,11 @@ class Status(str):
         position: int | None = None,
         reason: str | None = None,
         preemptions: int = 0,
+        preempt_reason: str | None = None,
     ) -> Status:
         status = super().__new__(cls, state)
-        status.position, status.reason, status.preemptions = position, reason, preemptions
+        status.position, status.reason = position, reason
+        status.preemptions, status.preempt_reason = preemptions, preempt_reason
         return status
 
     def __repr__(self) -> str:
@@ -67,7 +71,8 @@ class Status(str):
         if self.reason:
             details.append(self.reason)
         if self.preemptions:
-            details.append(f"preempted {self.preemptions} time(s)")
+            why = f": {self.preempt_reason}" if self.preempt_reason else ""
+            details.append(f"preempted {self.preemptions} time(s){why}")
         return f"<Status {self}" + (f" ({'; '.join(details)})" if details else "") + ">"
 
 
@@ -168,7 +173,13 @@ class Call(Generic[R]):
         cancelled. A string (``call.status() == "queued"``) that, while queued, also says
         where the call stands and why it waits (``.position``, ``.reason``)."""
         info = self.info()
-        return Status(info.state.value, info.queue_position, info.wait_reason, info.preemptions)
+        return Status(
+            info.state.value,
+            info.queue_position,
+            info.wait_reason,
+            info.preemptions,
+            info.preempt_reason,
+        )
 
     def info(self) -> wire.Invocation:
         """Everything the gateway knows of the call (state, node, attempts, timeline...)."""

@@ -153,9 +153,7 @@ class Function(Generic[P, R]):
             timeout_s=options.timeout,
             priority=options.priority,
             gpu_model=options.gpu,
-            gpu_memory_mb=None
-            if options.gpu_memory_gb is None
-            else math.ceil(options.gpu_memory_gb * 1024),
+            gpu_memory_mb=_mib(options.gpu_memory_gb),
             expected_s=options.expected_duration,
         )
         packed = sent.packed
@@ -168,6 +166,11 @@ class Function(Generic[P, R]):
             return Prepared(_replace(spec, payload_file=relative), sent.sync, path)
         blob = client.put_blob(packed.pieces, size)
         return Prepared(_replace(spec, payload_blob=blob.id), sent.sync)
+
+
+def _mib(gigabytes: float | None) -> int | None:
+    """GB as on a card's label (10^9 bytes: an "80GB" H100 has 81,559 MiB) in MiB."""
+    return None if gigabytes is None else math.floor(gigabytes * 1e9 / (1 << 20))
 
 
 def _replace(spec: wire.CallSpec, **changes: Any) -> wire.CallSpec:
@@ -199,8 +202,9 @@ def function(*args: Any, **kwargs: Any) -> Any:
 
     ``gpus``: GPUs per call (0: CPU only), all on one node. ``gpu``: only GPUs whose model
     name contains this (``"A100"``, ``"H100"``). ``gpu_memory_gb``: only GPUs with at least
-    this much memory. ``priority`` (default 0): higher goes first, before fair share; users
-    may lower it (to -1000) to let others go first, only administrators raise it (to 1000).
+    this much memory, in GB as on the card's label (``80`` takes an 80GB H100).
+    ``priority`` (default 0): higher goes first, before fair share; users may lower it (to
+    -1000) to let others go first, only administrators raise it (to 1000).
     ``expected_duration``: seconds the call is expected to take (lets the scheduler
     backfill; the ``timeout`` serves when not given). ``max_retries``: re-runs after
     infrastructure failures (node lost, worker died), 0 to 10; an exception raised by the

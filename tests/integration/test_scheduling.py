@@ -71,6 +71,7 @@ def test_a_group_gets_its_guarantee_back_by_preempting_borrowed_work(
     assert not (tmp_path / "first.notice").exists(), "work within the guarantee is not touched"
     status = second.status()
     assert status.preemptions == 1
+    assert status.preempt_reason and "nlp" in status.preempt_reason
     assert first.status() == "running" and first.status().preemptions == 0
 
     (tmp_path / "release").touch()
@@ -81,6 +82,38 @@ def test_a_group_gets_its_guarantee_back_by_preempting_borrowed_work(
     assert f"preempting {second.id}" in gateway_log
 
 
+def save_and_return(directory: str) -> str:
+    """Runs until SIGTERM, then saves its work within the grace and returns normally."""
+    import os
+    import signal
+    import time
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+    open(os.path.join(directory, "saver.started"), "a").close()
+    while not stop:
+        time.sleep(0.05)
+    return "saved"
+
+
+def test_a_preempted_call_that_finishes_within_its_grace_completes(
+    database_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    options = {"scheduler-policy": "fair", "preemption-grace-s": "10"}
+    with running(Cluster(database_url, tmp_path), request, options=options) as cluster:
+        cluster.set_group("vision", 0)
+        cluster.set_group("nlp", 1)
+        sdk.connect(cluster.url, cluster.add_user("alice2", group="vision"))
+        cluster.start_nodelet(fake_gpus=1)
+        saver = sdk.function(gpus=1, max_retries=0)(save_and_return).spawn(str(tmp_path))
+        wait_until(lambda: (tmp_path / "saver.started").exists(), 30, "the borrowed call")
+        sdk.connect(cluster.url, cluster.add_user("bob2", group="nlp"))
+        bobs = sdk.function(gpus=1)(quick).spawn("bob")
+        assert saver.result(timeout=30) == "saved", "it finished within the grace: kept"
+        assert saver.info().state == "succeeded" and saver.info().preemptions == 0
+        assert bobs.result(timeout=30) == "bob ran"
+
+
 def test_calls_that_can_never_fit_are_refused_with_the_reason(fair: Cluster) -> None:
     fair.set_group("small", 1, borrow_limit=0)
     sdk.connect(fair.url, fair.add_user("carol", group="small"))
@@ -89,7 +122,7 @@ def test_calls_that_can_never_fit_are_refused_with_the_reason(fair: Cluster) -> 
     cases = [
         (sdk.function(gpus=2)(quick), "group small may hold at most 1"),
         (sdk.function(gpus=1, gpu="A100")(quick), "no node has A100 GPUs; models here: Fake"),
-        (sdk.function(gpus=1, gpu_memory_gb=64)(quick), "with at least 65536 MiB"),
+        (sdk.function(gpus=1, gpu_memory_gb=64)(quick), "with at least 61035 MiB"),
     ]
     for fn, reason in cases:
         with pytest.raises(sdk.InvalidRequest, match=reason):
@@ -109,6 +142,44 @@ def test_only_administrators_raise_a_calls_priority(fair: Cluster) -> None:
     sdk.connect(fair.url, fair.add_user("root", is_admin=True))
     urgent = sdk.function(priority=5)(quick).spawn("urgent")
     assert urgent.result(timeout=30) == "urgent ran" and urgent.info().priority == 5
+
+
+def test_a_call_too_big_for_every_live_node_waits_without_holding_gpus(
+    fair: Cluster, tmp_path: Path
+) -> None:
+    fair.start_nodelet("node-a", fake_gpus=2)
+    fair.start_nodelet("node-b", fake_gpus=1)
+    sdk.connect(fair.url, fair.token)
+    for name in ("node-a", "node-b"):
+        log = fair.dir / f"{name}.log"
+        wait_until(lambda log=log: "registered" in log.read_text(), 30, f"{name} to register")
+    asyncio.run(admin.drain(fair.database_url, "node-a", "maintenance"))
+    pair = sdk.function(gpus=2)(quick).spawn("pair")  # node-a could take it: accepted
+    wait_until(lambda: pair.status().reason is not None, 30, "the scheduler's explanation")
+    assert "needs 2 GPUs on one node; the largest live node has 1" in str(pair.status().reason)
+    sdk.connect(fair.url, fair.add_user("bob"))
+    assert sdk.function(gpus=1)(quick)("single") == "single ran", "node-b is not held for it"
+    asyncio.run(admin.undrain(fair.database_url, "node-a"))
+    assert pair.result(timeout=30) == "pair ran"
+
+
+def test_group_quotas_change_only_what_the_admin_says(fair: Cluster) -> None:
+    from click.testing import CliRunner
+
+    from bulletin.cli import cli
+
+    env = {"BULLETIN_DATABASE_URL": fair.database_url}
+    run = lambda *args: CliRunner().invoke(cli, list(args), env=env)  # noqa: E731
+    assert run("group", "set", "vision", "--guaranteed", "4", "--borrow-limit", "8").exit_code == 0
+    out = run("group", "set", "vision", "--guaranteed", "6").output
+    assert "6 GPUs guaranteed, borrows up to 8 more" in out
+    assert "borrows no limit" in run("group", "set", "vision", "--no-borrow-limit").output
+    assert run("group", "set", "vision", "--guaranteed", "99999999999").exit_code == 2
+    assert run("user", "set-group", "alice", "vision").exit_code == 0
+    assert "no group 'nope'" in run("user", "set-group", "alice", "nope").output
+    assert (
+        "vision: 6 GPUs guaranteed, borrow limit no limit, 1 users" in run("group", "list").output
+    )
 
 
 def test_a_waiting_call_says_where_it_stands_and_why(fair: Cluster, tmp_path: Path) -> None:
