@@ -45,7 +45,7 @@ async def add_user(
             elif group is not None:
                 await db.set_user_group(conn, name, group)
             token = auth.new_token("user")
-            await db.add_token(conn, auth.token_hash(token), user_id=user_id)
+            await db.add_token(conn, auth.token_hash(token), user_id=user_id, hint=auth.hint(token))
         return token
 
 
@@ -55,7 +55,7 @@ async def add_node(database_url: str, name: str) -> str:
         async with conn.transaction():
             node_id = await db.create_node(conn, name)
             token = auth.new_token("node")
-            await db.add_token(conn, auth.token_hash(token), node_id=node_id)
+            await db.add_token(conn, auth.token_hash(token), node_id=node_id, hint=auth.hint(token))
         return token
 
 
@@ -135,3 +135,34 @@ async def groups(database_url: str) -> list[db.GroupRow]:
 async def usage(database_url: str, days: int) -> list[db.UsageRow]:
     async with _connection(database_url) as conn:
         return await db.usage(conn, days)
+
+
+async def create_token(
+    database_url: str, user: str, *, name: str = "", expires_s: float | None = None
+) -> str:
+    """A new token for an existing user (named, expiring after ``expires_s`` if given)."""
+    async with _connection(database_url) as conn:
+        user_id = await db.find_user(conn, user)
+        if user_id is None:
+            raise AdminError(f"no user {user!r} (bulletin user add {user})")
+        token = auth.new_token("user")
+        await db.add_token(
+            conn,
+            auth.token_hash(token),
+            user_id=user_id,
+            name=name,
+            hint=auth.hint(token),
+            expires_s=expires_s,
+        )
+        return token
+
+
+async def tokens(database_url: str, owner: str | None = None) -> list[db.TokenRow]:
+    async with _connection(database_url) as conn:
+        return await db.tokens(conn, owner)
+
+
+async def revoke_token(database_url: str, token_id: int) -> None:
+    async with _connection(database_url) as conn:
+        if not await db.revoke_token(conn, token_id):
+            raise AdminError(f"no token {token_id} that is not revoked (bulletin token list)")

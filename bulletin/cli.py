@@ -272,6 +272,73 @@ def user_set_group(name: str, group_name: str, database_url: str) -> None:
 
 
 @cli.group()
+def token() -> None:
+    """Manage users' tokens: create, list, revoke (only their hashes are stored)."""
+
+
+@token.command("create")
+@click.argument("user_name", metavar="USER")
+@click.option("--name", default="", help="A label, shown in 'token list' (e.g. 'laptop').")
+@click.option(
+    "--expires-in-days",
+    type=click.FloatRange(min=0, min_open=True, max=36500),
+    default=None,
+    help="Days it stays valid [default: until revoked].",
+)
+@database_option
+def token_create(
+    user_name: str, name: str, expires_in_days: float | None, database_url: str
+) -> None:
+    """Print a new token for USER (shown once: only its hash is kept)."""
+    from bulletin import admin
+
+    expires_s = None if expires_in_days is None else expires_in_days * 86400
+    try:
+        click.echo(
+            asyncio.run(admin.create_token(database_url, user_name, name=name, expires_s=expires_s))
+        )
+    except admin.AdminError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@token.command("list")
+@click.option("--owner", default=None, help="Only this user's (or node's) tokens.")
+@database_option
+def token_list(owner: str | None, database_url: str) -> None:
+    """Tokens: id, kind, owner, label, first characters, and whether they still work."""
+    import time
+
+    from bulletin import admin
+
+    now = time.time()
+    for t in asyncio.run(admin.tokens(database_url, owner)):
+        if t.revoked_at is not None:
+            state = "revoked"
+        elif t.expires_at is not None and t.expires_at <= now:
+            state = "expired"
+        elif t.expires_at is not None:
+            state = f"valid for {(t.expires_at - now) / 86400:.1f} more days"
+        else:
+            state = "valid"
+        label = f" {t.name!r}" if t.name else ""
+        click.echo(f"{t.id}: {t.kind} token of {t.owner}{label}, {t.hint or '?'}, {state}")
+
+
+@token.command("revoke")
+@click.argument("token_id", metavar="ID", type=int)
+@database_option
+def token_revoke(token_id: int, database_url: str) -> None:
+    """Revoke token ID at once (its next request gets 401)."""
+    from bulletin import admin
+
+    try:
+        asyncio.run(admin.revoke_token(database_url, token_id))
+    except admin.AdminError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"token {token_id} is revoked")
+
+
+@cli.group()
 def group() -> None:
     """Manage groups: the quota unit of the fair scheduler (see docs/scheduling.md)."""
 

@@ -1,9 +1,12 @@
 """Bearer tokens. Only their SHA-256 is stored; user and node tokens are different kinds and
-each works only on its own routes."""
+each works only on its own routes. Every token that cannot be used (missing, malformed,
+unknown, expired or revoked) gets the same 401, so an answer tells nothing about which; the
+token itself is never logged."""
 
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 
 from starlette.requests import Request
@@ -15,9 +18,24 @@ USER_PREFIX = "bu_"
 NODE_PREFIX = "bn_"
 
 
+#: What a token looks like: its kind's prefix and 43 URL-safe base64 characters (32 bytes).
+TOKEN_PATTERN = re.compile(r"b[un]_[A-Za-z0-9_-]{43}")
+#: How many characters of a token a listing shows to recognise it by.
+HINT_CHARS = 9
+UNAUTHORIZED = (
+    "missing, malformed, unknown, expired or revoked token: send 'Authorization: Bearer "
+    "<token>' with a valid token (an admin makes one with 'bulletin token create')"
+)
+
+
 def new_token(kind: str) -> str:
     prefix = USER_PREFIX if kind == "user" else NODE_PREFIX
     return prefix + secrets.token_urlsafe(32)
+
+
+def hint(token: str) -> str:
+    """The start of a token, shown in listings to recognise it."""
+    return token[:HINT_CHARS] + "…"
 
 
 def token_hash(token: str) -> bytes:
@@ -27,19 +45,17 @@ def token_hash(token: str) -> bytes:
 def _bearer(request: Request) -> str:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise Unauthorized(
-            "this route needs 'Authorization: Bearer <token>'; the token is in client.toml",
-            code="missing_token",
-        )
-    return token.strip()
+    token = token.strip()
+    if scheme.lower() != "bearer" or not TOKEN_PATTERN.fullmatch(token):
+        raise Unauthorized(UNAUTHORIZED, code="unauthorized")
+    return token
 
 
 async def principal(request: Request, kind: str) -> db.Principal:
     """The caller, who must hold a token of ``kind`` ("user" or "node")."""
     found = await db.lookup_token(request.app.state.pool, token_hash(_bearer(request)))
     if found is None:
-        raise Unauthorized("unknown or revoked token", code="bad_token")
+        raise Unauthorized(UNAUTHORIZED, code="unauthorized")
     if found.kind != kind:
         raise Forbidden(f"a {found.kind} token cannot be used on {kind} routes", code="wrong_token")
     return found

@@ -122,16 +122,78 @@ async def create_node(conn: Conn, name: str) -> int:
 
 
 async def add_token(
-    conn: Conn, token_hash: bytes, *, user_id: int | None = None, node_id: int | None = None
-) -> None:
+    conn: Conn,
+    token_hash: bytes,
+    *,
+    user_id: int | None = None,
+    node_id: int | None = None,
+    name: str = "",
+    hint: str = "",
+    expires_s: float | None = None,
+) -> int:
+    """Store a token's hash; its id. ``expires_s``: seconds it stays valid (None: always)."""
     kind = "user" if user_id is not None else "node"
-    await conn.execute(
-        "INSERT INTO tokens (token_hash, kind, user_id, node_id) VALUES ($1, $2, $3, $4)",
+    value = await conn.fetchval(
+        "INSERT INTO tokens (token_hash, kind, user_id, node_id, name, hint, expires_at)"
+        " VALUES ($1, $2, $3, $4, $5, $6,"
+        "  clock_timestamp() + make_interval(secs => $7::float8)) RETURNING id",
         token_hash,
         kind,
         user_id,
         node_id,
+        name,
+        hint,
+        expires_s,
     )
+    return int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRow:
+    id: int
+    kind: str
+    owner: str
+    name: str
+    hint: str
+    created_at: float
+    expires_at: float | None
+    revoked_at: float | None
+
+
+async def tokens(conn: Conn, owner: str | None = None) -> list[TokenRow]:
+    """Every token (of user or node ``owner`` when given), newest first; never the token."""
+    rows = await conn.fetch(
+        "SELECT t.id, t.kind, coalesce(u.name, n.name) AS owner, t.name, t.hint,"
+        " extract(epoch FROM t.created_at) AS created_at,"
+        " extract(epoch FROM t.expires_at) AS expires_at,"
+        " extract(epoch FROM t.revoked_at) AS revoked_at"
+        " FROM tokens t LEFT JOIN users u ON u.id = t.user_id LEFT JOIN nodes n ON n.id = t.node_id"
+        " WHERE $1::text IS NULL OR coalesce(u.name, n.name) = $1 ORDER BY t.id DESC",
+        owner,
+    )
+    return [
+        TokenRow(
+            r["id"],
+            r["kind"],
+            r["owner"],
+            r["name"],
+            r["hint"],
+            float(r["created_at"]),
+            _f(r["expires_at"]),
+            _f(r["revoked_at"]),
+        )
+        for r in rows
+    ]
+
+
+async def revoke_token(conn: Conn, token_id: int) -> bool:
+    """Revoke a token by id (at once: the next request with it gets 401); False if there is
+    no such token or it was revoked already."""
+    status = await conn.execute(
+        "UPDATE tokens SET revoked_at = clock_timestamp() WHERE id = $1 AND revoked_at IS NULL",
+        token_id,
+    )
+    return status.endswith(" 1")
 
 
 async def lookup_token(conn: Conn, token_hash: bytes) -> Principal | None:
@@ -139,7 +201,8 @@ async def lookup_token(conn: Conn, token_hash: bytes) -> Principal | None:
         "SELECT t.kind, t.user_id, t.node_id, coalesce(u.name, n.name) AS name,"
         " coalesce(u.is_admin, false) AS is_admin"
         " FROM tokens t LEFT JOIN users u ON u.id = t.user_id"
-        " LEFT JOIN nodes n ON n.id = t.node_id WHERE t.token_hash = $1",
+        " LEFT JOIN nodes n ON n.id = t.node_id WHERE t.token_hash = $1"
+        " AND t.revoked_at IS NULL AND (t.expires_at IS NULL OR t.expires_at > clock_timestamp())",
         token_hash,
     )
     if row is None:
@@ -515,8 +578,8 @@ async def leases(conn: Conn) -> list[Running]:
     """Every call holding resources on a node (assigned or running), as the scheduler sees
     it; ``start_time`` is when it got them (database clock)."""
     rows = await conn.fetch(
-        "SELECT i.id::text AS id, i.node_id, i.gpu_indices, u.name AS \"user\","
-        " u.group_name AS \"group\", i.function_name AS function, i.priority, i.borrowed,"
+        'SELECT i.id::text AS id, i.node_id, i.gpu_indices, u.name AS "user",'
+        ' u.group_name AS "group", i.function_name AS function, i.priority, i.borrowed,'
         " i.preempt_at IS NOT NULL AS preempting,"
         " extract(epoch FROM coalesce(i.scheduled_at, i.submitted_at))::float8 AS start_time,"
         " coalesce(i.expected_s, i.timeout_s) AS expected_s,"
@@ -534,9 +597,9 @@ def _queued_sql(per_user: int, most: int) -> str:
     # the (owner_id, seq) index: a long backlog of one user must not hide everyone else's
     # calls; the users' heads are taken in turns up to ``most``, then put in queue order.
     return (
-        "SELECT id, gpus, \"user\", \"group\", function, priority, gpu_model, min_memory_mib,"
+        'SELECT id, gpus, "user", "group", function, priority, gpu_model, min_memory_mib,'
         " submit_time, expected_s FROM ("
-        " SELECT q.id::text AS id, q.gpus, u.name AS \"user\", u.group_name AS \"group\","
+        ' SELECT q.id::text AS id, q.gpus, u.name AS "user", u.group_name AS "group",'
         "  q.function_name AS function, q.priority, q.gpu_model,"
         "  coalesce(q.gpu_memory_mb, 0) AS min_memory_mib,"
         "  extract(epoch FROM q.submitted_at)::float8 AS submit_time,"
@@ -684,8 +747,7 @@ async def groups(conn: Conn) -> list[GroupRow]:
         " FROM groups g LEFT JOIN users u ON u.group_name = g.name GROUP BY g.name ORDER BY g.name"
     )
     return [
-        GroupRow(r["name"], r["guaranteed_gpus"], r["borrow_limit_gpus"], r["users"])
-        for r in rows
+        GroupRow(r["name"], r["guaranteed_gpus"], r["borrow_limit_gpus"], r["users"]) for r in rows
     ]
 
 

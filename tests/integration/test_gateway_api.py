@@ -327,3 +327,58 @@ def test_calls_of_one_batch_are_delivered_in_submission_order(gateway: Cluster) 
         done = wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"")
         node.post(f"/v1/node/invocations/{work.invocation_id}/complete", done)
     assert delivered == ids
+
+
+def test_tokens_expire_are_revoked_and_all_unusable_ones_get_the_same_401(
+    gateway: Cluster,
+) -> None:
+    import asyncio
+
+    from bulletin import admin
+
+    db_url = gateway.database_url
+    fresh = asyncio.run(admin.create_token(db_url, "alice", name="laptop"))
+    brief = asyncio.run(admin.create_token(db_url, "alice", expires_s=1.0))
+    assert fresh.startswith("bu_") and len(fresh) == 46
+    assert Http(gateway.url, fresh).get("/v1/invocations").status_code == 200
+    assert Http(gateway.url, brief).get("/v1/invocations").status_code == 200
+    time.sleep(1.5)
+    [listed] = [t for t in asyncio.run(admin.tokens(db_url, "alice")) if t.name == "laptop"]
+    assert listed.hint == fresh[:9] + "…" and fresh not in repr(listed)
+    asyncio.run(admin.revoke_token(db_url, listed.id))
+    unknown = "bu_" + "A" * 43
+    answers = [
+        httpx.get(f"{gateway.url}/v1/invocations"),  # missing
+        httpx.get(f"{gateway.url}/v1/invocations", headers={"authorization": "Bearer bu_%%"}),
+        Http(gateway.url, unknown).get("/v1/invocations"),
+        Http(gateway.url, brief).get("/v1/invocations"),  # expired
+        Http(gateway.url, fresh).get("/v1/invocations"),  # revoked
+    ]
+    assert [r.status_code for r in answers] == [401] * 5
+    assert len({r.text for r in answers}) == 1, "nothing tells the cases apart"
+    assert answers[0].json()["code"] == "unauthorized"
+    with pytest.raises(admin.AdminError, match="no token"):
+        asyncio.run(admin.revoke_token(db_url, listed.id))
+    assert Http(gateway.url, gateway.token).get("/v1/invocations").status_code == 200
+    log = (gateway.dir / "gateway.log").read_text()
+    assert fresh not in log and brief not in log
+
+
+def test_the_token_commands(gateway: Cluster) -> None:
+    from click.testing import CliRunner
+
+    from bulletin.cli import cli
+
+    env = {"BULLETIN_DATABASE_URL": gateway.database_url}
+    run = lambda *args: CliRunner().invoke(cli, list(args), env=env)  # noqa: E731
+    made = run("token", "create", "alice", "--name", "ci", "--expires-in-days", "2")
+    token = made.output.strip()
+    assert made.exit_code == 0 and token.startswith("bu_")
+    listed = run("token", "list", "--owner", "alice").output
+    line = next(line for line in listed.splitlines() if "'ci'" in line)
+    assert token not in listed and token[:9] in line and "valid for 2.0 more days" in line
+    token_id = line.split(":")[0]
+    assert run("token", "revoke", token_id).exit_code == 0
+    assert "revoked" in run("token", "list", "--owner", "alice").output
+    assert Http(gateway.url, token).get("/v1/invocations").status_code == 401
+    assert "no user 'nobody'" in run("token", "create", "nobody").output
