@@ -16,7 +16,7 @@ from gateway import auth, db, scheduling
 from gateway.config import GatewayConfig
 from gateway.errors import NotFound, PayloadTooLarge, Unprocessable
 from gateway.http import body, int_param, reply, store_blob, stream_blob
-from scheduler import Pending, Quota, never_fits
+from scheduler import Pending, Quota, never_fits, placement
 
 MAX_RETRIES = 10
 MAX_LOG_CHUNKS = 10_000
@@ -113,7 +113,7 @@ async def _check_fits(request: Request, owner: int, calls: list[wire.CallSpec]) 
     for gpus, model, memory in sorted(distinct, key=lambda d: -d[0]):
         call = Pending("new", gpus, group=group, gpu_model=model, min_memory_mib=memory or 0)
         reason = never_fits(call, nodes, quotas)
-        largest = scheduling.largest_for(call, nodes)
+        largest = placement.largest_for(nodes, call)
         if reason is None and nodes and gpus > largest:
             reason = (
                 f"needs {gpus} GPUs on one node, and the largest node here has {largest} it "

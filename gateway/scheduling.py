@@ -76,13 +76,6 @@ def look_ahead(free: list[NodeCapacity], most: int) -> int:
 NO_NODE = "no node is up to run it (none registered, or all draining or silent)"
 
 
-def largest_for(call: Pending, nodes: Sequence[NodeCapacity]) -> int:
-    """The most GPUs one of ``nodes`` has that ``call`` may use (its model and memory)."""
-    return max(
-        (len(placement.usable(n, [g.index for g in n.gpus], call)) for n in nodes), default=0
-    )
-
-
 def one_node_calls(
     calls: list[Pending], nodes: Sequence[NodeCapacity]
 ) -> tuple[list[Pending], list[tuple[Pending, str]]]:
@@ -93,7 +86,7 @@ def one_node_calls(
     for call in calls:
         key = (call.gpu_model, call.min_memory_mib)
         if key not in largest:
-            largest[key] = largest_for(call, nodes)
+            largest[key] = placement.largest_for(nodes, call)
         if call.gpus <= largest[key]:
             fit.append(call)
         else:

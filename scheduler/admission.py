@@ -32,8 +32,7 @@ def never_fits(
         )
     if call.gpus == 0 or not nodes:
         return None
-    per_node = [_qualifying(n, call) for n in nodes]
-    largest = max(per_node)
+    largest = max(placement.qualifying(n, call) for n in nodes)  # draining is temporary
     if largest == 0:
         return f"no node has {_what(call)}; models here: {_models(nodes)}"
     if call.gpus <= largest:
@@ -56,12 +55,6 @@ def never_fits(
             f"{largest} (one node), or ask an admin to raise the quota"
         )
     return None
-
-
-def _qualifying(node: NodeCapacity, call: Pending) -> int:
-    if not placement.constrained(call):
-        return node.size
-    return sum(placement.gpu_ok(g, call) for g in node.gpus)
 
 
 def _what(call: Pending) -> str:

@@ -199,10 +199,7 @@ class Capacity:
             return self.largest
         key = (call.gpu_model, call.min_memory_mib)
         if key not in self._largest:
-            self._largest[key] = max(
-                (len(placement.usable(n, [g.index for g in n.gpus], call)) for n in self.nodes),
-                default=0,
-            )
+            self._largest[key] = placement.largest_for(self.nodes, call)
         return self._largest[key]
 
     def most_free(self, call: Pending) -> int:

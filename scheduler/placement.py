@@ -40,6 +40,19 @@ def gpu_ok(gpu: Gpu, call: Pending) -> bool:
     return model_ok(gpu.model, call.gpu_model) and gpu.memory_mib >= call.min_memory_mib
 
 
+def qualifying(node: NodeCapacity, call: Pending) -> int:
+    """How many of ``node``'s GPUs the call may use, busy or not (draining or not)."""
+    if not constrained(call):
+        return node.size
+    return sum(gpu_ok(g, call) for g in node.gpus)
+
+
+def largest_for(nodes: Iterable[NodeCapacity], call: Pending) -> int:
+    """The most GPUs one node that takes work has for ``call``, busy or not: the biggest call
+    of its kind that can run on one node."""
+    return max((qualifying(n, call) for n in nodes if not n.draining), default=0)
+
+
 def usable(node: NodeCapacity, free: Iterable[int], call: Pending) -> list[int]:
     """The free GPUs of ``node`` that the call may use, sorted; none on a draining node."""
     if node.draining:
