@@ -35,8 +35,8 @@ async def add_user(
     ``group`` when given) and return a fresh token for them."""
     async with _connection(database_url) as conn:
         async with conn.transaction():
-            if group is not None and not await db.group_exists(conn, group):
-                raise AdminError(f"no group {group!r}: create it with 'bulletin group set'")
+            if group is not None:
+                await _require_group(conn, group)
             user_id = await db.find_user(conn, name)
             if user_id is None:
                 user_id = await db.create_user(
@@ -109,20 +109,22 @@ async def change_group(
         keep_guarantee = old.guaranteed_gpus if old else 0
         keep_limit = old.borrow_limit_gpus if old else None
         limit = keep_limit if borrow_limit is None else borrow_limit
-        await db.set_group(
+        return await db.set_group(
             conn,
             name,
             keep_guarantee if guaranteed is None else guaranteed,
             None if limit == NO_LIMIT else limit,
         )
-        [row] = [g for g in await db.groups(conn) if g.name == name]
-        return row
+
+
+async def _require_group(conn: asyncpg.Connection, group: str) -> None:
+    if not await db.group_exists(conn, group):
+        raise AdminError(f"no group {group!r}: create it with 'bulletin group set'")
 
 
 async def set_user_group(database_url: str, user: str, group: str) -> None:
     async with _connection(database_url) as conn:
-        if not await db.group_exists(conn, group):
-            raise AdminError(f"no group {group!r}: create it with 'bulletin group set'")
+        await _require_group(conn, group)
         if not await db.set_user_group(conn, user, group):
             raise AdminError(f"no user {user!r}")
 

@@ -343,9 +343,6 @@ def group() -> None:
     """Manage groups: the quota unit of the fair scheduler (see docs/scheduling.md)."""
 
 
-_GROUP_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
-
-
 _MOST_GPUS = 1_000_000
 
 
@@ -375,15 +372,12 @@ def group_set(
     database_url: str,
 ) -> None:
     """Create group NAME or change its quota (options left out keep their value)."""
-    import re
+    from bulletin import admin, wire
 
-    from bulletin import admin
-
-    if not re.fullmatch(_GROUP_NAME, name):
-        raise click.BadParameter(
-            "use letters, digits, '.', '_' and '-' (at most 64, starting with a letter or digit)",
-            param_hint="NAME",
-        )
+    try:
+        msgspec.convert(name, wire.GroupName)
+    except msgspec.ValidationError:
+        raise click.BadParameter(wire.GROUP_NAME_RULE, param_hint="NAME") from None
     if no_borrow_limit and borrow_limit is not None:
         raise click.UsageError("give --borrow-limit N or --no-borrow-limit, not both")
     row = asyncio.run(

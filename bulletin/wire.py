@@ -180,6 +180,10 @@ class Invocation(_Msg, frozen=True, kw_only=True):
 
 #: A group's name: also a path segment of the admin API.
 GroupName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+#: GroupName's rule, in words for error messages.
+GROUP_NAME_RULE = (
+    "use letters, digits, '.', '_' and '-' (at most 64, starting with a letter or digit)"
+)
 
 
 class GroupQuota(_Msg, frozen=True, kw_only=True):

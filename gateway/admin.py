@@ -36,12 +36,7 @@ def _path_name(request: Request, key: str, kind: type[str], what: str) -> str:
 
 
 def _group_name(request: Request) -> str:
-    return _path_name(
-        request,
-        "name",
-        wire.GroupName,
-        "use letters, digits, '.', '_' and '-' (at most 64, starting with a letter or digit)",
-    )
+    return _path_name(request, "name", wire.GroupName, wire.GROUP_NAME_RULE)
 
 
 async def list_groups(request: Request) -> Response:
@@ -54,8 +49,7 @@ async def put_group(request: Request) -> Response:
     name = _group_name(request)
     quota = await body(request, wire.GroupQuota)
     pool = request.app.state.pool
-    await db.set_group(pool, name, quota.guaranteed_gpus, quota.borrow_limit_gpus)
-    [row] = [g for g in await db.groups(pool) if g.name == name]
+    row = await db.set_group(pool, name, quota.guaranteed_gpus, quota.borrow_limit_gpus)
     return reply(_group(row))
 
 

@@ -753,17 +753,21 @@ async def groups(conn: Conn) -> list[GroupRow]:
 
 async def set_group(
     conn: Conn, name: str, guaranteed_gpus: int, borrow_limit_gpus: int | None
-) -> None:
-    """Create group ``name`` or change its quota."""
-    await conn.execute(
+) -> GroupRow:
+    """Create group ``name`` or change its quota; the group as it now is."""
+    row = await conn.fetchrow(
         "INSERT INTO groups (name, guaranteed_gpus, borrow_limit_gpus) VALUES ($1, $2, $3)"
         " ON CONFLICT (name) DO UPDATE SET guaranteed_gpus = EXCLUDED.guaranteed_gpus,"
-        " borrow_limit_gpus = EXCLUDED.borrow_limit_gpus",
+        " borrow_limit_gpus = EXCLUDED.borrow_limit_gpus"
+        " RETURNING name, guaranteed_gpus, borrow_limit_gpus,"
+        " (SELECT count(*) FROM users WHERE group_name = $1) AS users",
         name,
         guaranteed_gpus,
         borrow_limit_gpus,
     )
+    assert row is not None
     await _notify(conn, "q")
+    return GroupRow(**row)
 
 
 async def group_exists(conn: Conn, name: str) -> bool:

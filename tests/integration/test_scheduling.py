@@ -175,6 +175,8 @@ def test_group_quotas_change_only_what_the_admin_says(fair: Cluster) -> None:
     assert "6 GPUs guaranteed, borrows up to 8 more" in out
     assert "borrows no limit" in run("group", "set", "vision", "--no-borrow-limit").output
     assert run("group", "set", "vision", "--guaranteed", "99999999999").exit_code == 2
+    bad = run("group", "set", "vision!")
+    assert bad.exit_code == 2 and "starting with a letter or digit" in bad.output
     assert run("user", "set-group", "alice", "vision").exit_code == 0
     assert "no group 'nope'" in run("user", "set-group", "alice", "nope").output
     assert (
