@@ -90,6 +90,8 @@ class Principal:
     node_id: int | None
     name: str
     is_admin: bool = False
+    #: A user's group (the quota unit); "" for a node.
+    group: str = ""
 
 
 async def create_user(
@@ -199,7 +201,7 @@ async def revoke_token(conn: Conn, token_id: int) -> bool:
 async def lookup_token(conn: Conn, token_hash: bytes) -> Principal | None:
     row = await conn.fetchrow(
         "SELECT t.kind, t.user_id, t.node_id, coalesce(u.name, n.name) AS name,"
-        " coalesce(u.is_admin, false) AS is_admin"
+        " coalesce(u.is_admin, false) AS is_admin, coalesce(u.group_name, '') AS group_name"
         " FROM tokens t LEFT JOIN users u ON u.id = t.user_id"
         " LEFT JOIN nodes n ON n.id = t.node_id WHERE t.token_hash = $1"
         " AND t.revoked_at IS NULL AND (t.expires_at IS NULL OR t.expires_at > clock_timestamp())",
@@ -207,7 +209,9 @@ async def lookup_token(conn: Conn, token_hash: bytes) -> Principal | None:
     )
     if row is None:
         return None
-    return Principal(row["kind"], row["user_id"], row["node_id"], row["name"], row["is_admin"])
+    return Principal(
+        row["kind"], row["user_id"], row["node_id"], row["name"], row["is_admin"], row["group_name"]
+    )
 
 
 async def register_node(
@@ -227,10 +231,9 @@ async def register_node(
 async def registered_nodes(conn: Conn) -> list[NodeRow]:
     """Every node that has registered, draining or not, live or not: what the cluster has."""
     rows = await conn.fetch(
-        "SELECT id, name, gpus::text AS gpus, cpu_slots FROM nodes"
-        " WHERE registered_at IS NOT NULL ORDER BY id"
+        f"SELECT {_NODE_COLUMNS} FROM nodes WHERE registered_at IS NOT NULL ORDER BY id"
     )
-    return [NodeRow(r["id"], r["name"], _GPU_LIST.decode(r["gpus"]), r["cpu_slots"]) for r in rows]
+    return [_node_row(r) for r in rows]
 
 
 async def leave(conn: Conn, node_id: int) -> None:
@@ -557,21 +560,25 @@ async def live_nodes(
     With ``lock``, their rows stay locked until the transaction ends (the scheduler plans and
     commits under these locks)."""
     rows = await conn.fetch(
-        "SELECT id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm FROM nodes"
+        f"SELECT {_NODE_COLUMNS} FROM nodes"
         " WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) AND NOT draining"
         " ORDER BY id" + (" FOR UPDATE" if lock else ""),
         heartbeat_timeout_s,
     )
-    return [
-        NodeRow(
-            r["id"],
-            r["name"],
-            _GPU_LIST.decode(r["gpus"]),
-            r["cpu_slots"],
-            _WARM_LIST.decode(r["warm"]),
-        )
-        for r in rows
-    ]
+    return [_node_row(r) for r in rows]
+
+
+_NODE_COLUMNS = "id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm"
+
+
+def _node_row(r: asyncpg.Record) -> NodeRow:
+    return NodeRow(
+        r["id"],
+        r["name"],
+        _GPU_LIST.decode(r["gpus"]),
+        r["cpu_slots"],
+        _WARM_LIST.decode(r["warm"]),
+    )
 
 
 async def leases(conn: Conn) -> list[Running]:
@@ -778,11 +785,6 @@ async def set_user_group(conn: Conn, user: str, group: str) -> bool:
     """Move a user to an existing group; False if there is no such user."""
     status = await conn.execute("UPDATE users SET group_name = $2 WHERE name = $1", user, group)
     return status.endswith(" 1")
-
-
-async def user_group(conn: Conn, user_id: int) -> str:
-    value = await conn.fetchval("SELECT group_name FROM users WHERE id = $1", user_id)
-    return str(value)
 
 
 async def now(conn: Conn) -> float:

@@ -79,7 +79,7 @@ async def submit(request: Request) -> Response:
             "may raise a call's priority above 0; a negative priority lets others go first",
             code="priority_not_allowed",
         )
-    await _check_fits(request, owner, calls)
+    await _check_fits(request, caller.group, calls)
     keys = [c.idempotency_key for c in calls]
     if len(set(keys)) != len(keys):
         raise Unprocessable("two calls in one request share an idempotency_key")
@@ -95,7 +95,7 @@ async def submit(request: Request) -> Response:
     return reply(wire.SubmitResponse(ids=ids), 201)
 
 
-async def _check_fits(request: Request, owner: int, calls: list[wire.CallSpec]) -> None:
+async def _check_fits(request: Request, group: str, calls: list[wire.CallSpec]) -> None:
     """Reject a call no node could ever run, rather than queueing it for ever: more GPUs than
     the owner's group may ever hold (under a policy with quotas), GPU models or memory no
     node has, or more GPUs than one node has that it may use (a call runs on one node).
@@ -105,7 +105,6 @@ async def _check_fits(request: Request, owner: int, calls: list[wire.CallSpec]) 
         return
     pool, config = request.app.state.pool, request.app.state.config
     nodes = [scheduling.node_capacity(n) for n in await db.registered_nodes(pool)]
-    group = await db.user_group(pool, owner)
     quotas = {}
     if config.policy().uses_quotas:
         groups = await db.groups(pool)
