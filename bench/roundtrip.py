@@ -4,7 +4,9 @@ Starts its own single-machine cluster (`bulletin up` in a temporary state dir, f
 unless --config points at a running one, then measures:
   * p50/p90/p99 latency of N sequential no-op calls (submit -> schedule -> nodelet ->
     worker -> result back in the caller), CPU-only and 1-GPU;
-  * throughput of fn.map over M no-op calls.
+  * throughput of fn.map over M no-op calls;
+  * p50/p90/p99 latency of N sequential JSON invocations of a registered no-op function over
+    plain HTTP (POST /v1/functions/noop/invoke?wait=30, as curl would), CPU-only.
 Usage: python bench/roundtrip.py [--calls 1000] [--map 5000] [--config client.toml]
 """
 
@@ -19,7 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
+
+import httpx
 
 import sdk
 
@@ -70,6 +75,22 @@ def latency(fn: sdk.Function, calls: int) -> list[float]:
     return samples
 
 
+def json_latency(config: Path, calls: int) -> list[float]:
+    sdk.function(gpus=0)(noop).register("noop")
+    settings = tomllib.loads(config.read_text())
+    headers = {"Authorization": f"Bearer {settings['token']}"}
+    samples = []
+    with httpx.Client(base_url=settings["url"], headers=headers, timeout=60) as client:
+        for i in range(calls + 1):
+            started = time.perf_counter()
+            answer = client.post("/v1/functions/noop/invoke?wait=30", json={"args": [i]})
+            elapsed = time.perf_counter() - started
+            assert answer.status_code == 200 and answer.json()["result_json"] == i, answer.text
+            if i:  # the first warms the connection and a worker
+                samples.append(elapsed)
+    return samples
+
+
 def report_latency(label: str, samples: list[float]) -> None:
     ms = [s * 1000 for s in samples]
     print(
@@ -99,6 +120,7 @@ def main() -> None:
         try:
             report_latency("no-op call, gpus=0", latency(sdk.function(gpus=0)(noop), args.calls))
             report_latency("no-op call, gpus=1", latency(sdk.function(gpus=1)(noop), args.calls))
+            report_latency("JSON invoke over HTTP, gpus=0", json_latency(config, args.calls))
             fn = sdk.function(gpus=0)(noop)
             started = time.perf_counter()
             results = list(fn.map(range(args.map_calls)))

@@ -12,11 +12,11 @@ them. In JSON they travel base64-encoded (msgspec's default for ``bytes``).
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: the nodelet acts on Preemption orders
+PROTOCOL_VERSION = 3  # 2: the nodelet acts on Preemption orders; 3: JSON arguments
 MIN_PROTOCOL_VERSION = 1
 
 #: Media type of the raw bodies of blob uploads and downloads.
@@ -176,6 +176,14 @@ class Invocation(_Msg, frozen=True, kw_only=True):
     #: the last scheduling round that looked at it; None before one has.
     queue_position: int | None = None
     wait_reason: str | None = None
+    #: Registered functions: the version that ran.
+    function_version: str | None = None
+    #: JSON invocations (``POST /v1/functions/{name}/invoke``) once they succeeded: the value
+    #: the function returned, as JSON. When it is not JSON-serialisable, ``result_json_error``
+    #: says why, and the pickled result is still in ``result`` / ``result_blob`` (also at
+    #: ``GET /v1/invocations/{id}/result``).
+    result_json: Any = None
+    result_json_error: str | None = None
 
 
 #: A group's name: also a path segment of the admin API.
@@ -215,6 +223,67 @@ class UsageEntry(_Msg, frozen=True, kw_only=True):
     calls: int
 
 
+#: A registered function's name: also a path segment.
+FunctionName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+#: FunctionName's rule, in words for error messages.
+FUNCTION_NAME_RULE = (
+    "a function name has letters, digits, '.', '_' and '-' (at most 64, starting with a "
+    "letter or digit)"
+)
+#: A registered function's version: the first 16 hex digits of a SHA-256 of its content.
+FunctionVersion = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{16}$")]
+#: Who may see and invoke a registered function besides its owner.
+Visibility = Literal["private", "group", "cluster"]
+MAX_RETRIES = 10
+
+
+class FunctionResources(_Msg, frozen=True, kw_only=True):
+    """What every invocation of a registered function asks for (as ``CallSpec``)."""
+
+    gpus: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
+    gpu_model: GpuModel | None = None
+    gpu_memory_mb: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=1e9)] | None = None
+    max_retries: Annotated[int, msgspec.Meta(ge=0, le=MAX_RETRIES)] = 2
+    expected_s: Annotated[float, msgspec.Meta(gt=0, le=1e9)] | None = None
+
+
+class FunctionRegistration(_Msg, frozen=True, kw_only=True):
+    """Register a function by value: its pickled envelope (``(function, (), {})``, inline or
+    uploaded first as a blob) and what its invocations ask for."""
+
+    payload: bytes | None = None
+    payload_blob: Id | None = None
+    resources: FunctionResources = msgspec.field(default_factory=FunctionResources)
+    visibility: Visibility = "private"
+    description: Annotated[str, msgspec.Meta(pattern="^[^\\x00]*$", max_length=2000)] = ""
+
+
+class FunctionInfo(_Msg, frozen=True, kw_only=True):
+    """One version of a registered function."""
+
+    name: str
+    version: str
+    owner: str
+    visibility: Visibility
+    description: str
+    resources: FunctionResources
+    payload_size: int
+    #: When this version was first registered, and last registered again (seconds since the
+    #: epoch); the latest version is the one registered last.
+    created: float
+    registered: float
+    #: Whether this is the version an invocation without ``?version=`` runs.
+    latest: bool
+
+
+class InvokeRequest(_Msg, frozen=True, kw_only=True):
+    """Plain JSON arguments of an invocation: ``function(*args, **kwargs)``."""
+
+    args: list[Any] = msgspec.field(default_factory=list)
+    kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
 class WatchItem(_Msg, frozen=True, kw_only=True):
     id: Id
     log_after: Int32 = 0  # number of log chunks the caller has already seen
@@ -242,6 +311,23 @@ class WatchResponse(_Msg, frozen=True, kw_only=True):
     # Invocations that changed: terminal ones carry their result.
     invocations: list[Invocation]
     logs: list[LogChunk]
+
+
+class LogEvent(_Msg, frozen=True, kw_only=True):
+    """The data of one Server-Sent Event of ``GET /v1/invocations/{id}/logs``: a log chunk
+    (``n`` is also the event's id), its text decoded as UTF-8."""
+
+    n: int
+    stream: Literal["stdout", "stderr"]
+    text: str
+
+
+class LogEnd(_Msg, frozen=True, kw_only=True):
+    """The data of the last event (``end``) of a log stream: the invocation is terminal and
+    every chunk was sent."""
+
+    state: State
+    log_count: int
 
 
 class CancelRequest(_Msg, frozen=True, kw_only=True):
@@ -339,6 +425,9 @@ class Assignment(_Msg, frozen=True, kw_only=True):
     owner: str = ""
     # The owner's user name (nodes may run calls as the Unix account of that name).
     owner_name: str = ""
+    # JSON invocations: ``{"args": [...], "kwargs": {...}}`` to call the payload's function
+    # with (protocol 3; the payload then holds ``(function, (), {})``).
+    arguments: bytes | None = None
 
 
 class GpuHealthReport(_Msg, frozen=True, kw_only=True):
@@ -445,6 +534,9 @@ class CompleteRequest(_Msg, frozen=True, kw_only=True):
     started: Epoch | None = None
     finished: Epoch | None = None
     warm: bool | None = None
+    # JSON invocations: the returned value as JSON, or why it is not JSON-serialisable.
+    result_json: bytes | None = None
+    result_json_error: Text | None = None
 
 
 # ------------------------------------------------------------- worker process (nodelet <-> worker)
@@ -459,6 +551,8 @@ class WorkerTask(_Msg, frozen=True, kw_only=True):
     payload_path: str | None = None
     # Where to leave the WorkerOutcome.
     result_path: str
+    # JSON invocations: the arguments (Assignment.arguments) to call the function with.
+    arguments: bytes | None = None
     gpu_indices: list[int] = msgspec.field(default_factory=list)
     env: dict[str, str] = msgspec.field(default_factory=dict)
     # The torch device tensors and modules are moved to before the call ("cuda:0", "cpu").
@@ -501,6 +595,9 @@ class WorkerOutcome(_Msg, frozen=True, kw_only=True):
     error_type: str | None = None
     error_message: str | None = None
     traceback: str | None = None
+    # JSON invocations: the returned value as JSON, or why it could not be.
+    result_json: bytes | None = None
+    result_json_error: str | None = None
 
 
 class PickleHeader(_Msg, frozen=True, kw_only=True):

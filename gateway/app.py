@@ -16,7 +16,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admin, auth, cluster, db, invocations, nodes, scheduling
+from gateway import (
+    admin,
+    auth,
+    cluster,
+    db,
+    functions,
+    invocations,
+    logs,
+    nodes,
+    retention,
+    scheduling,
+)
 from gateway.config import GatewayConfig
 from gateway.errors import HANDLERS
 from gateway.notify import Hub
@@ -60,6 +71,7 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
     tasks = {
         "notify-hub": asyncio.create_task(hub.run(), name="notify-hub"),
         "scheduler": asyncio.create_task(scheduling.run(hub, config), name="scheduler"),
+        "purge": asyncio.create_task(retention.purge_forever(config, pool), name="purge"),
     }
     if config.shared_dir:
         tasks["shared-sweep"] = asyncio.create_task(
@@ -79,6 +91,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/healthz", healthz),
         Route("/openapi.yaml", openapi),
         *invocations.ROUTES,
+        *logs.ROUTES,
+        *functions.ROUTES,
         *cluster.ROUTES,
         *nodes.ROUTES,
         *admin.ROUTES,

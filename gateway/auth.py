@@ -1,7 +1,8 @@
 """Bearer tokens. Only their SHA-256 is stored; user and node tokens are different kinds and
 each works only on its own routes. Every token that cannot be used (missing, malformed,
 unknown, expired or revoked) gets the same 401, so an answer tells nothing about which; the
-token itself is never logged."""
+token itself is never logged. Requests with a user token are rate limited per user
+(``gateway/ratelimit.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import secrets
 
 from starlette.requests import Request
 
-from gateway import db
+from gateway import db, ratelimit
 from gateway.errors import Forbidden, Unauthorized
 
 USER_PREFIX = "bu_"
@@ -52,12 +53,15 @@ def _bearer(request: Request) -> str:
 
 
 async def principal(request: Request, kind: str) -> db.Principal:
-    """The caller, who must hold a token of ``kind`` ("user" or "node")."""
+    """The caller, who must hold a token of ``kind`` ("user" or "node"). A user's requests
+    count against their rate limit (429 over it); a node's do not."""
     found = await db.lookup_token(request.app.state.pool, token_hash(_bearer(request)))
     if found is None:
         raise Unauthorized(UNAUTHORIZED, code="unauthorized")
     if found.kind != kind:
         raise Forbidden(f"a {found.kind} token cannot be used on {kind} routes", code="wrong_token")
+    if found.user_id is not None:
+        ratelimit.check(request, found.user_id)
     return found
 
 

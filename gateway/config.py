@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import msgspec
@@ -59,6 +60,19 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: seconds gets a reservation, so a big call cannot wait for ever behind smaller ones; 0:
     #: never (the default: holding room idle costs the others, see docs/scheduling.md).
     fair_starve_after_s: float = 0.0
+    #: Requests a second each user may make, on average, with a user token (a token bucket
+    #: per user, in this replica's memory: N replicas allow up to N times as much); over it
+    #: the gateway answers 429 with Retry-After. 0: no limit.
+    rate_limit_per_s: float = 100.0
+    #: Requests a user may make at once above rate_limit_per_s (the bucket's size).
+    rate_limit_burst: int = 400
+    #: The longest a `?wait=` on invoke may hold the request, in seconds.
+    max_wait_s: float = 60.0
+    #: Terminal invocations, their logs, results, blobs and shared-directory files are purged
+    #: this many seconds after they ended (default 7 days).
+    retention_s: float = 604800.0
+    #: How often the purge of what is past retention_s runs, in seconds.
+    purge_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -70,13 +84,20 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
             "schedule_interval_s",
             "shared_ttl_s",
             "fair_share_half_life_s",
+            "max_wait_s",
+            "retention_s",
+            "purge_interval_s",
         ):
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"gateway setting {name} must be a positive number of seconds")
         if self.preemption_grace_s < 0:
             raise ValueError("preemption_grace_s must be 0 or more seconds")
         if self.fair_starve_after_s < 0:
             raise ValueError("fair_starve_after_s must be 0 (never) or more seconds")
+        if not 0 <= self.rate_limit_per_s < math.inf:
+            raise ValueError("rate_limit_per_s must be 0 (no limit) or more requests a second")
+        if self.rate_limit_burst < 1:
+            raise ValueError("rate_limit_burst must be at least 1 request")
         if self.scheduler_policy not in POLICIES:
             raise ValueError(
                 f"scheduler_policy {self.scheduler_policy!r} is not one of {sorted(POLICIES)}"

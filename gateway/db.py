@@ -27,6 +27,8 @@ from scheduler import Pending, Running
 CHANNEL = "bulletin_events"
 #: The first nodelet protocol that acts on preemption orders.
 PREEMPTING_PROTOCOL = 2
+#: The first nodelet protocol that runs JSON invocations (Assignment.arguments).
+JSON_PROTOCOL = 3
 _LEASED = ("assigned", "running")
 
 Conn: TypeAlias = asyncpg.Connection | asyncpg.Pool
@@ -270,10 +272,12 @@ async def delete_blob(conn: Conn, blob_id: str) -> None:
     await conn.execute("DELETE FROM blobs WHERE id = $1", uuid.UUID(blob_id))
 
 
-async def blob_size(conn: Conn, blob_id: str, owner_id: int) -> int | None:
-    """Size of a complete blob owned by ``owner_id``; None if there is none."""
+async def blob_size(conn: Conn, blob_id: str, owner_id: int | None) -> int | None:
+    """Size of a complete blob owned by ``owner_id`` (None: by anyone); None if there is
+    none."""
     value = await conn.fetchval(
-        "SELECT size FROM blobs WHERE id = $1 AND owner_id = $2 AND complete",
+        "SELECT size FROM blobs WHERE id = $1 AND ($2::bigint IS NULL OR owner_id = $2)"
+        " AND complete",
         uuid.UUID(blob_id),
         owner_id,
     )
@@ -364,10 +368,12 @@ async def live_payload_files(conn: Conn) -> set[str]:
 
 def _invocation_columns(result: str = "i.result") -> str:
     """What ``to_invocation`` reads; ``result`` may be ``NULL::bytea`` where results are left
-    out (listings)."""
+    out (listings: the JSON result too)."""
+    result_json = "NULL::bytea" if result.startswith("NULL") else "i.result_json"
     return (
         "i.id, i.state, i.function_name, i.gpus, i.attempts, i.max_retries, n.name AS node,"
         f" i.error_kind, i.error_type, i.error_message, i.traceback, {result} AS result,"
+        f" i.function_version, {result_json} AS result_json, i.result_json_error,"
         " i.result_blob, i.result_file, i.log_count,"
         " extract(epoch FROM i.submitted_at) AS t_submitted,"
         " extract(epoch FROM i.scheduled_at) AS t_scheduled,"
@@ -418,6 +424,9 @@ def to_invocation(row: asyncpg.Record) -> wire.Invocation:
         preempt_reason=row["preempt_reason"],
         queue_position=row["queue_position"] if row["state"] == "queued" else None,
         wait_reason=row["wait_reason"] if row["state"] == "queued" else None,
+        function_version=row["function_version"],
+        result_json=None if row["result_json"] is None else msgspec.Raw(row["result_json"]),
+        result_json_error=row["result_json_error"],
     )
 
 
@@ -434,11 +443,14 @@ async def mark_fetched(conn: Conn, ids: Sequence[str]) -> dict[str, float]:
     return {str(r["id"]): float(r["t"]) for r in rows}
 
 
-async def get_invocations(conn: Conn, owner_id: int, ids: Sequence[str]) -> list[wire.Invocation]:
-    """The invocations among ``ids`` that ``owner_id`` owns (others' are simply absent)."""
+async def get_invocations(
+    conn: Conn, owner_id: int | None, ids: Sequence[str]
+) -> list[wire.Invocation]:
+    """The invocations among ``ids`` that ``owner_id`` owns (others' are simply absent);
+    ``owner_id`` None: anyone's (an administrator)."""
     rows = await conn.fetch(
         f"SELECT {_invocation_columns()} FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id"
-        " WHERE i.id = ANY($1::uuid[]) AND i.owner_id = $2",
+        " WHERE i.id = ANY($1::uuid[]) AND ($2::bigint IS NULL OR i.owner_id = $2)",
         [uuid.UUID(i) for i in ids],
         owner_id,
     )
@@ -457,13 +469,13 @@ async def missing(conn: Conn, owner_id: int, ids: Sequence[str]) -> list[str]:
 
 
 async def changed(
-    conn: Conn, owner_id: int, cursors: Sequence[tuple[str, int]]
+    conn: Conn, owner_id: int | None, cursors: Sequence[tuple[str, int]]
 ) -> list[wire.Invocation]:
     """The invocations among the cursors ``(id, log chunks seen)`` that are terminal or have
-    unseen log chunks: what a watch answers with."""
+    unseen log chunks: what a watch answers with (``owner_id`` None: anyone's)."""
     rows = await conn.fetch(
         f"SELECT {_invocation_columns()} FROM unnest($1::uuid[], $2::int[]) AS c(id, seen)"
-        " JOIN invocations i ON i.id = c.id AND i.owner_id = $3"
+        " JOIN invocations i ON i.id = c.id AND ($3::bigint IS NULL OR i.owner_id = $3)"
         " LEFT JOIN nodes n ON n.id = i.node_id"
         " WHERE i.state IN ('succeeded', 'failed', 'timed_out', 'cancelled')"
         "  OR i.log_count > c.seen",
@@ -1039,13 +1051,22 @@ async def deliver(
     starts it, so a lost poll answer loses nothing. Delivery renews the lease: the node starts
     its own lease clock on receipt, and must never believe in more lease than it has."""
     rows = await conn.fetch(
-        "UPDATE invocations i SET delivered_at = coalesce(i.delivered_at, clock_timestamp()),"
+        # A nodelet older than protocol 3 would ignore a JSON invocation's arguments and call
+        # the function without them: such calls fail at once, saying why.
+        "WITH old AS (UPDATE invocations i SET state = 'failed', error_kind = 'version_skew',"
+        "  error_type = 'VersionSkew', error_message = 'node ' || n.name || ' runs a nodelet"
+        " older than protocol 3, which cannot run JSON invocations: upgrade it',"
+        "  finished_at = clock_timestamp(), lease_expires_at = NULL FROM nodes n"
+        f"  WHERE n.id = $1 AND n.protocol_version < {JSON_PROTOCOL} AND i.node_id = $1"
+        "  AND i.state = 'assigned' AND i.arguments IS NOT NULL RETURNING i.id)"
+        " UPDATE invocations i SET delivered_at = coalesce(i.delivered_at, clock_timestamp()),"
         " lease_expires_at = clock_timestamp() + make_interval(secs => $5)"
         " WHERE i.node_id = $1 AND i.state = 'assigned'"
+        "  AND i.id NOT IN (SELECT id FROM old)"
         "  AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
         "   WHERE a.id = i.id AND a.epoch = i.epoch)"
         " RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,"
-        "  i.owner_id, i.payload_file,"
+        "  i.owner_id, i.payload_file, i.arguments,"
         "  (SELECT u.name FROM users u WHERE u.id = i.owner_id) AS owner_name,"
         "  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload",
         node_id,
@@ -1065,6 +1086,7 @@ async def deliver(
             payload_file=r["payload_file"],
             owner=str(r["owner_id"]),
             owner_name=r["owner_name"] or "",
+            arguments=None if r["arguments"] is None else bytes(r["arguments"]),
         )
         for r in rows
     ]
@@ -1201,7 +1223,8 @@ async def complete(
             " error_message = $7, traceback = $8, result = $9, result_blob = $10,"
             " result_file = $11, finished_at = clock_timestamp(), lease_expires_at = NULL,"
             " worker_acquired_at = to_timestamp($12), code_started_at = to_timestamp($13),"
-            " code_finished_at = to_timestamp($14), warm = $15"
+            " code_finished_at = to_timestamp($14), warm = $15, result_json = $16,"
+            " result_json_error = $17"
             f" WHERE {_FENCE} AND ($10::uuid IS NULL OR EXISTS (SELECT 1 FROM blobs b"
             "  WHERE b.id = $10 AND b.owner_id = i.owner_id AND b.complete))",
             uuid.UUID(invocation_id),
@@ -1219,8 +1242,329 @@ async def complete(
             request.started,
             request.finished,
             request.warm,
+            request.result_json,
+            request.result_json_error,
         )
         if not status.endswith(" 1"):
             return False
         await _notify(conn, f"i:{invocation_id}", "q")
     return True
+
+
+# ------------------------------------------------------------------- registered functions
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionRow:
+    id: int
+    owner_id: int
+    info: wire.FunctionInfo
+
+
+def _visible(caller: str, is_admin: str) -> str:
+    """SQL: ``f`` (a function, ``o`` its owner) may be seen by the caller (user id and
+    admin flag parameters)."""
+    return (
+        f"({is_admin} OR f.owner_id = {caller} OR f.visibility = 'cluster'"
+        f" OR (f.visibility = 'group' AND o.group_name ="
+        f"  (SELECT group_name FROM users WHERE id = {caller})))"
+    )
+
+
+_FUNCTION_COLUMNS = (
+    "f.id, f.owner_id, f.name, f.version, o.name AS owner, f.visibility, f.description,"
+    " f.gpus, f.gpu_model, f.gpu_memory_mb, f.timeout_s, f.max_retries, f.expected_s,"
+    " f.payload_size, extract(epoch FROM f.created_at)::float8 AS created,"
+    " extract(epoch FROM f.registered_at)::float8 AS registered,"
+    " f.id = (SELECT l.id FROM functions l WHERE l.owner_id = f.owner_id AND l.name = f.name"
+    "  ORDER BY l.registered_at DESC, l.id DESC LIMIT 1) AS latest"
+)
+
+
+def _function_row(r: asyncpg.Record) -> FunctionRow:
+    return FunctionRow(
+        id=int(r["id"]),
+        owner_id=int(r["owner_id"]),
+        info=wire.FunctionInfo(
+            name=r["name"],
+            version=r["version"],
+            owner=r["owner"],
+            visibility=r["visibility"],
+            description=r["description"],
+            resources=wire.FunctionResources(
+                gpus=r["gpus"],
+                gpu_model=r["gpu_model"],
+                gpu_memory_mb=r["gpu_memory_mb"],
+                timeout_s=r["timeout_s"],
+                max_retries=r["max_retries"],
+                expected_s=r["expected_s"],
+            ),
+            payload_size=int(r["payload_size"]),
+            created=float(r["created"]),
+            registered=float(r["registered"]),
+            latest=bool(r["latest"]),
+        ),
+    )
+
+
+async def register_function(
+    conn: asyncpg.Connection,
+    owner_id: int,
+    name: str,
+    version: str,
+    registration: wire.FunctionRegistration,
+    size: int,
+) -> tuple[FunctionRow, bool]:
+    """Store a version of a function (or find it again: a no-op when it is already the
+    latest; an older version registered again becomes the latest). Visibility and
+    description apply to every version of the name. Returns the row and whether it is new."""
+    r = registration.resources
+    async with conn.transaction():
+        # One registration of a name at a time: which version is the latest stays clear.
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1), $2::int)", name, owner_id)
+        created = await conn.fetchval(
+            "INSERT INTO functions (owner_id, name, version, visibility, description, gpus,"
+            " gpu_model, gpu_memory_mb, timeout_s, max_retries, expected_s, payload,"
+            " payload_blob, payload_size)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
+            " ON CONFLICT (owner_id, name, version) DO NOTHING RETURNING true",
+            owner_id,
+            name,
+            version,
+            registration.visibility,
+            registration.description,
+            r.gpus,
+            r.gpu_model,
+            r.gpu_memory_mb,
+            r.timeout_s,
+            r.max_retries,
+            r.expected_s,
+            registration.payload,
+            None if registration.payload_blob is None else uuid.UUID(registration.payload_blob),
+            size,
+        )
+        if not created:
+            await conn.execute(
+                "UPDATE functions f SET registered_at = clock_timestamp()"
+                " WHERE owner_id = $1 AND name = $2 AND version = $3 AND f.id <> (SELECT l.id"
+                "  FROM functions l WHERE l.owner_id = $1 AND l.name = $2"
+                "  ORDER BY l.registered_at DESC, l.id DESC LIMIT 1)",
+                owner_id,
+                name,
+                version,
+            )
+        await conn.execute(
+            "UPDATE functions SET visibility = $3, description = $4"
+            " WHERE owner_id = $1 AND name = $2 AND (visibility, description) <> ($3, $4)",
+            owner_id,
+            name,
+            registration.visibility,
+            registration.description,
+        )
+        row = await conn.fetchrow(
+            f"SELECT {_FUNCTION_COLUMNS} FROM functions f JOIN users o ON o.id = f.owner_id"
+            " WHERE f.owner_id = $1 AND f.name = $2 AND f.version = $3",
+            owner_id,
+            name,
+            version,
+        )
+    assert row is not None
+    return _function_row(row), bool(created)
+
+
+async def find_function(
+    conn: Conn,
+    caller: Principal,
+    owner: str | None,
+    name: str,
+    version: str | None,
+) -> FunctionRow | None:
+    """The function ``name`` of ``owner`` (None: the caller) that the caller may see: the
+    given version, or the latest."""
+    row = await conn.fetchrow(
+        f"SELECT {_FUNCTION_COLUMNS} FROM functions f JOIN users o ON o.id = f.owner_id"
+        " WHERE f.name = $3 AND (CASE WHEN $4::text IS NULL THEN o.id = $1 ELSE o.name = $4 END)"
+        "  AND ($5::text IS NULL OR f.version = $5)"
+        f"  AND {_visible('$1', '$2')}"
+        " ORDER BY f.registered_at DESC, f.id DESC LIMIT 1",
+        caller.user_id,
+        caller.is_admin,
+        name,
+        owner,
+        version,
+    )
+    return None if row is None else _function_row(row)
+
+
+async def list_functions(
+    conn: Conn, caller: Principal, owner: str | None, name: str | None = None
+) -> list[wire.FunctionInfo]:
+    """The latest version of each function of ``owner`` (None: the caller) that the caller
+    may see, by name; with ``name``, every version of that one function, newest first."""
+    rows = await conn.fetch(
+        f"SELECT {_FUNCTION_COLUMNS} FROM functions f JOIN users o ON o.id = f.owner_id"
+        " WHERE (CASE WHEN $3::text IS NULL THEN o.id = $1 ELSE o.name = $3 END)"
+        f"  AND {_visible('$1', '$2')} AND ($4::text IS NULL OR f.name = $4)"
+        " ORDER BY f.name, f.registered_at DESC, f.id DESC",
+        caller.user_id,
+        caller.is_admin,
+        owner,
+        name,
+    )
+    infos = [_function_row(r).info for r in rows]
+    return infos if name is not None else [i for i in infos if i.latest]
+
+
+async def delete_function(conn: Conn, owner_id: int, name: str) -> int:
+    """Unregister every version of the owner's function ``name``; how many there were.
+    Invocations already submitted keep their copy (or share the blob, which retention
+    removes once nothing refers to it)."""
+    status = await conn.execute(
+        "DELETE FROM functions WHERE owner_id = $1 AND name = $2", owner_id, name
+    )
+    return int(status.split()[-1])
+
+
+async def invoke(
+    conn: asyncpg.Connection, owner_id: int, function_id: int, arguments: bytes
+) -> str | None:
+    """Queue a JSON invocation of a registered function version for ``owner_id`` (who may be
+    another user than the function's owner); its id, or None if the function is gone."""
+    invocation_id = uuid.uuid4()
+    async with conn.transaction():
+        status = await conn.execute(
+            "INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,"
+            " max_retries, timeout_s, payload, payload_blob, payload_size, gpu_model,"
+            " gpu_memory_mb, expected_s, function_id, function_version, arguments)"
+            " SELECT $1, $2, $5, f.name, f.gpus, f.max_retries, f.timeout_s, f.payload,"
+            "  f.payload_blob, f.payload_size, f.gpu_model, f.gpu_memory_mb, f.expected_s, f.id,"
+            "  f.version, $4 FROM functions f WHERE f.id = $3",
+            invocation_id,
+            owner_id,
+            function_id,
+            arguments,
+            str(invocation_id),
+        )
+        if not status.endswith(" 1"):
+            return None
+        await conn.execute("SELECT pg_notify($1, 'q')", CHANNEL)
+    return str(invocation_id)
+
+
+# ------------------------------------------------------------------------ idempotency keys
+
+
+@dataclass(frozen=True, slots=True)
+class KeyHeld:
+    """An Idempotency-Key an earlier request holds: its request's hash, and its answer
+    (``status`` None while that request is still in flight)."""
+
+    request_hash: bytes
+    status: int | None
+    body: bytes | None
+    location: str | None
+
+
+async def claim_key(
+    conn: Conn, owner_id: int, key: str, request_hash: bytes, abandoned_s: float
+) -> KeyHeld | None:
+    """Take ``key`` for this request: None when it is this request's now (new, or left in
+    flight for longer than ``abandoned_s`` by a request with the same body, whose gateway
+    died), else what the request that holds it left."""
+    for _ in range(3):
+        taken = await conn.fetchval(
+            "INSERT INTO idempotency_keys (owner_id, key, request_hash) VALUES ($1, $2, $3)"
+            " ON CONFLICT (owner_id, key) DO UPDATE SET created_at = clock_timestamp()"
+            " WHERE idempotency_keys.answered_at IS NULL"
+            "  AND idempotency_keys.request_hash = EXCLUDED.request_hash"
+            "  AND idempotency_keys.created_at < clock_timestamp() - make_interval(secs => $4)"
+            " RETURNING true",
+            owner_id,
+            key,
+            request_hash,
+            abandoned_s,
+        )
+        if taken:
+            return None
+        row = await conn.fetchrow(
+            "SELECT request_hash, status, body, location FROM idempotency_keys"
+            " WHERE owner_id = $1 AND key = $2",
+            owner_id,
+            key,
+        )
+        if row is not None:
+            return KeyHeld(
+                bytes(row["request_hash"]),
+                row["status"],
+                None if row["body"] is None else bytes(row["body"]),
+                row["location"],
+            )
+    raise RuntimeError("an Idempotency-Key kept changing hands")  # pragma: no cover
+
+
+async def answer_key(
+    conn: Conn, owner_id: int, key: str, status: int, body: bytes, location: str | None
+) -> None:
+    """Keep the answer of the request that holds ``key``, for retries to get."""
+    await conn.execute(
+        "UPDATE idempotency_keys SET status = $3, body = $4, location = $5,"
+        " answered_at = clock_timestamp() WHERE owner_id = $1 AND key = $2",
+        owner_id,
+        key,
+        status,
+        body,
+        location,
+    )
+
+
+async def release_key(conn: Conn, owner_id: int, key: str) -> None:
+    """Let go of ``key`` after its request failed: a retry may use it afresh."""
+    await conn.execute(
+        "DELETE FROM idempotency_keys WHERE owner_id = $1 AND key = $2 AND answered_at IS NULL",
+        owner_id,
+        key,
+    )
+
+
+# ------------------------------------------------------------------------------- retention
+
+
+@dataclass(frozen=True, slots=True)
+class Purged:
+    invocations: int
+    blobs: int
+    keys: int
+    #: Shared-directory files (relative to its root) of the purged invocations: the caller
+    #: deletes them.
+    files: list[str]
+
+
+async def purge(conn: asyncpg.Connection, retention_s: float, batch: int = 1000) -> Purged:
+    """Delete up to ``batch`` invocations that ended more than ``retention_s`` ago (with their
+    logs), the blobs nothing refers to any more that are that old, and Idempotency-Keys that
+    old. Replicas may run it at once: each takes rows the others have not locked."""
+    async with conn.transaction():
+        rows = await conn.fetch(
+            "DELETE FROM invocations WHERE id IN (SELECT id FROM invocations"
+            "  WHERE finished_at < clock_timestamp() - make_interval(secs => $1)"
+            "  AND state IN ('succeeded', 'failed', 'timed_out', 'cancelled')"
+            f"  ORDER BY finished_at LIMIT {int(batch)} FOR UPDATE SKIP LOCKED)"
+            " RETURNING payload_file, result_file",
+            retention_s,
+        )
+        blobs = await conn.execute(
+            "DELETE FROM blobs WHERE id IN (SELECT b.id FROM blobs b"
+            "  WHERE b.created_at < clock_timestamp() - make_interval(secs => $1)"
+            "  AND NOT EXISTS (SELECT 1 FROM invocations i WHERE i.payload_blob = b.id)"
+            "  AND NOT EXISTS (SELECT 1 FROM invocations i WHERE i.result_blob = b.id)"
+            "  AND NOT EXISTS (SELECT 1 FROM functions f WHERE f.payload_blob = b.id)"
+            f"  LIMIT {int(batch)} FOR UPDATE SKIP LOCKED)",
+            retention_s,
+        )
+        keys = await conn.execute(
+            "DELETE FROM idempotency_keys"
+            " WHERE created_at < clock_timestamp() - make_interval(secs => $1)",
+            retention_s,
+        )
+    files = [f for r in rows for f in (r["payload_file"], r["result_file"]) if f is not None]
+    return Purged(len(rows), int(blobs.split()[-1]), int(keys.split()[-1]), files)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import re
+import typing
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -14,7 +17,13 @@ from starlette.responses import Response, StreamingResponse
 
 from bulletin import wire
 from gateway import db
-from gateway.errors import BadRequest, PayloadTooLarge
+from gateway.errors import (
+    ApiError,
+    BadRequest,
+    PayloadTooLarge,
+    Unprocessable,
+    UnsupportedMediaType,
+)
 
 T = TypeVar("T")
 JSON = "application/json"
@@ -26,21 +35,147 @@ def _decoder(type_: Any) -> msgspec.json.Decoder[Any]:
     return msgspec.json.Decoder(type_)
 
 
+#: The pattern of wire.Text and wire.Name: strings PostgreSQL can store (no NUL).
+_NO_NUL = typing.get_args(wire.Text)[1].pattern
+#: How a string is invalid, in words, for every problem that says so.
+STRING_RULE = (
+    "strings must be valid Unicode: no NUL characters (\\u0000) and no lone surrogates "
+    "(\\ud800-\\udfff not in a pair)"
+)
+
+
 async def body(request: Request, type_: type[T]) -> T:
-    """Decode a JSON body as ``type_``; invalid bodies raise msgspec errors (→ 422)."""
+    """Decode a JSON body as ``type_``. A body of another Content-Type gets 415, one over
+    ``max_json_body`` 413 (decided before it is all read), one that is not JSON 400
+    (``malformed_json``), and JSON that is not a ``type_`` 422 (``invalid_body``, or
+    ``invalid_string`` for strings PostgreSQL cannot store)."""
+    require_json(request)
     limit = request.app.state.config.max_json_body
-    declared = request.headers.get("content-length")
-    if declared is not None and int(declared) > limit:
-        raise PayloadTooLarge(f"request body over {limit} bytes; upload big payloads as blobs")
+    declared = content_length(request)
+    if declared is not None and declared > limit:
+        raise _json_too_big(limit)
     data = bytearray()
     async for piece in request.stream():
         data += piece
         if len(data) > limit:
-            raise PayloadTooLarge(f"request body over {limit} bytes; upload big payloads as blobs")
+            raise _json_too_big(limit)
     if not data:
-        raise BadRequest("this route needs a JSON body")
-    result: T = _decoder(type_).decode(data)  # type: ignore[arg-type]
+        raise BadRequest("this route needs a JSON body", code="malformed_json")
+    try:
+        result: T = _decoder(type_).decode(data)  # type: ignore[arg-type]
+    except msgspec.ValidationError as exc:
+        raise _invalid(exc) from None
+    except msgspec.DecodeError as exc:
+        raise _undecodable(data, exc) from None
+    except RecursionError:
+        raise BadRequest("malformed JSON body: nested too deeply", code="malformed_json") from None
     return result
+
+
+def _json_too_big(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"request body over {limit} bytes (the gateway setting max_json_body); upload big "
+        "payloads as blobs",
+        code="body_too_large",
+    )
+
+
+def _invalid(exc: msgspec.ValidationError) -> Unprocessable:
+    message = str(exc)
+    if message.startswith(f"Expected `str` matching regex {_NO_NUL!r}"):
+        where = message.partition(" - at ")[2]
+        return Unprocessable(
+            f"invalid request body: {STRING_RULE} - at {where or '`$`'}", code="invalid_string"
+        )
+    return Unprocessable(f"invalid request body: {message}", code="invalid_body")
+
+
+def _undecodable(data: bytearray, exc: msgspec.DecodeError) -> ApiError:
+    """400 for a body that is not JSON; 422 for JSON whose strings are not valid Unicode
+    (msgspec refuses a lone surrogate such as "\\ud800" as if the body were malformed)."""
+    try:
+        value = json.loads(data, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return BadRequest(f"malformed JSON body: {exc}", code="malformed_json")
+    if _has_lone_surrogate(value):
+        return Unprocessable(f"invalid request body: {STRING_RULE}", code="invalid_string")
+    return BadRequest(f"malformed JSON body: {exc}", code="malformed_json")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def media_type(request: Request) -> tuple[str, dict[str, str]] | None:
+    """The request's Content-Type, lower case, and its parameters; None when it has none."""
+    header = request.headers.get("content-type")
+    if header is None or not header.strip():
+        return None
+    kind, *params = header.split(";")
+    options = {}
+    for param in params:
+        key, _, value = param.partition("=")
+        options[key.strip().lower()] = value.strip().strip('"').lower()
+    return kind.strip().lower(), options
+
+
+def require_json(request: Request) -> None:
+    """415 unless the body is JSON: ``application/json`` or ``application/*+json`` (UTF-8).
+    A body without a Content-Type is read as JSON."""
+    found = media_type(request)
+    if found is None:
+        return
+    kind, options = found
+    json_kind = kind == JSON or (kind.startswith("application/") and kind.endswith("+json"))
+    if json_kind and options.get("charset", "utf-8") in ("utf-8", "utf8"):
+        return
+    raise UnsupportedMediaType(
+        f"this route takes a JSON body: send `Content-Type: {JSON}` (UTF-8), not "
+        f"{request.headers['content-type']!r}"
+    )
+
+
+def require_octet_stream(request: Request) -> None:
+    """415 unless the body is raw bytes (``application/octet-stream``, or no Content-Type)."""
+    found = media_type(request)
+    if found is None or found[0] == wire.OCTET_STREAM:
+        return
+    raise UnsupportedMediaType(
+        f"this route takes raw bytes: send `Content-Type: {wire.OCTET_STREAM}`, not "
+        f"{request.headers['content-type']!r}"
+    )
+
+
+def content_length(request: Request) -> int | None:
+    """The declared Content-Length; None without one (a chunked body). 400 if it is not a
+    number (the HTTP server refuses most such requests before the gateway sees them)."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return None
+    declared = declared.strip()
+    if not declared.isascii() or not declared.isdigit():
+        raise BadRequest(
+            f"Content-Length must be a number of bytes, not {declared!r}", code="bad_request"
+        )
+    return int(declared)
 
 
 def reply(value: Any, status: int = 200) -> Response:
@@ -65,10 +200,11 @@ def int_param(request: Request, name: str, default: int | None = None) -> int:
 async def store_blob(request: Request, owner_id: int) -> wire.BlobRef:
     """Stream the request body into a new blob of ``owner_id``, CHUNK bytes a row. A body over
     ``max_state_bytes`` gets 413, and what was stored of it is deleted."""
+    require_octet_stream(request)
     limit = request.app.state.config.max_state_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_big(f"{int(declared)} bytes", limit)
+    declared = content_length(request)
+    if declared is not None and declared > limit:
+        raise _too_big(f"{declared} bytes", limit)
     pool: asyncpg.Pool = request.app.state.pool
     blob_id = await db.create_blob(pool, owner_id)
     try:

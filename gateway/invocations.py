@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from bulletin import shared, wire
-from gateway import auth, db, scheduling
+from gateway import auth, db, idempotency, scheduling
 from gateway.config import GatewayConfig
-from gateway.errors import NotFound, PayloadTooLarge, Unprocessable
+from gateway.errors import Conflict, NotFound, PayloadTooLarge, Unprocessable
 from gateway.http import body, int_param, reply, store_blob, stream_blob
 from scheduler import Pending, Quota, never_fits, placement
 
-MAX_RETRIES = 10
+MAX_RETRIES = wire.MAX_RETRIES
 MAX_LOG_CHUNKS = 10_000
 FAN_IN_LINGER_S = 0.005
 MAX_ANSWER_RESULT_BYTES = 16 << 20
@@ -79,23 +80,30 @@ async def submit(request: Request) -> Response:
             "may raise a call's priority above 0; a negative priority lets others go first",
             code="priority_not_allowed",
         )
-    await _check_fits(request, caller.group, calls)
+    await check_fits(request, caller.group, calls)
     keys = [c.idempotency_key for c in calls]
     if len(set(keys)) != len(keys):
         raise Unprocessable("two calls in one request share an idempotency_key")
-    blobs = {_valid_id(c.payload_blob) for c in calls if c.payload_blob is not None}
+    blobs = {valid_id(c.payload_blob) for c in calls if c.payload_blob is not None}
     if blobs:
         missing = blobs - await db.owned_blobs(request.app.state.pool, owner, list(blobs))
         if missing:
             raise Unprocessable(
                 f"payload_blob {sorted(missing)[0]} is not a complete blob of yours"
             )
-    async with request.app.state.pool.acquire() as conn:
-        ids = await db.submit(conn, owner, calls)
-    return reply(wire.SubmitResponse(ids=ids), 201)
+
+    async def insert() -> Response:
+        async with request.app.state.pool.acquire() as conn:
+            ids = await db.submit(conn, owner, calls)
+        return reply(wire.SubmitResponse(ids=ids), 201)
+
+    canonical = msgspec.json.encode(req)
+    return await idempotency.once(
+        request, owner, idempotency.fingerprint(request, canonical), insert
+    )
 
 
-async def _check_fits(request: Request, group: str, calls: list[wire.CallSpec]) -> None:
+async def check_fits(request: Request, group: str, calls: list[wire.CallSpec]) -> None:
     """Reject a call no node could ever run, rather than queueing it for ever: more GPUs than
     the owner's group may ever hold (under a policy with quotas), GPU models or memory no
     node has, or more GPUs than one node has that it may use (a call runs on one node).
@@ -123,27 +131,69 @@ async def _check_fits(request: Request, group: str, calls: list[wire.CallSpec]) 
             raise Unprocessable(reason, code="never_fits")
 
 
-def _valid_id(value: str) -> str:
+def valid_id(value: str) -> str:
     try:
         return str(uuid.UUID(value))
     except ValueError:
         raise NotFound(f"no invocation or blob with id {value!r}") from None
 
 
-async def _one(request: Request, owner: int, invocation_id: str) -> wire.Invocation:
-    found = await db.get_invocations(request.app.state.pool, owner, [_valid_id(invocation_id)])
+async def _one(request: Request, owner: int | None, invocation_id: str) -> wire.Invocation:
+    """The invocation, if ``owner`` owns it (None: anyone's, for administrators)."""
+    found = await db.get_invocations(request.app.state.pool, owner, [valid_id(invocation_id)])
     if not found:
         raise NotFound(f"no invocation {invocation_id} (ids are per user)")
     return found[0]
 
 
+async def reader(request: Request) -> int | None:
+    """Whose invocations the caller may read: their own (their user id), or anyone's
+    (None) for an administrator."""
+    caller = await auth.principal(request, "user")
+    return None if caller.is_admin else caller.user_id
+
+
 async def get_invocation(request: Request) -> Response:
-    owner = await auth.user_id(request)
-    [found] = await _fetched(request, [await _one(request, owner, request.path_params["id"])])
+    owner = await reader(request)
+    [found] = await fetched(request, [await _one(request, owner, request.path_params["id"])])
     return reply(found)
 
 
-async def _fetched(request: Request, found: list[wire.Invocation]) -> list[wire.Invocation]:
+async def get_result(request: Request) -> Response:
+    """The pickled outcome of a terminal invocation, wherever it is kept (inline, a blob, a
+    file of the shared directory), as ``application/octet-stream``: for a JSON invocation
+    whose result is not JSON, load it with ``sdk.Call.from_id(id).result()``."""
+    owner = await reader(request)
+    found = await _one(request, owner, request.path_params["id"])
+    if not found.state.terminal:
+        raise Conflict(
+            f"invocation {found.id} is {found.state}: it has no result yet; poll "
+            f"GET /v1/invocations/{found.id} until it is terminal",
+            code="not_finished",
+        )
+    pool = request.app.state.pool
+    if found.result is not None:
+        return Response(found.result, media_type=wire.OCTET_STREAM)
+    if found.result_blob is not None:
+        size = await db.blob_size(pool, found.result_blob, None)
+        if size is not None:
+            return stream_blob(pool, found.result_blob, size)
+    if found.result_file is not None:
+        root = request.app.state.config.shared_dir
+        try:
+            path = shared.resolve(root, found.result_file) if root else None
+        except ValueError:
+            path = None
+        if path is not None and os.path.exists(path):
+            return FileResponse(path, media_type=wire.OCTET_STREAM)
+    raise NotFound(
+        f"invocation {found.id} has no result to fetch (it ended {found.state} without one, "
+        "or its result was purged)",
+        code="no_result",
+    )
+
+
+async def fetched(request: Request, found: list[wire.Invocation]) -> list[wire.Invocation]:
     """Stamp the first fetch of terminal invocations on their timeline."""
     fresh = [i.id for i in found if i.state.terminal and i.timeline.fetched is None]
     if not fresh:
@@ -169,7 +219,7 @@ async def list_invocations(request: Request) -> Response:
 
 async def cancel(request: Request) -> Response:
     owner = await auth.user_id(request)
-    invocation_id = _valid_id(request.path_params["id"])
+    invocation_id = valid_id(request.path_params["id"])
     async with request.app.state.pool.acquire() as conn:
         await db.cancel(conn, owner, [invocation_id])
     return reply(await _one(request, owner, invocation_id))  # 404 if not the caller's
@@ -181,7 +231,7 @@ async def cancel_many(request: Request) -> Response:
     if not 1 <= len(req.ids) <= wire.MAX_WATCH:
         raise Unprocessable(f"cancel between 1 and {wire.MAX_WATCH} invocations per request")
     async with request.app.state.pool.acquire() as conn:
-        cancelled = await db.cancel(conn, owner, [_valid_id(i) for i in req.ids])
+        cancelled = await db.cancel(conn, owner, [valid_id(i) for i in req.ids])
     return reply(wire.CancelResponse(cancelled=cancelled))
 
 
@@ -193,7 +243,7 @@ async def watch(request: Request) -> Response:
         raise Unprocessable(f"watch between 1 and {wire.MAX_WATCH} invocations per request")
     if any(i.log_after < 0 for i in req.items):
         raise Unprocessable("log_after counts log chunks already seen: 0 or more")
-    seen = {_valid_id(i.id): i.log_after for i in req.items}
+    seen = {valid_id(i.id): i.log_after for i in req.items}
     config, pool = request.app.state.config, request.app.state.pool
     deadline = time.monotonic() + min(max(req.timeout_s, 0.0), config.long_poll_s)
     unknown = await db.missing(pool, owner, list(seen))
@@ -209,7 +259,7 @@ async def watch(request: Request) -> Response:
             if await sub.wait(min(remaining, config.recheck_s)) and len(cursors) > 1:
                 # Fan-out: let a few more completions land so one answer carries many.
                 await asyncio.sleep(FAN_IN_LINGER_S)
-    found = await _fetched(request, _within_answer_size(found))
+    found = await fetched(request, _within_answer_size(found))
     with_logs = [(f.id, seen[f.id]) for f in found if f.log_count > seen[f.id]]
     logs = await db.logs_after(pool, with_logs, MAX_LOG_CHUNKS) if with_logs else []
     return reply(wire.WatchResponse(invocations=found, logs=logs))
@@ -235,7 +285,7 @@ async def put_blob(request: Request) -> Response:
 
 async def get_blob(request: Request) -> Response:
     owner = await auth.user_id(request)
-    blob_id = _valid_id(request.path_params["id"])
+    blob_id = valid_id(request.path_params["id"])
     pool = request.app.state.pool
     size = await db.blob_size(pool, blob_id, owner)
     if size is None:
@@ -249,6 +299,7 @@ ROUTES = [
     Route("/v1/invocations/watch", watch, methods=["POST"]),
     Route("/v1/invocations/cancel", cancel_many, methods=["POST"]),
     Route("/v1/invocations/{id}", get_invocation, methods=["GET"]),
+    Route("/v1/invocations/{id}/result", get_result, methods=["GET"]),
     Route("/v1/invocations/{id}/cancel", cancel, methods=["POST"]),
     Route("/v1/blobs", put_blob, methods=["PUT"]),
     Route("/v1/blobs/{id}", get_blob, methods=["GET"]),

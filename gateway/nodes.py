@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -14,9 +15,12 @@ from bulletin import shared, wire
 from gateway import auth, db
 from gateway.errors import Conflict, NotFound, Unprocessable
 from gateway.http import body, int_param, reply, store_blob, stream_blob
-from gateway.invocations import _valid_id
+from gateway.invocations import valid_id
 
-STALE = "this attempt is no longer leased to your node (cancelled, expired or reassigned)"
+STALE = (
+    "this attempt is not leased to your node at this epoch (cancelled, expired, reassigned, "
+    "finished, or another node's)"
+)
 
 
 def _stale(invocation_id: str) -> Conflict:
@@ -119,7 +123,7 @@ async def poll(request: Request) -> Response:
 
 async def start(request: Request) -> Response:
     node_id = await auth.node_id(request)
-    invocation_id = _valid_id(request.path_params["id"])
+    invocation_id = valid_id(request.path_params["id"])
     req = await body(request, wire.StartRequest)
     if not await db.start(request.app.state.relaxed, node_id, invocation_id, req.epoch):
         raise _stale(invocation_id)
@@ -128,7 +132,7 @@ async def start(request: Request) -> Response:
 
 async def release(request: Request) -> Response:
     node_id = await auth.node_id(request)
-    invocation_id = _valid_id(request.path_params["id"])
+    invocation_id = valid_id(request.path_params["id"])
     req = await body(request, wire.ReleaseRequest)
     async with request.app.state.pool.acquire() as conn:
         if not await db.release(conn, node_id, invocation_id, req.epoch):
@@ -138,7 +142,7 @@ async def release(request: Request) -> Response:
 
 async def payload(request: Request) -> Response:
     node_id = await auth.node_id(request)
-    invocation_id = _valid_id(request.path_params["id"])
+    invocation_id = valid_id(request.path_params["id"])
     epoch = int_param(request, "epoch")
     pool = request.app.state.pool
     source = await db.payload_source(pool, node_id, invocation_id, epoch)
@@ -157,7 +161,7 @@ async def payload(request: Request) -> Response:
 
 async def logs(request: Request) -> Response:
     node_id = await auth.node_id(request)
-    invocation_id = _valid_id(request.path_params["id"])
+    invocation_id = valid_id(request.path_params["id"])
     req = await body(request, wire.LogsRequest)
     async with request.app.state.relaxed.acquire() as conn:
         if not await db.append_logs(conn, node_id, invocation_id, req):
@@ -167,7 +171,7 @@ async def logs(request: Request) -> Response:
 
 async def put_result(request: Request) -> Response:
     node_id = await auth.node_id(request)
-    invocation_id = _valid_id(request.path_params["id"])
+    invocation_id = valid_id(request.path_params["id"])
     epoch = int_param(request, "epoch")
     owner = await db.attempt_owner(request.app.state.pool, node_id, invocation_id, epoch)
     if owner is None:
@@ -178,7 +182,7 @@ async def put_result(request: Request) -> Response:
 
 async def complete(request: Request) -> Response:
     node_id = await auth.node_id(request)
-    invocation_id = _valid_id(request.path_params["id"])
+    invocation_id = valid_id(request.path_params["id"])
     req = await body(request, wire.CompleteRequest)
     _check_result(request, req)
     async with request.app.state.pool.acquire() as conn:
@@ -191,6 +195,14 @@ def _check_result(request: Request, req: wire.CompleteRequest) -> None:
     given = [r for r in (req.result, req.result_blob, req.result_file) if r is not None]
     if len(given) > 1:
         raise Unprocessable("give at most one of result, result_blob and result_file")
+    if req.result_json is not None:
+        # Served as is inside every answer about the invocation: it must be JSON.
+        if len(req.result_json) > request.app.state.config.inline_limit:
+            raise Unprocessable("result_json is over the inline limit")
+        try:
+            msgspec.json.decode(req.result_json)
+        except msgspec.DecodeError:
+            raise Unprocessable("result_json is not valid JSON") from None
     if req.result_file is None:
         return
     root = request.app.state.config.shared_dir

@@ -220,6 +220,7 @@ class Attempt:
             payload=payload,
             payload_path=payload_path,
             result_path=os.path.join(attempt_dir, "outcome.msgpack"),
+            arguments=assignment.arguments,
             gpu_indices=list(assignment.gpu_indices),
             device=facts.gpus.device(assignment.gpu_indices),
             inline_limit=facts.inline_limit,
@@ -388,6 +389,8 @@ class Attempt:
             result=outcome.result,
             started=outcome.started,
             finished=outcome.finished,
+            result_json=outcome.result_json,
+            result_json_error=outcome.result_json_error,
         )
         return Report(request, outcome.result_path)
 

@@ -35,7 +35,7 @@ from bulletin import shared, wire
 from bulletin.pickling import frame as envelope
 from bulletin.pickling import remote
 from bulletin.pickling.pickler import type_name
-from nodelet import limits
+from nodelet import jsoncall, limits
 
 #: Longest error message or traceback kept (the middle of a longer one is cut).
 MAX_ERROR_TEXT = 64 * 1024
@@ -95,6 +95,11 @@ def run_task(task: wire.WorkerTask) -> wire.WorkerOutcome:
         if isinstance(exc, MemoryError) and limit_mb is not None:
             return _out_of_memory(exc, limit_mb)
         return _bad_payload(exc)
+    if task.arguments is not None:
+        try:
+            args, kwargs = jsoncall.arguments(task.arguments)
+        except ValueError as exc:
+            return _bad_payload(exc)
     try:
         remote_call.prepare(task.device)
     except Exception as exc:
@@ -160,8 +165,17 @@ def call(
             finished=finished,
         )
     if error is None:
+        result_json = result_json_error = None
+        if task.arguments is not None:
+            result_json, result_json_error = jsoncall.encode(value, task.inline_limit)
         return wire.WorkerOutcome(
-            ok=True, result=result, result_path=result_path, started=started, finished=finished
+            ok=True,
+            result=result,
+            result_path=result_path,
+            started=started,
+            finished=finished,
+            result_json=result_json,
+            result_json_error=_no_nul(result_json_error),
         )
     return wire.WorkerOutcome(
         ok=False,

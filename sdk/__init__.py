@@ -17,6 +17,8 @@ Quick example::
     list(train_step.map(range(10)))      # one call per item, results in order
     sdk.Call.from_id(call.id).result()   # re-attach, e.g. after a kernel restart
     call.status()                        # 'queued', and while it waits: where and why
+    train_step.register("double")        # invocable by name with JSON over HTTP
+    sdk.functions()                      # what you registered
 
 Errors are described in ``sdk.errors``; an exception raised by the remote function is
 re-raised here with its own type and the remote traceback.
@@ -37,6 +39,7 @@ from sdk.errors import (
     NodeLostError,
     NotFoundError,
     OutOfMemoryError,
+    RateLimited,
     RemoteError,
     ResultTimeout,
     SerializationError,
@@ -45,7 +48,7 @@ from sdk.errors import (
     VersionSkewError,
     WorkerDiedError,
 )
-from sdk.function import Function, function
+from sdk.function import Function, function, functions, unregister
 
 __all__ = [
     "AuthError",
@@ -62,6 +65,7 @@ __all__ = [
     "NodeLostError",
     "NotFoundError",
     "OutOfMemoryError",
+    "RateLimited",
     "RemoteError",
     "ResultTimeout",
     "SerializationError",
@@ -72,4 +76,6 @@ __all__ = [
     "WorkerDiedError",
     "connect",
     "function",
+    "functions",
+    "unregister",
 ]

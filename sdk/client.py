@@ -1,14 +1,17 @@
 """The HTTP client of the gateway's user routes (``docs/protocol.md``).
 
-Every request goes through ``Client._request``: it retries transport errors and 502/503/504
-with exponential backoff until a deadline (every user route is idempotent: submissions carry
+Every request goes through ``Client._request``: it retries transport errors, 502/503/504 and
+429 (the per-user rate limit) with exponential backoff until a deadline, waiting at least what
+an answer's ``Retry-After`` asks (every user route is idempotent: submissions carry
 idempotency keys, the rest read or cancel), and ``error_for`` turns every other error answer
 into an sdk exception, so no httpx exception ever reaches the user.
 """
 
 from __future__ import annotations
 
+import email.utils
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast
@@ -25,6 +28,7 @@ from sdk.errors import (
     GatewayUnreachable,
     InvalidRequest,
     NotFoundError,
+    RateLimited,
 )
 
 T = TypeVar("T")
@@ -37,6 +41,8 @@ _ENCODER = msgspec.json.Encoder()
 _SUBMITTED = msgspec.json.Decoder(wire.SubmitResponse)
 _INVOCATION = msgspec.json.Decoder(wire.Invocation)
 _CANCELLED = msgspec.json.Decoder(wire.CancelResponse)
+_FUNCTION = msgspec.json.Decoder(wire.FunctionInfo)
+_FUNCTIONS = msgspec.json.Decoder(list[wire.FunctionInfo])
 _INVOCATIONS = msgspec.json.Decoder(list[wire.Invocation])
 _WATCHED = msgspec.json.Decoder(wire.WatchResponse)
 _BLOB = msgspec.json.Decoder(wire.BlobRef)
@@ -47,7 +53,7 @@ _JSON = {"Content-Type": "application/json"}
 #: Largest piece of a streamed upload: httpx's sync client sends one big bytes body in
 #: quadratic time, so blobs go as an iterator of slices of at most this size.
 UPLOAD_CHUNK = 4 * 1024 * 1024
-_RETRY_STATUS = frozenset({502, 503, 504})
+_RETRY_STATUS = frozenset({429, 502, 503, 504})
 # Worth retrying: the gateway may be restarting or a replica going away. Not retried: errors
 # that will not heal by themselves (bad URL scheme, local protocol misuse).
 _TRANSIENT = (
@@ -61,7 +67,16 @@ _LONG_POLL_MARGIN_S = 15.0
 
 
 class _Retry(Exception):
-    """A transient failure of one attempt (internal to ``Client._request``)."""
+    """A transient failure of one attempt (internal to ``Client._request``): ``after`` is
+    the least to wait before the next (the answer's Retry-After), ``final`` the error to raise
+    when there is no time left for one (None: GatewayUnreachable)."""
+
+    def __init__(
+        self, reason: str, *, after: float = 0.0, final: GatewayError | None = None
+    ) -> None:
+        super().__init__(reason)
+        self.after = after
+        self.final = final
 
 
 class Client:
@@ -156,6 +171,28 @@ class Client:
         )
         return answer.cancelled
 
+    def register_function(
+        self, name: str, registration: wire.FunctionRegistration
+    ) -> wire.FunctionInfo:
+        """Register a function version under ``name`` (a no-op when it is already there)."""
+        return self._request(
+            "PUT",
+            "/v1/functions/" + quote(name, safe=""),
+            body=_ENCODER.encode(registration),
+            headers=_JSON,
+            read=_json(_FUNCTION),
+        )
+
+    def functions(self, owner: str | None = None) -> list[wire.FunctionInfo]:
+        """The latest version of each registered function of ``owner`` (None: yours) that
+        you may see."""
+        params = {} if owner is None else {"owner": owner}
+        return self._request("GET", "/v1/functions", params=params, read=_json(_FUNCTIONS))
+
+    def unregister_function(self, name: str) -> None:
+        """Remove every version of your registered function ``name``."""
+        self._request("DELETE", "/v1/functions/" + quote(name, safe=""), read=lambda r: None)
+
     def watch(
         self, items: Sequence[wire.WatchItem], *, timeout_s: float | None = None
     ) -> wire.WatchResponse:
@@ -235,11 +272,14 @@ class Client:
             try:
                 return self._attempt(method, path, read, body, headers, params, timeout)
             except _Retry as failure:
-                reason = str(failure)
-            if time.monotonic() - start + delay > budget:
-                raise GatewayUnreachable(_unreachable(self.url, reason, budget)) from None
-            _log.debug("%s %s failed (%s); retrying in %.2f s", method, path, reason, delay)
-            time.sleep(delay)
+                retry = failure
+            wait = max(delay, retry.after)
+            if time.monotonic() - start + wait > budget:
+                if retry.final is not None:
+                    raise retry.final from None
+                raise GatewayUnreachable(_unreachable(self.url, str(retry), budget)) from None
+            _log.debug("%s %s failed (%s); retrying in %.2f s", method, path, retry, wait)
+            time.sleep(wait)
             delay = min(2 * delay, self.backoff_max_s)
 
     def _attempt(
@@ -277,7 +317,10 @@ class Client:
         response = self._http.send(request, stream=True)
         try:
             if response.status_code in _RETRY_STATUS:
-                raise _Retry(f"HTTP {response.status_code}")
+                response.read()
+                after = retry_after(response)
+                final = error_for(response) if response.status_code == 429 else None
+                raise _Retry(f"HTTP {response.status_code}", after=after, final=final)
             if response.is_error:
                 response.read()
                 raise error_for(response)
@@ -298,11 +341,35 @@ def error_for(response: httpx.Response) -> GatewayError:
         return AuthError(message, status=status, detail=detail)
     if status == 404:
         return NotFoundError(f"Not found: {detail}", status=status, detail=detail)
-    if status in (400, 413, 422):
+    if status in (400, 413, 415, 422):
         return InvalidRequest(detail, status=status, detail=detail)
-    if status in _RETRY_STATUS:
+    if status == 429:
+        message = f"Rate limited by the gateway ({detail}); slow down or retry later"
+        return RateLimited(message, status=status, detail=detail, retry_after=retry_after(response))
+    if status in (502, 503, 504):
         return GatewayUnreachable(f"Gateway unavailable ({status}): {detail}", status=status)
     return GatewayError(f"The gateway answered {status}: {detail}", status=status, detail=detail)
+
+
+def retry_after(response: httpx.Response) -> float:
+    """Seconds the answer's ``Retry-After`` asks to wait (seconds or an HTTP date); 0 when
+    it has none or it cannot be read."""
+    value = response.headers.get("Retry-After", "").strip()
+    if not value:
+        return 0.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        pass
+    else:
+        return max(0.0, seconds) if math.isfinite(seconds) else 0.0
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return 0.0
+    if when.tzinfo is None:
+        return 0.0
+    return max(0.0, when.timestamp() - time.time())
 
 
 def _detail(response: httpx.Response) -> str:

@@ -10,7 +10,9 @@ The tree::
     ├── GatewayError                    the gateway answered with an error   .status, .detail
     │   ├── AuthError                   401/403: wrong or expired token
     │   ├── NotFoundError               404: no such invocation or blob (or not yours)
-    │   ├── InvalidRequest              400/413/422: the gateway refused the request
+    │   ├── InvalidRequest              400/413/415/422: the gateway refused the request
+    │   ├── RateLimited                 429 until the retry deadline: over the per-user rate
+    │   │                               limit (.retry_after)
     │   └── GatewayUnreachable          transport errors or 502/503/504 after retrying
     ├── RemoteError                     the remote call failed   .error_type, .remote_traceback
     │   ├── NodeLostError               its node died and no retries were left
@@ -82,7 +84,18 @@ class NotFoundError(GatewayError):
 
 
 class InvalidRequest(GatewayError):
-    """The gateway refused the request as malformed or too large (400/413/422)."""
+    """The gateway refused the request as malformed or too large (400/413/415/422)."""
+
+
+class RateLimited(GatewayError):
+    """The gateway kept answering 429 (this user is over its rate limit) until the retry
+    deadline. ``retry_after``: the seconds its last answer asked to wait."""
+
+    def __init__(
+        self, message: str, *, status: int | None = 429, detail: str = "", retry_after: float = 0
+    ) -> None:
+        super().__init__(message, status=status, detail=detail)
+        self.retry_after = retry_after
 
 
 class GatewayUnreachable(GatewayError):

@@ -36,7 +36,9 @@ _VALID = (
     "move_to_device",
     "sync_globals",
 )
-MAX_RETRIES = 10
+MAX_RETRIES = wire.MAX_RETRIES
+_FUNCTION_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+_VISIBILITY = ("private", "group", "cluster")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +130,57 @@ class Function(Generic[P, R]):
             self._prepare(client, items, {}, sync=False) for items in zip(*iterables, strict=False)
         )
         return fanout.run(client, calls, return_exceptions=return_exceptions)
+
+    def register(
+        self, name: str | None = None, *, visibility: str = "private", description: str = ""
+    ) -> wire.FunctionInfo:
+        """Store this function on the cluster by value under ``name`` (default: the
+        function's ``name`` option or its ``__name__``), so that it can be invoked with plain
+        JSON over HTTP (``POST /v1/functions/{name}/invoke``) by you, or, with
+        ``visibility="group"`` or ``"cluster"``, by the users of your group or of the whole
+        cluster. Returns its description; ``version`` is a hash of the code and resources, so
+        registering unchanged code again changes nothing, and older versions stay callable
+        by version. Globals the function uses are captured as they are now; invocations
+        never send state back (use a plain call for that)."""
+        name = name if name is not None else (self._options.name or self._fn.__name__)
+        if not isinstance(name, str) or not re.fullmatch(_FUNCTION_NAME, name):
+            raise ValueError(f"cannot register as {name!r}: {wire.FUNCTION_NAME_RULE}")
+        if visibility not in _VISIBILITY:
+            raise ValueError(
+                f"visibility must be one of {', '.join(map(repr, _VISIBILITY))}, not {visibility!r}"
+            )
+        client = default_client()
+        info = client.cluster()
+        options = self._options
+        sent = serialize.pack_call(
+            self._fn,
+            (),
+            {},
+            max_bytes=info.max_state_bytes,
+            sync=False,
+            move_to_device=options.move_to_device,
+            shared_results=False,
+            max_result_bytes=info.max_state_bytes,
+        )
+        registration = wire.FunctionRegistration(
+            resources=wire.FunctionResources(
+                gpus=options.gpus,
+                gpu_model=options.gpu,
+                gpu_memory_mb=_mib(options.gpu_memory_gb),
+                timeout_s=options.timeout,
+                max_retries=options.max_retries,
+                expected_s=options.expected_duration,
+            ),
+            visibility=visibility,  # type: ignore[arg-type]
+            description=description,
+        )
+        packed = sent.packed
+        if packed.nbytes <= min(client.inline_limit, info.inline_limit):
+            registration = msgspec.structs.replace(registration, payload=packed.tobytes())
+        else:
+            blob = client.put_blob(packed.pieces, packed.nbytes)
+            registration = msgspec.structs.replace(registration, payload_blob=blob.id)
+        return client.register_function(name, registration)
 
     def _prepare(
         self, client: Client, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, sync: bool
@@ -361,3 +414,15 @@ def _checked_target(fn: Any) -> Any:
             "yields; return a list instead."
         )
     return fn
+
+
+def functions(owner: str | None = None) -> list[wire.FunctionInfo]:
+    """The functions you registered (``Function.register``), the latest version of each by
+    name; with ``owner``, those of that user that are shared with you."""
+    return default_client().functions(owner)
+
+
+def unregister(name: str) -> None:
+    """Remove every version of your registered function ``name``. Invocations already
+    submitted still run."""
+    default_client().unregister_function(name)

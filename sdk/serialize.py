@@ -179,5 +179,3 @@ def _pickles(value: Any) -> bool:
     except Exception:
         return False
     return True
-
-

@@ -129,9 +129,7 @@ class Cluster:
 
     def add_user(self, name: str, *, group: str | None = None, is_admin: bool = False) -> str:
         """Make user ``name`` (in ``group``, which must exist) and return a token of theirs."""
-        return asyncio.run(
-            admin.add_user(self.database_url, name, group=group, is_admin=is_admin)
-        )
+        return asyncio.run(admin.add_user(self.database_url, name, group=group, is_admin=is_admin))
 
     def set_group(self, name: str, guaranteed: int, borrow_limit: int | None = None) -> None:
         asyncio.run(admin.set_group(self.database_url, name, guaranteed, borrow_limit))

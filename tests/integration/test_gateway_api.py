@@ -98,7 +98,8 @@ def test_bad_submissions_get_problem_details_that_say_what_to_do(gateway: Cluste
     r = user.post("/v1/invocations", wire.SubmitRequest(calls=[big]))
     assert r.status_code == 413 and "PUT /v1/blobs" in r.json()["detail"]
     r = user.client.post("/v1/invocations", content=b"{not json")
-    assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json"
+    assert r.status_code == 400 and r.headers["content-type"] == "application/problem+json"
+    assert r.json()["code"] == "malformed_json"
     assert "Traceback" not in r.text
 
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import base64
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import hypothesis
 import msgspec
+import pytest
 import schemathesis
 import yaml
 from hypothesis import strategies as st
@@ -21,7 +24,7 @@ from starlette.routing import Route
 from bulletin import wire
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from tests.conftest import ROOT, Cluster
+from tests.conftest import ROOT, Cluster, running
 
 SPEC_PATH = ROOT / "openapi.yaml"
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
@@ -64,6 +67,12 @@ HTTP_STRUCTS = [
     wire.UserGroup,
     wire.UsageEntry,
     wire.WarmWorker,
+    wire.FunctionResources,
+    wire.FunctionRegistration,
+    wire.FunctionInfo,
+    wire.InvokeRequest,
+    wire.LogEvent,
+    wire.LogEnd,
 ]
 #: Structs that never cross HTTP (worker stdin/stdout, the client config file).
 NOT_HTTP = {
@@ -124,7 +133,8 @@ def test_every_route_is_in_the_spec_and_every_operation_is_routed() -> None:
     routed = {
         (method, route.path)
         for route in app.routes
-        if isinstance(route, Route)
+        # Not in the schema: what answers paths no route takes (/v1/functions/a/b: 422).
+        if isinstance(route, Route) and route.include_in_schema
         for method in route.methods or ()
         if method != "HEAD"
     }
@@ -175,6 +185,35 @@ def test_every_operation_is_secured_and_every_error_is_a_problem() -> None:
                 assert param["schema"] == {"type": "string", "format": "uuid"}, where
             elif param["in"] == "path":  # a name: the route checks it (422 when bad)
                 assert param["schema"] == {"type": "string"}, where
+
+
+def test_every_operation_documents_the_errors_common_to_its_kind() -> None:
+    """The answers every route of a kind may give, from shared components/responses: 400 and
+    415 where there is a JSON body (415 also for raw bytes), 429 on user-token routes (the rate
+    limit), and 503 with Retry-After wherever the database is used (every route with a
+    token)."""
+    spec = load_spec()
+    for (method, path), op in operations(spec).items():
+        where = f"{method} {path}"
+        responses = op["responses"]
+        body = op.get("requestBody", {}).get("content", {})
+        expected: dict[str, str] = {}
+        if "application/json" in body:
+            expected |= {"400": "MalformedJson", "415": "UnsupportedJsonType"}
+            assert "413" in responses, where
+        if "application/octet-stream" in body:
+            expected["415"] = "UnsupportedBytesType"
+        if path != "/healthz":
+            expected["503"] = "Unavailable"
+            if not path.startswith("/v1/node/"):
+                expected["429"] = "RateLimited"
+        for status, name in expected.items():
+            assert responses.get(status) == {"$ref": f"#/components/responses/{name}"}, (
+                f"{where} {status}"
+            )
+    for name in ("RateLimited", "Unavailable"):
+        header = spec["components"]["responses"][name]["headers"]["Retry-After"]
+        assert header["required"] and header["schema"] == {"type": "integer", "minimum": 1}
 
 
 def test_the_gateway_serves_this_document_to_token_holders(gateway: Cluster) -> None:
@@ -263,10 +302,24 @@ def text(size: int) -> st.SearchStrategy[str]:
     return st.text(max_size=size) | st.text(st.sampled_from(AWKWARD), max_size=size)
 
 
-def test_user_routes_answer_only_what_the_spec_documents(gateway: Cluster) -> None:
+@pytest.fixture
+def unlimited(
+    database_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
+    """Like the ``gateway`` fixture, without the per-user rate limit: a fast machine could
+    send the generated requests faster than it allows, and 429s would starve the checks of
+    the happy paths (429 is documented, so it would not fail them)."""
+    # A short ?wait= bound: generated invocations never finish here (there is no node).
+    options = {"rate-limit-per-s": "0", "max-wait-s": "0.3"}
+    with running(Cluster(database_url, tmp_path), request, options=options) as cluster:
+        yield cluster
+
+
+def test_user_routes_answer_only_what_the_spec_documents(unlimited: Cluster) -> None:
     """Schemathesis sends every user route requests generated from the spec, valid and invalid,
     then plausible ones that reach the happy paths, and checks each answer against the spec:
     no 5xx, only documented status codes and content types, bodies that match their schemas."""
+    gateway = unlimited
     h = Harness(gateway)
     user = httpx.Client(base_url=gateway.url, headers=h.user, timeout=30)
     # Real objects, so that generated requests also reach the answers of the happy paths.
@@ -288,7 +341,7 @@ def test_user_routes_answer_only_what_the_spec_documents(gateway: Cluster) -> No
 
     user_routes = [result.ok() for result in h.schema.get_all_operations()]
     user_routes = [op for op in user_routes if not op.path.startswith("/v1/node/")]
-    assert len(user_routes) == 15
+    assert len(user_routes) == 23
     # Admin routes as an administrator (the plain user's token gets 403 there, checked below).
     root = {"authorization": f"Bearer {gateway.add_user('root', is_admin=True)}"}
     for op in user_routes:
@@ -315,6 +368,28 @@ def test_user_routes_answer_only_what_the_spec_documents(gateway: Cluster) -> No
     own("GET /v1/invocations/{id}", [queued, done])
     own("POST /v1/invocations/{id}/cancel", [done, other])
     own("GET /v1/blobs/{id}", [blob])
+    # Only terminal ones: a queued invocation's log stream stays open while it waits.
+    own("GET /v1/invocations/{id}/logs", [done])
+    own("GET /v1/invocations/{id}/result", [done, queued])
+
+    # A registered function (the gateway never unpickles it, so any bytes do), and requests
+    # naming it.
+    registered = user.put("/v1/functions/echo", json={"payload": b64(b"fn")})
+    assert registered.status_code == 201, registered.text
+    for label in (
+        "GET /v1/functions/{name}",
+        "GET /v1/functions/{name}/versions",
+        "POST /v1/functions/{name}/invoke",
+        "PUT /v1/functions/{name}",
+    ):
+        op = h.operation(label)
+        h.fuzz(
+            f"{label} (own name)",
+            st.sampled_from(["echo", "nope"]).flatmap(
+                lambda n, op=op: op.as_strategy(path_parameters={"name": n})
+            ),
+            examples=6,
+        )
 
     # Submissions shaped like the sdk's: valid by the gateway's rules, with values that stretch
     # them (any text, any number of GPUs, tiny and huge timeouts), and some invalid payloads.
@@ -379,6 +454,9 @@ def test_user_routes_answer_only_what_the_spec_documents(gateway: Cluster) -> No
         ("GET /v1/invocations/{id} (own ids)", 200),
         ("POST /v1/invocations/{id}/cancel (own ids)", 200),
         ("GET /v1/blobs/{id} (own ids)", 200),
+        ("GET /v1/invocations/{id}/logs (own ids)", 200),
+        ("GET /v1/functions/{name} (own name)", 200),
+        ("POST /v1/functions/{name}/invoke (own name)", 202),
         ("PUT /v1/blobs (positive)", 201),
     ]:
         assert h.statuses[label][status] > 0, (label, h.statuses[label])

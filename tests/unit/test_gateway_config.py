@@ -1,10 +1,16 @@
-"""The gateway's settings are checked when it starts, naming the bad one."""
+"""The gateway's settings are checked when it starts, naming the bad one; and the per-user
+rate limiter they configure."""
 
 from __future__ import annotations
 
-import pytest
+import math
 
+import pytest
+from click.testing import CliRunner
+
+from bulletin.cli import cli
 from gateway.config import GatewayConfig
+from gateway.ratelimit import MAX_BUCKETS, RateLimiter
 
 URL = "postgresql://localhost/bulletin"
 
@@ -41,3 +47,86 @@ def test_the_fair_starvation_guard_reaches_the_policy() -> None:
     assert GatewayConfig(database_url=URL).policy().starve_after_s is None  # type: ignore[attr-defined]
     guarded = GatewayConfig(database_url=URL, fair_starve_after_s=3600).policy()
     assert guarded.starve_after_s == 3600  # type: ignore[attr-defined]
+
+
+def test_request_handling_defaults() -> None:
+    config = GatewayConfig(database_url=URL)
+    assert (config.rate_limit_per_s, config.rate_limit_burst) == (100.0, 400)
+    assert config.max_wait_s == 60.0
+    assert config.retention_s == 7 * 24 * 3600
+    assert config.purge_interval_s == 60.0
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"rate_limit_per_s": -1.0}, "rate_limit_per_s must be 0 (no limit) or more"),
+        ({"rate_limit_per_s": math.inf}, "rate_limit_per_s must be 0 (no limit) or more"),
+        ({"rate_limit_per_s": math.nan}, "rate_limit_per_s must be 0 (no limit) or more"),
+        ({"rate_limit_burst": 0}, "rate_limit_burst must be at least 1"),
+        ({"max_wait_s": 0.0}, "max_wait_s must be a positive number of seconds"),
+        ({"retention_s": -1.0}, "retention_s must be a positive number of seconds"),
+        ({"retention_s": math.nan}, "retention_s must be a positive number of seconds"),
+        ({"purge_interval_s": 0.0}, "purge_interval_s must be a positive number of seconds"),
+    ],
+)
+def test_bad_request_handling_settings_are_named(setting: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        GatewayConfig(database_url=URL, **setting)  # type: ignore[arg-type]
+    assert message in str(info.value)
+
+
+def test_a_rate_limit_of_0_is_off() -> None:
+    assert GatewayConfig(database_url=URL, rate_limit_per_s=0).rate_limit_per_s == 0
+    limiter = RateLimiter(0, 1)
+    assert not limiter.enabled
+    assert all(limiter.take("alice") == 0 for _ in range(1000))
+
+
+def test_the_new_settings_are_gateway_options() -> None:
+    result = CliRunner().invoke(cli, ["gateway", "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for option in (
+        "--rate-limit-per-s",
+        "--rate-limit-burst",
+        "--max-wait-s",
+        "--retention-s",
+        "--purge-interval-s",
+    ):
+        assert option in result.output
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_bucket_allows_a_burst_then_the_rate() -> None:
+    clock = Clock()
+    limiter = RateLimiter(2.0, 3, clock=clock)
+    assert [limiter.take("alice") for _ in range(3)] == [0, 0, 0]
+    assert limiter.take("alice") == pytest.approx(0.5)  # a token is back in 1/2 s
+    assert limiter.take("bob") == 0  # one bucket per user
+    clock.now += 0.25
+    assert limiter.take("alice") == pytest.approx(0.25)  # refused requests take nothing
+    clock.now += 0.25
+    assert limiter.take("alice") == 0
+    assert limiter.take("alice") == pytest.approx(0.5)
+    clock.now += 100  # refills up to the burst, no further
+    assert [limiter.take("alice") for _ in range(4)][-1] > 0
+
+
+def test_idle_buckets_are_forgotten_when_there_are_many() -> None:
+    clock = Clock()
+    limiter = RateLimiter(1.0, 2, clock=clock)
+    for user in range(MAX_BUCKETS):
+        limiter.take(user)
+    limiter.take("busy")
+    limiter.take("busy")
+    clock.now += 10  # every bucket but the next ones' is full again
+    limiter.take("new")
+    assert len(limiter._buckets) == 1
+    assert limiter.take("new") == 0 and limiter.take("new") > 0

@@ -17,7 +17,6 @@ KEYS = {"avg_jct_s", "p50_jct_s", "p99_jct_s", "avg_queue_s", "p99_queue_s", "ut
         "jain_fairness", "preemptions", "wall_s"}  # fmt: skip
 
 
-
 def write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)

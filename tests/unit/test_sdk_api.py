@@ -19,6 +19,7 @@ def test_all_is_pinned() -> None:
         "NodeLostError",
         "NotFoundError",
         "OutOfMemoryError",
+        "RateLimited",
         "RemoteError",
         "ResultTimeout",
         "SerializationError",
@@ -29,4 +30,6 @@ def test_all_is_pinned() -> None:
         "WorkerDiedError",
         "connect",
         "function",
+        "functions",
+        "unregister",
     ]

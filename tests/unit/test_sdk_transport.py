@@ -1,9 +1,12 @@
 """The sdk's HTTP layer, faked with respx only where a real gateway cannot be made to answer
-that way: 503s and refused connections (retries, GatewayUnreachable), and the chunks a big
-payload is streamed in. Status mapping is checked on plain ``httpx.Response`` objects."""
+that way: 503s, 429s and refused connections (retries, Retry-After, GatewayUnreachable,
+RateLimited), and the chunks a big payload is streamed in. Status mapping is checked on
+plain ``httpx.Response`` objects."""
 
 from __future__ import annotations
 
+import email.utils
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -16,7 +19,8 @@ import sdk
 from bulletin import wire
 from bulletin.pickling import remote
 from sdk import config
-from sdk.client import UPLOAD_CHUNK, error_for
+from sdk.client import UPLOAD_CHUNK, error_for, retry_after
+from sdk.errors import RateLimited
 
 URL = "http://gateway.test"
 SUBMIT = msgspec.json.Decoder(wire.SubmitRequest)
@@ -44,9 +48,19 @@ def client(monkeypatch: pytest.MonkeyPatch) -> Iterator[sdk.Client]:
     client.close()
 
 
-def problem(status: int) -> httpx.Response:
+def problem(status: int, headers: dict[str, str] | None = None) -> httpx.Response:
     body = wire.Problem(title="Service Unavailable", status=status, detail="restarting")
-    return httpx.Response(status, content=msgspec.json.encode(body))
+    return httpx.Response(status, content=msgspec.json.encode(body), headers=headers)
+
+
+def rate_limited(after: str) -> httpx.Response:
+    body = wire.Problem(
+        title="Too Many Requests", status=429, detail="too many requests", code="rate_limited"
+    )
+    return httpx.Response(429, content=msgspec.json.encode(body), headers={"Retry-After": after})
+
+
+INVOCATION = wire.Invocation(id="i-7", state=wire.State.QUEUED)
 
 
 def test_submit_retries_503_with_the_same_idempotency_keys(client: sdk.Client) -> None:
@@ -101,6 +115,72 @@ def test_persistent_503_on_a_read_is_gateway_unreachable(client: sdk.Client) -> 
         with pytest.raises(sdk.GatewayUnreachable, match="HTTP 503"):
             sdk.Call.from_id("i-9")
     assert route.call_count > 2
+
+
+def test_429_is_retried_after_what_retry_after_asks(client: sdk.Client) -> None:
+    client.retry_deadline_s = 5
+    answers = iter([rate_limited("0.3"), rate_limited("0.3")])
+    times: list[float] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        times.append(time.monotonic())
+        ok = httpx.Response(200, content=msgspec.json.encode(INVOCATION))
+        return next(answers, ok)
+
+    with respx.mock(base_url=URL) as router:
+        router.get("/v1/invocations/i-7").mock(side_effect=answer)
+        assert client.get("i-7").id == "i-7"
+    assert len(times) == 3
+    # Each retry waited what the gateway asked, not the (much shorter) backoff.
+    assert all(later - earlier >= 0.3 for earlier, later in itertools.pairwise(times))
+
+
+def test_429_past_the_retry_deadline_is_rate_limited_at_once(client: sdk.Client) -> None:
+    client.retry_deadline_s = 1
+    with respx.mock(base_url=URL) as router:
+        route = router.get("/v1/invocations/i-7").mock(return_value=rate_limited("30"))
+        start = time.monotonic()
+        with pytest.raises(RateLimited) as info:
+            client.get("i-7")
+    # Waiting 30 s would overrun the deadline: no sleep, no second try.
+    assert time.monotonic() - start < 1
+    assert route.call_count == 1
+    error = info.value
+    assert isinstance(error, sdk.GatewayError) and not isinstance(error, sdk.GatewayUnreachable)
+    assert (error.status, error.retry_after) == (429, 30)
+    assert "too many requests" in str(error)
+    assert error.__cause__ is None and error.__suppress_context__
+
+
+def test_503_with_retry_after_waits_for_it(client: sdk.Client) -> None:
+    client.retry_deadline_s = 5
+    answers = iter([problem(503, {"Retry-After": "0.2"})])
+    times: list[float] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        times.append(time.monotonic())
+        return next(answers, httpx.Response(200, content=msgspec.json.encode(INVOCATION)))
+
+    with respx.mock(base_url=URL) as router:
+        router.get("/v1/invocations/i-7").mock(side_effect=answer)
+        client.get("i-7")
+    assert len(times) == 2 and times[1] - times[0] >= 0.2
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [("3", 3.0), ("0", 0.0), ("-2", 0.0), ("soon", 0.0), ("inf", 0.0), ("", 0.0), (None, 0.0)],
+)
+def test_retry_after_is_read_as_seconds(header: str | None, seconds: float) -> None:
+    headers = {} if header is None else {"Retry-After": header}
+    assert retry_after(httpx.Response(429, headers=headers)) == seconds
+
+
+def test_retry_after_may_be_an_http_date() -> None:
+    later = email.utils.formatdate(time.time() + 60, usegmt=True)
+    assert 50 < retry_after(httpx.Response(429, headers={"Retry-After": later})) <= 60
+    earlier = email.utils.formatdate(time.time() - 60, usegmt=True)
+    assert retry_after(httpx.Response(429, headers={"Retry-After": earlier})) == 0
 
 
 def test_big_payload_is_uploaded_first_in_chunks(client: sdk.Client) -> None:
@@ -167,7 +247,9 @@ class _Stream(httpx.SyncByteStream):
         (404, sdk.NotFoundError),
         (400, sdk.InvalidRequest),
         (413, sdk.InvalidRequest),
+        (415, sdk.InvalidRequest),
         (422, sdk.InvalidRequest),
+        (429, RateLimited),
         (409, sdk.GatewayError),
         (500, sdk.GatewayError),
     ],

@@ -1,0 +1,250 @@
+"""Registered functions: stored by value under a name (``PUT /v1/functions/{name}``),
+listed, inspected, unregistered, and invoked with plain JSON
+(``POST /v1/functions/{name}/invoke``) by their owner or, when shared, by colleagues.
+
+A version is a content hash: the first 16 hex digits of the SHA-256 of the pickled function
+and the resources its invocations ask for. The gateway never unpickles the function
+(invariant 5): the worker calls it with the JSON arguments and sends the result back as
+JSON beside the pickled one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import time
+
+import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Match, Route
+
+from bulletin import wire
+from gateway import auth, db, idempotency, invocations
+from gateway.errors import NotFound, PayloadTooLarge, Unprocessable
+from gateway.http import JSON, body, reply
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_VERSION = re.compile(r"[0-9a-f]{16}")
+_OWNER = re.compile(r"[^\x00/]{1,200}")
+
+
+def _name(request: Request) -> str:
+    name: str = request.path_params["name"]
+    if not _NAME.fullmatch(name):
+        raise Unprocessable(
+            f"{name!r} is not a function name: {wire.FUNCTION_NAME_RULE}", code="invalid_name"
+        )
+    return name
+
+
+def _owner(request: Request) -> str | None:
+    owner = request.query_params.get("owner")
+    if owner is not None and not _OWNER.fullmatch(owner):
+        raise Unprocessable("owner must be a user name (1 to 200 characters, no '/' or NUL)")
+    return owner
+
+
+def _version(request: Request) -> str | None:
+    version = request.query_params.get("version")
+    if version is not None and not _VERSION.fullmatch(version):
+        raise Unprocessable(
+            f"version {version!r} is not a function version (16 hex digits, as "
+            "GET /v1/functions/{name}/versions lists them)"
+        )
+    return version
+
+
+def _wait(request: Request) -> float:
+    raw = request.query_params.get("wait")
+    if raw is None:
+        return 0.0
+    most = request.app.state.config.max_wait_s
+    try:
+        wait = float(raw)
+    except ValueError:
+        wait = math.nan
+    if not 0 <= wait <= most:
+        raise Unprocessable(
+            f"wait must be a number of seconds from 0 to {most:g} (this gateway's max_wait_s), "
+            f"not {raw!r}; poll the invocation's Location for longer runs"
+        )
+    return wait
+
+
+def _not_found(name: str, owner: str | None, version: str | None) -> NotFound:
+    whose = "of yours" if owner is None else f"of {owner!r} shared with you"
+    which = "" if version is None else f" at version {version}"
+    return NotFound(
+        f"no function {name!r}{which} {whose} (GET /v1/functions lists them)",
+        code="no_function",
+    )
+
+
+async def register(request: Request) -> Response:
+    caller = await auth.principal(request, "user")
+    assert caller.user_id is not None
+    name = _name(request)
+    registration = await body(request, wire.FunctionRegistration)
+    config, pool = request.app.state.config, request.app.state.pool
+    if (registration.payload is None) == (registration.payload_blob is None):
+        raise Unprocessable("a registration needs exactly one of payload and payload_blob")
+    if registration.payload is not None:
+        size = len(registration.payload)
+        if size > config.inline_limit:
+            raise PayloadTooLarge(
+                f"payload is {size} bytes, over the inline limit of {config.inline_limit}: "
+                "upload it with PUT /v1/blobs and pass payload_blob",
+                code="payload_too_large",
+            )
+        digest = hashlib.sha256(registration.payload)
+    else:
+        blob = invocations.valid_id(registration.payload_blob or "")
+        found = await db.blob_size(pool, blob, caller.user_id)
+        if found is None:
+            raise Unprocessable(f"payload_blob {blob} is not a complete blob of yours")
+        size, digest, seq = found, hashlib.sha256(), 0
+        while (chunk := await db.blob_chunk(pool, blob, seq)) is not None:
+            digest.update(chunk)
+            seq += 1
+    resources = registration.resources
+    await invocations.check_fits(request, caller.group, [_spec(resources)])
+    digest.update(msgspec.json.encode(resources))
+    version = digest.hexdigest()[:16]
+    async with pool.acquire() as conn:
+        row, created = await db.register_function(
+            conn, caller.user_id, name, version, registration, size
+        )
+    return reply(row.info, 201 if created else 200)
+
+
+def _spec(resources: wire.FunctionResources) -> wire.CallSpec:
+    return wire.CallSpec(
+        gpus=resources.gpus,
+        gpu_model=resources.gpu_model,
+        gpu_memory_mb=resources.gpu_memory_mb,
+    )
+
+
+async def list_functions(request: Request) -> Response:
+    caller = await auth.principal(request, "user")
+    found = await db.list_functions(request.app.state.pool, caller, _owner(request))
+    return reply(found)
+
+
+async def get_function(request: Request) -> Response:
+    caller = await auth.principal(request, "user")
+    name, owner, version = _name(request), _owner(request), _version(request)
+    found = await db.find_function(request.app.state.pool, caller, owner, name, version)
+    if found is None:
+        raise _not_found(name, owner, version)
+    return reply(found.info)
+
+
+async def versions(request: Request) -> Response:
+    caller = await auth.principal(request, "user")
+    name, owner = _name(request), _owner(request)
+    found = await db.list_functions(request.app.state.pool, caller, owner, name)
+    if not found:
+        raise _not_found(name, owner, None)
+    return reply(found)
+
+
+async def unregister(request: Request) -> Response:
+    owner = await auth.user_id(request)
+    name = _name(request)
+    if not await db.delete_function(request.app.state.pool, owner, name):
+        raise _not_found(name, None, None)
+    return Response(status_code=204)
+
+
+async def invoke(request: Request) -> Response:
+    caller = await auth.principal(request, "user")
+    assert caller.user_id is not None
+    user = caller.user_id
+    name, owner, version, wait = _name(request), _owner(request), _version(request), _wait(request)
+    arguments = msgspec.json.encode(await body(request, wire.InvokeRequest))
+    config, pool = request.app.state.config, request.app.state.pool
+    if len(arguments) > config.inline_limit:
+        raise PayloadTooLarge(
+            f"the arguments are {len(arguments)} bytes of JSON, over the limit of "
+            f"{config.inline_limit}: pass big data by reference (a path on the shared "
+            "directory, a URL), or call the function from the sdk",
+            code="arguments_too_large",
+        )
+    found = await db.find_function(pool, caller, owner, name, version)
+    if found is None:
+        raise _not_found(name, owner, version)
+    await invocations.check_fits(request, caller.group, [_spec(found.info.resources)])
+
+    async def submit() -> Response:
+        async with pool.acquire() as conn:
+            invocation_id = await db.invoke(conn, user, found.id, arguments)
+        if invocation_id is None:  # unregistered meanwhile
+            raise _not_found(name, owner, version)
+        return await answer(request, user, invocation_id, wait)
+
+    request_hash = idempotency.fingerprint(
+        request, b"%s\0%s\0%s" % (found.info.owner.encode(), found.info.version.encode(), arguments)
+    )
+    return await idempotency.once(request, user, request_hash, submit)
+
+
+async def answer(request: Request, owner: int, invocation_id: str, wait: float) -> Response:
+    """The invocation once it is terminal or ``wait`` seconds have passed: 200 when it is
+    terminal, else 202 with its ``Location`` to poll."""
+    config, pool = request.app.state.config, request.app.state.pool
+    deadline = time.monotonic() + wait
+    async with request.app.state.hub.subscribe([f"i:{invocation_id}"]) as sub:
+        while True:
+            [found] = await db.get_invocations(pool, owner, [invocation_id])
+            remaining = deadline - time.monotonic()
+            if found.state.terminal or remaining <= 0:
+                break
+            await sub.wait(min(remaining, config.recheck_s))
+    location = f"/v1/invocations/{invocation_id}"
+    if found.state.terminal:
+        [found] = await invocations.fetched(request, [found])
+    status = 200 if found.state.terminal else 202
+    return Response(
+        msgspec.json.encode(found), status, headers={"Location": location}, media_type=JSON
+    )
+
+
+async def bad_path(request: Request) -> Response:
+    """Paths under /v1/functions/ that no route above takes: a wrong method on a good path
+    (405), or a name that is not one, such as one with '/' or '..' in it (422)."""
+    allowed = sorted(
+        {
+            method
+            for route in ROUTES[:-1]
+            if route.matches(request.scope)[0] is Match.PARTIAL
+            for method in route.methods or ()
+        }
+    )
+    if allowed:
+        raise HTTPException(405, headers={"Allow": ", ".join(allowed)})
+    rest = request.path_params["rest"]
+    raise Unprocessable(
+        f"{rest!r} does not name a function (or a route of one): {wire.FUNCTION_NAME_RULE}",
+        code="invalid_name",
+    )
+
+
+ROUTES = [
+    Route("/v1/functions", list_functions, methods=["GET"]),
+    Route("/v1/functions/{name}", register, methods=["PUT"]),
+    Route("/v1/functions/{name}", get_function, methods=["GET"]),
+    Route("/v1/functions/{name}", unregister, methods=["DELETE"]),
+    Route("/v1/functions/{name}/versions", versions, methods=["GET"]),
+    Route("/v1/functions/{name}/invoke", invoke, methods=["POST"]),
+    # Last: what the routes above do not take.
+    Route(
+        "/v1/functions/{rest:path}",
+        bad_path,
+        methods=["GET", "PUT", "POST", "DELETE", "PATCH"],
+        include_in_schema=False,
+    ),
+]
