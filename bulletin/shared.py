@@ -16,9 +16,12 @@ import os
 import queue
 import re
 import secrets
+import stat
 import threading
 import time
 import uuid
+from collections.abc import Iterable
+from typing import BinaryIO
 
 MARKER = "bulletin/cluster-id"
 PAYLOADS = "bulletin/payloads"
@@ -31,12 +34,14 @@ def prepare(root: str) -> str:
     the cluster id, made on first use."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"the shared directory {root!r} does not exist or is no directory")
-    for sub in ("bulletin", PAYLOADS, RESULTS):
+    for sub, mode in (("bulletin", 0o755), (PAYLOADS, 0o1777), (RESULTS, 0o1777)):
         path = os.path.join(root, sub)
         os.makedirs(path, exist_ok=True)
-        # Users' notebooks write payloads and workers write results: everyone needs write.
+        # Users' notebooks write payloads and workers write results: everyone may create
+        # files there, but (sticky, like /tmp) only replace or delete their own; nobody but
+        # the gateway may replace the directories themselves.
         with contextlib.suppress(PermissionError):
-            os.chmod(path, 0o777)
+            os.chmod(path, mode)
     marker = os.path.join(root, MARKER)
     with contextlib.suppress(FileNotFoundError):
         with open(marker, encoding="ascii") as file:
@@ -88,18 +93,64 @@ def new_result(root: str, invocation_id: str) -> tuple[str, str]:
     return rel, os.path.join(root, rel)
 
 
+def _real_dir(root: str, sub: str) -> bool:
+    """Whether ``root/sub`` is that directory itself, not a link to somewhere else."""
+    path = os.path.join(root, sub)
+    return os.path.realpath(path) == os.path.join(os.path.realpath(root), sub)
+
+
+def open_file(root: str, name: str) -> BinaryIO | None:
+    """Open a payload or result file (``name`` relative to the root) for reading, as the
+    gateway serves it: a regular file inside the layout, never through a symbolic link a
+    user put there (which could point at anything the gateway may read). None otherwise."""
+    try:
+        path = resolve(root, name)
+    except ValueError:
+        return None
+    if not _real_dir(root, os.path.dirname(name)):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return os.fdopen(fd, "rb")
+
+
+def remove(root: str, names: Iterable[str], keep: frozenset[str] = frozenset()) -> int:
+    """Delete these payload and result files (relative to the root), except those in
+    ``keep``; never anything outside the layout. Returns how many."""
+    removed = 0
+    for name in names:
+        if name in keep:
+            continue
+        try:
+            path = resolve(root, name)
+        except ValueError:
+            continue
+        if _real_dir(root, os.path.dirname(name)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # a link itself, never what it points at
+                removed += 1
+    return removed
+
+
 def sweep(root: str, older_than_s: float, keep: frozenset[str] = frozenset()) -> int:
     """Delete payload and result files older than ``older_than_s``, except those named in
     ``keep`` (relative to the root); returns how many."""
     cutoff = time.time() - older_than_s
     removed = 0
     for sub in (PAYLOADS, RESULTS):
+        if not _real_dir(root, sub):
+            continue
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(os.path.join(root, sub)):
                 if f"{sub}/{entry.name}" in keep:
                     continue
                 with contextlib.suppress(OSError):
-                    if entry.is_file() and entry.stat().st_mtime < cutoff:
+                    if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime < cutoff:
                         os.unlink(entry.path)
                         removed += 1
     return removed

@@ -295,13 +295,19 @@ async def blob_chunk(conn: Conn, blob_id: str, seq: int) -> bytes | None:
 
 
 async def submit(
-    conn: asyncpg.Connection, owner_id: int, calls: Sequence[wire.CallSpec]
+    conn: asyncpg.Connection,
+    owner_id: int,
+    calls: Sequence[wire.CallSpec],
+    key: HttpKey | None = None,
 ) -> list[str]:
     """Insert the calls (exactly once per idempotency key) and return their ids in order.
 
-    A retried batch finds its earlier rows through ``(owner_id, idempotency_key)``."""
+    A retried batch finds its earlier rows through ``(owner_id, idempotency_key)``. With an
+    Idempotency-Key header's ``key``, the request's key is taken in the same transaction
+    (``KeyTaken`` if another request has it)."""
     ids = [uuid.uuid4() for _ in calls]
     async with conn.transaction():
+        await _take_key(conn, owner_id, key, answered=True)
         await conn.execute(
             "INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,"
             " max_retries, timeout_s, payload, payload_blob, payload_file, payload_size,"
@@ -339,9 +345,11 @@ async def submit(
             owner_id,
             [c.idempotency_key for c in calls],
         )
+        by_ord = {int(r["ord"]): str(r["id"]) for r in rows}
+        made = [by_ord[i + 1] for i in range(len(calls))]
+        await _key_made(conn, owner_id, key, made)
         await conn.execute("SELECT pg_notify($1, 'q')", CHANNEL)
-    by_ord = {int(r["ord"]): str(r["id"]) for r in rows}
-    return [by_ord[i + 1] for i in range(len(calls))]
+    return made
 
 
 async def owned_blobs(conn: Conn, owner_id: int, blob_ids: Iterable[str]) -> set[str]:
@@ -430,15 +438,17 @@ def to_invocation(row: asyncpg.Record) -> wire.Invocation:
     )
 
 
-async def mark_fetched(conn: Conn, ids: Sequence[str]) -> dict[str, float]:
-    """Record that the caller fetched these terminal invocations (the first time only);
-    returns when, for those that were not marked before."""
+async def mark_fetched(conn: Conn, owner_id: int, ids: Sequence[str]) -> dict[str, float]:
+    """Record that their owner fetched these terminal invocations (the first time only; an
+    administrator reading another user's does not count); returns when, for those that were
+    not marked before."""
     rows = await conn.fetch(
         "UPDATE invocations SET fetched_at = clock_timestamp()"
-        " WHERE id = ANY($1::uuid[]) AND fetched_at IS NULL"
+        " WHERE id = ANY($1::uuid[]) AND owner_id = $2 AND fetched_at IS NULL"
         " AND state IN ('succeeded', 'failed', 'timed_out', 'cancelled')"
         " RETURNING id, extract(epoch FROM fetched_at) AS t",
         [uuid.UUID(i) for i in ids],
+        owner_id,
     )
     return {str(r["id"]): float(r["t"]) for r in rows}
 
@@ -1058,8 +1068,11 @@ async def deliver(
         " older than protocol 3, which cannot run JSON invocations: upgrade it',"
         "  finished_at = clock_timestamp(), lease_expires_at = NULL FROM nodes n"
         f"  WHERE n.id = $1 AND n.protocol_version < {JSON_PROTOCOL} AND i.node_id = $1"
-        "  AND i.state = 'assigned' AND i.arguments IS NOT NULL RETURNING i.id)"
-        " UPDATE invocations i SET delivered_at = coalesce(i.delivered_at, clock_timestamp()),"
+        "  AND i.state = 'assigned' AND i.arguments IS NOT NULL RETURNING i.id),"
+        " woken AS (SELECT pg_notify($6, 'i:' || id) FROM old"
+        "  UNION ALL SELECT pg_notify($6, 'q') WHERE EXISTS (SELECT 1 FROM old)),"
+        " delivered AS (UPDATE invocations i"
+        "  SET delivered_at = coalesce(i.delivered_at, clock_timestamp()),"
         " lease_expires_at = clock_timestamp() + make_interval(secs => $5)"
         " WHERE i.node_id = $1 AND i.state = 'assigned'"
         "  AND i.id NOT IN (SELECT id FROM old)"
@@ -1068,11 +1081,14 @@ async def deliver(
         " RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,"
         "  i.owner_id, i.payload_file, i.arguments,"
         "  (SELECT u.name FROM users u WHERE u.id = i.owner_id) AS owner_name,"
-        "  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload",
+        "  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload)"
+        # Reading `woken` (always, even when nothing is delivered) sends its notifications.
+        " SELECT d.* FROM (SELECT count(*) FROM woken) w LEFT JOIN delivered d ON true",
         node_id,
         *_attempt_arrays(running),
         inline_limit,
         lease_s,
+        CHANNEL,
     )
     return [
         wire.Assignment(
@@ -1089,6 +1105,7 @@ async def deliver(
             arguments=None if r["arguments"] is None else bytes(r["arguments"]),
         )
         for r in rows
+        if r["id"] is not None
     ]
 
 
@@ -1254,6 +1271,10 @@ async def complete(
 # ------------------------------------------------------------------- registered functions
 
 
+class _Gone(Exception):
+    """The row a statement needed is no longer there (its transaction rolls back)."""
+
+
 @dataclass(frozen=True, slots=True)
 class FunctionRow:
     id: int
@@ -1325,8 +1346,9 @@ async def register_function(
         created = await conn.fetchval(
             "INSERT INTO functions (owner_id, name, version, visibility, description, gpus,"
             " gpu_model, gpu_memory_mb, timeout_s, max_retries, expected_s, payload,"
-            " payload_blob, payload_size)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
+            " payload_blob, payload_size, created_at, registered_at)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14,"
+            "  clock_timestamp(), clock_timestamp())"
             " ON CONFLICT (owner_id, name, version) DO NOTHING RETURNING true",
             owner_id,
             name,
@@ -1378,9 +1400,12 @@ async def find_function(
     owner: str | None,
     name: str,
     version: str | None,
+    *,
+    to_run: bool = False,
 ) -> FunctionRow | None:
-    """The function ``name`` of ``owner`` (None: the caller) that the caller may see: the
-    given version, or the latest."""
+    """The function ``name`` of ``owner`` (None: the caller) that the caller may see (or,
+    ``to_run``, invoke: administrators see every function but run only those shared with
+    them): the given version, or the latest."""
     row = await conn.fetchrow(
         f"SELECT {_FUNCTION_COLUMNS} FROM functions f JOIN users o ON o.id = f.owner_id"
         " WHERE f.name = $3 AND (CASE WHEN $4::text IS NULL THEN o.id = $1 ELSE o.name = $4 END)"
@@ -1388,7 +1413,7 @@ async def find_function(
         f"  AND {_visible('$1', '$2')}"
         " ORDER BY f.registered_at DESC, f.id DESC LIMIT 1",
         caller.user_id,
-        caller.is_admin,
+        caller.is_admin and not to_run,
         name,
         owner,
         version,
@@ -1426,101 +1451,116 @@ async def delete_function(conn: Conn, owner_id: int, name: str) -> int:
 
 
 async def invoke(
-    conn: asyncpg.Connection, owner_id: int, function_id: int, arguments: bytes
+    conn: asyncpg.Connection,
+    owner_id: int,
+    function_id: int,
+    arguments: bytes,
+    key: HttpKey | None = None,
 ) -> str | None:
     """Queue a JSON invocation of a registered function version for ``owner_id`` (who may be
-    another user than the function's owner); its id, or None if the function is gone."""
+    another user than the function's owner); its id, or None if the function is gone. With
+    ``key`` (an Idempotency-Key), the key is taken in the same transaction, unanswered until
+    ``answer_key`` (``KeyTaken`` if another request has it)."""
     invocation_id = uuid.uuid4()
-    async with conn.transaction():
-        status = await conn.execute(
-            "INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,"
-            " max_retries, timeout_s, payload, payload_blob, payload_size, gpu_model,"
-            " gpu_memory_mb, expected_s, function_id, function_version, arguments)"
-            " SELECT $1, $2, $5, f.name, f.gpus, f.max_retries, f.timeout_s, f.payload,"
-            "  f.payload_blob, f.payload_size, f.gpu_model, f.gpu_memory_mb, f.expected_s, f.id,"
-            "  f.version, $4 FROM functions f WHERE f.id = $3",
-            invocation_id,
-            owner_id,
-            function_id,
-            arguments,
-            str(invocation_id),
-        )
-        if not status.endswith(" 1"):
-            return None
-        await conn.execute("SELECT pg_notify($1, 'q')", CHANNEL)
+    try:
+        async with conn.transaction():
+            await _take_key(conn, owner_id, key, answered=False)
+            status = await conn.execute(
+                "INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,"
+                " max_retries, timeout_s, payload, payload_blob, payload_size, gpu_model,"
+                " gpu_memory_mb, expected_s, function_id, function_version, arguments)"
+                " SELECT $1, $2, $5, f.name, f.gpus, f.max_retries, f.timeout_s, f.payload,"
+                "  f.payload_blob, f.payload_size, f.gpu_model, f.gpu_memory_mb, f.expected_s,"
+                "  f.id, f.version, $4 FROM functions f WHERE f.id = $3",
+                invocation_id,
+                owner_id,
+                function_id,
+                arguments,
+                str(invocation_id),
+            )
+            if not status.endswith(" 1"):
+                raise _Gone
+            await _key_made(conn, owner_id, key, [str(invocation_id)])
+            await conn.execute("SELECT pg_notify($1, 'q')", CHANNEL)
+    except (_Gone, asyncpg.ForeignKeyViolationError):  # unregistered meanwhile
+        return None
     return str(invocation_id)
 
 
 # ------------------------------------------------------------------------ idempotency keys
 
 
+#: An Idempotency-Key header and the hash of the request it came with.
+HttpKey: TypeAlias = tuple[str, bytes]
+
+
+class KeyTaken(Exception):
+    """Another request holds this Idempotency-Key (nothing was submitted)."""
+
+
 @dataclass(frozen=True, slots=True)
 class KeyHeld:
-    """An Idempotency-Key an earlier request holds: its request's hash, and its answer
-    (``status`` None while that request is still in flight)."""
+    """What an earlier request with an Idempotency-Key left: its request's hash, the
+    invocations it made, whether it has answered, and how long ago it came."""
 
     request_hash: bytes
-    status: int | None
-    body: bytes | None
-    location: str | None
+    invocation_ids: list[str]
+    answered: bool
+    age_s: float
 
 
-async def claim_key(
-    conn: Conn, owner_id: int, key: str, request_hash: bytes, abandoned_s: float
-) -> KeyHeld | None:
-    """Take ``key`` for this request: None when it is this request's now (new, or left in
-    flight for longer than ``abandoned_s`` by a request with the same body, whose gateway
-    died), else what the request that holds it left."""
-    for _ in range(3):
-        taken = await conn.fetchval(
-            "INSERT INTO idempotency_keys (owner_id, key, request_hash) VALUES ($1, $2, $3)"
-            " ON CONFLICT (owner_id, key) DO UPDATE SET created_at = clock_timestamp()"
-            " WHERE idempotency_keys.answered_at IS NULL"
-            "  AND idempotency_keys.request_hash = EXCLUDED.request_hash"
-            "  AND idempotency_keys.created_at < clock_timestamp() - make_interval(secs => $4)"
-            " RETURNING true",
-            owner_id,
-            key,
-            request_hash,
-            abandoned_s,
-        )
-        if taken:
-            return None
-        row = await conn.fetchrow(
-            "SELECT request_hash, status, body, location FROM idempotency_keys"
-            " WHERE owner_id = $1 AND key = $2",
-            owner_id,
-            key,
-        )
-        if row is not None:
-            return KeyHeld(
-                bytes(row["request_hash"]),
-                row["status"],
-                None if row["body"] is None else bytes(row["body"]),
-                row["location"],
-            )
-    raise RuntimeError("an Idempotency-Key kept changing hands")  # pragma: no cover
-
-
-async def answer_key(
-    conn: Conn, owner_id: int, key: str, status: int, body: bytes, location: str | None
-) -> None:
-    """Keep the answer of the request that holds ``key``, for retries to get."""
-    await conn.execute(
-        "UPDATE idempotency_keys SET status = $3, body = $4, location = $5,"
-        " answered_at = clock_timestamp() WHERE owner_id = $1 AND key = $2",
+async def find_key(conn: Conn, owner_id: int, key: str) -> KeyHeld | None:
+    row = await conn.fetchrow(
+        "SELECT request_hash, invocation_ids, answered_at IS NOT NULL AS answered,"
+        " extract(epoch FROM clock_timestamp() - created_at)::float8 AS age"
+        " FROM idempotency_keys WHERE owner_id = $1 AND key = $2",
         owner_id,
         key,
-        status,
-        body,
-        location,
     )
+    if row is None:
+        return None
+    ids = [str(i) for i in row["invocation_ids"]]
+    return KeyHeld(bytes(row["request_hash"]), ids, row["answered"], float(row["age"]))
 
 
-async def release_key(conn: Conn, owner_id: int, key: str) -> None:
-    """Let go of ``key`` after its request failed: a retry may use it afresh."""
+async def _take_key(
+    conn: asyncpg.Connection, owner_id: int, key: HttpKey | None, *, answered: bool
+) -> None:
+    """Within a submission's transaction, before its inserts: take the key, or raise
+    ``KeyTaken`` (a concurrent holder's insert makes this wait for its commit)."""
+    if key is None:
+        return
+    taken = await conn.fetchval(
+        "INSERT INTO idempotency_keys (owner_id, key, request_hash, answered_at)"
+        " VALUES ($1, $2, $3, CASE WHEN $4 THEN clock_timestamp() END)"
+        " ON CONFLICT (owner_id, key) DO NOTHING RETURNING true",
+        owner_id,
+        key[0],
+        key[1],
+        answered,
+    )
+    if not taken:
+        raise KeyTaken(key[0])
+
+
+async def _key_made(
+    conn: asyncpg.Connection, owner_id: int, key: HttpKey | None, ids: Sequence[str]
+) -> None:
+    if key is not None:
+        await conn.execute(
+            "UPDATE idempotency_keys SET invocation_ids = $3::uuid[]"
+            " WHERE owner_id = $1 AND key = $2",
+            owner_id,
+            key[0],
+            [uuid.UUID(i) for i in ids],
+        )
+
+
+async def answer_key(conn: Conn, owner_id: int, key: str) -> None:
+    """The request holding ``key`` has answered: retries get its invocations from now on."""
     await conn.execute(
-        "DELETE FROM idempotency_keys WHERE owner_id = $1 AND key = $2 AND answered_at IS NULL",
+        "UPDATE idempotency_keys SET answered_at = clock_timestamp()"
+        " WHERE owner_id = $1 AND key = $2 AND answered_at IS NULL",
         owner_id,
         key,
     )

@@ -15,6 +15,7 @@ import math
 import re
 import time
 
+import asyncpg
 import msgspec
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -113,10 +114,15 @@ async def register(request: Request) -> Response:
     await invocations.check_fits(request, caller.group, [_spec(resources)])
     digest.update(msgspec.json.encode(resources))
     version = digest.hexdigest()[:16]
-    async with pool.acquire() as conn:
-        row, created = await db.register_function(
-            conn, caller.user_id, name, version, registration, size
-        )
+    try:
+        async with pool.acquire() as conn:
+            row, created = await db.register_function(
+                conn, caller.user_id, name, version, registration, size
+            )
+    except asyncpg.ForeignKeyViolationError:  # the blob was purged meanwhile
+        raise Unprocessable(
+            f"payload_blob {registration.payload_blob} is gone: upload it again"
+        ) from None
     return reply(row.info, 201 if created else 200)
 
 
@@ -166,6 +172,14 @@ async def invoke(request: Request) -> Response:
     user = caller.user_id
     name, owner, version, wait = _name(request), _owner(request), _version(request), _wait(request)
     arguments = msgspec.json.encode(await body(request, wire.InvokeRequest))
+    key = idempotency.key_of(request)
+    request_hash = idempotency.fingerprint(
+        request, (owner or "").encode(), (version or "").encode(), arguments
+    )
+    if key is not None:
+        replay = await idempotency.earlier(request, user, key, request_hash)
+        if replay is not None:
+            return await _replay(request, user, key, replay, wait)
     config, pool = request.app.state.config, request.app.state.pool
     if len(arguments) > config.inline_limit:
         raise PayloadTooLarge(
@@ -174,48 +188,67 @@ async def invoke(request: Request) -> Response:
             "directory, a URL), or call the function from the sdk",
             code="arguments_too_large",
         )
-    found = await db.find_function(pool, caller, owner, name, version)
+    # Shared with the caller, or the caller's own: an administrator reads others' private
+    # functions but does not run them.
+    found = await db.find_function(pool, caller, owner, name, version, to_run=True)
     if found is None:
         raise _not_found(name, owner, version)
     await invocations.check_fits(request, caller.group, [_spec(found.info.resources)])
-
-    async def submit() -> Response:
+    http_key = None if key is None else (key, request_hash)
+    try:
         async with pool.acquire() as conn:
-            invocation_id = await db.invoke(conn, user, found.id, arguments)
-        if invocation_id is None:  # unregistered meanwhile
-            raise _not_found(name, owner, version)
+            invocation_id = await db.invoke(conn, user, found.id, arguments, http_key)
+    except db.KeyTaken:
+        assert key is not None
+        replay = await idempotency.earlier(request, user, key, request_hash)
+        assert replay is not None
+        return await _replay(request, user, key, replay, wait)
+    if invocation_id is None:  # unregistered meanwhile
+        raise _not_found(name, owner, version)
+    try:
         return await answer(request, user, invocation_id, wait)
-
-    request_hash = idempotency.fingerprint(
-        request, b"%s\0%s\0%s" % (found.info.owner.encode(), found.info.version.encode(), arguments)
-    )
-    return await idempotency.once(request, user, request_hash, submit)
+    finally:
+        if key is not None:
+            await idempotency.answered(request, user, key)
 
 
-async def answer(request: Request, owner: int, invocation_id: str, wait: float) -> Response:
+async def _replay(request: Request, user: int, key: str, ids: list[str], wait: float) -> Response:
+    await idempotency.answered(request, user, key)  # a key taken over after its holder died
+    return await answer(request, user, ids[0], wait, replayed=True)
+
+
+async def answer(
+    request: Request, owner: int, invocation_id: str, wait: float, *, replayed: bool = False
+) -> Response:
     """The invocation once it is terminal or ``wait`` seconds have passed: 200 when it is
     terminal, else 202 with its ``Location`` to poll."""
     config, pool = request.app.state.config, request.app.state.pool
     deadline = time.monotonic() + wait
     async with request.app.state.hub.subscribe([f"i:{invocation_id}"]) as sub:
         while True:
-            [found] = await db.get_invocations(pool, owner, [invocation_id])
+            got = await db.get_invocations(pool, owner, [invocation_id])
+            if not got:  # purged (a replay long after)
+                raise NotFound(
+                    f"invocation {invocation_id} is gone: it ended longer ago than this "
+                    "cluster keeps invocations (retention_s)"
+                )
+            found = got[0]
             remaining = deadline - time.monotonic()
             if found.state.terminal or remaining <= 0:
                 break
             await sub.wait(min(remaining, config.recheck_s))
     location = f"/v1/invocations/{invocation_id}"
     if found.state.terminal:
-        [found] = await invocations.fetched(request, [found])
+        [found] = await invocations.fetched(request, owner, [found])
     status = 200 if found.state.terminal else 202
-    return Response(
-        msgspec.json.encode(found), status, headers={"Location": location}, media_type=JSON
-    )
+    headers = {"Location": location, **(idempotency.REPLAYED if replayed else {})}
+    return Response(msgspec.json.encode(found), status, headers=headers, media_type=JSON)
 
 
 async def bad_path(request: Request) -> Response:
     """Paths under /v1/functions/ that no route above takes: a wrong method on a good path
     (405), or a name that is not one, such as one with '/' or '..' in it (422)."""
+    await auth.principal(request, "user")
     allowed = sorted(
         {
             method

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from bulletin import shared, wire
 from gateway import auth, db, idempotency, scheduling
 from gateway.config import GatewayConfig
 from gateway.errors import Conflict, NotFound, PayloadTooLarge, Unprocessable
-from gateway.http import body, int_param, reply, store_blob, stream_blob
+from gateway.http import body, int_param, reply, store_blob, stream_blob, stream_file
 from scheduler import Pending, Quota, never_fits, placement
 
 MAX_RETRIES = wire.MAX_RETRIES
@@ -69,6 +68,10 @@ async def submit(request: Request) -> Response:
     assert caller.user_id is not None
     owner = caller.user_id
     req = await body(request, wire.SubmitRequest)
+    key = idempotency.key_of(request)
+    request_hash = idempotency.fingerprint(request, msgspec.json.encode(req))
+    if key is not None and (ids := await idempotency.earlier(request, owner, key, request_hash)):
+        return _submitted(ids, replayed=True)
     if not 1 <= len(req.calls) <= wire.MAX_SUBMIT:
         raise Unprocessable(f"submit between 1 and {wire.MAX_SUBMIT} calls per request")
     config = request.app.state.config
@@ -91,16 +94,22 @@ async def submit(request: Request) -> Response:
             raise Unprocessable(
                 f"payload_blob {sorted(missing)[0]} is not a complete blob of yours"
             )
-
-    async def insert() -> Response:
+    try:
         async with request.app.state.pool.acquire() as conn:
-            ids = await db.submit(conn, owner, calls)
-        return reply(wire.SubmitResponse(ids=ids), 201)
+            ids = await db.submit(conn, owner, calls, None if key is None else (key, request_hash))
+    except db.KeyTaken:  # a concurrent duplicate committed first
+        assert key is not None
+        earlier = await idempotency.earlier(request, owner, key, request_hash)
+        assert earlier is not None
+        return _submitted(earlier, replayed=True)
+    return _submitted(ids)
 
-    canonical = msgspec.json.encode(req)
-    return await idempotency.once(
-        request, owner, idempotency.fingerprint(request, canonical), insert
-    )
+
+def _submitted(ids: list[str], *, replayed: bool = False) -> Response:
+    response = reply(wire.SubmitResponse(ids=ids), 201)
+    if replayed:
+        response.headers.update(idempotency.REPLAYED)
+    return response
 
 
 async def check_fits(request: Request, group: str, calls: list[wire.CallSpec]) -> None:
@@ -146,16 +155,18 @@ async def _one(request: Request, owner: int | None, invocation_id: str) -> wire.
     return found[0]
 
 
-async def reader(request: Request) -> int | None:
-    """Whose invocations the caller may read: their own (their user id), or anyone's
-    (None) for an administrator."""
+async def reader(request: Request) -> tuple[int, int | None]:
+    """The caller's user id, and whose invocations they may read: their own (their id), or
+    anyone's (None) for an administrator."""
     caller = await auth.principal(request, "user")
-    return None if caller.is_admin else caller.user_id
+    assert caller.user_id is not None
+    return caller.user_id, None if caller.is_admin else caller.user_id
 
 
 async def get_invocation(request: Request) -> Response:
-    owner = await reader(request)
-    [found] = await fetched(request, [await _one(request, owner, request.path_params["id"])])
+    user, owner = await reader(request)
+    found = await _one(request, owner, request.path_params["id"])
+    [found] = await fetched(request, user, [found])
     return reply(found)
 
 
@@ -163,7 +174,7 @@ async def get_result(request: Request) -> Response:
     """The pickled outcome of a terminal invocation, wherever it is kept (inline, a blob, a
     file of the shared directory), as ``application/octet-stream``: for a JSON invocation
     whose result is not JSON, load it with ``sdk.Call.from_id(id).result()``."""
-    owner = await reader(request)
+    _, owner = await reader(request)
     found = await _one(request, owner, request.path_params["id"])
     if not found.state.terminal:
         raise Conflict(
@@ -178,14 +189,11 @@ async def get_result(request: Request) -> Response:
         size = await db.blob_size(pool, found.result_blob, None)
         if size is not None:
             return stream_blob(pool, found.result_blob, size)
-    if found.result_file is not None:
-        root = request.app.state.config.shared_dir
-        try:
-            path = shared.resolve(root, found.result_file) if root else None
-        except ValueError:
-            path = None
-        if path is not None and os.path.exists(path):
-            return FileResponse(path, media_type=wire.OCTET_STREAM)
+    root = request.app.state.config.shared_dir
+    if found.result_file is not None and root:
+        file = await asyncio.to_thread(shared.open_file, root, found.result_file)
+        if file is not None:
+            return stream_file(file)
     raise NotFound(
         f"invocation {found.id} has no result to fetch (it ended {found.state} without one, "
         "or its result was purged)",
@@ -193,12 +201,15 @@ async def get_result(request: Request) -> Response:
     )
 
 
-async def fetched(request: Request, found: list[wire.Invocation]) -> list[wire.Invocation]:
-    """Stamp the first fetch of terminal invocations on their timeline."""
+async def fetched(
+    request: Request, user: int, found: list[wire.Invocation]
+) -> list[wire.Invocation]:
+    """Stamp the first fetch by their owner (``user``) of terminal invocations on their
+    timeline."""
     fresh = [i.id for i in found if i.state.terminal and i.timeline.fetched is None]
     if not fresh:
         return found
-    stamped = await db.mark_fetched(request.app.state.relaxed, fresh)
+    stamped = await db.mark_fetched(request.app.state.relaxed, user, fresh)
     return [
         msgspec.structs.replace(
             i, timeline=msgspec.structs.replace(i.timeline, fetched=stamped[i.id])
@@ -259,7 +270,7 @@ async def watch(request: Request) -> Response:
             if await sub.wait(min(remaining, config.recheck_s)) and len(cursors) > 1:
                 # Fan-out: let a few more completions land so one answer carries many.
                 await asyncio.sleep(FAN_IN_LINGER_S)
-    found = await fetched(request, _within_answer_size(found))
+    found = await fetched(request, owner, _within_answer_size(found))
     with_logs = [(f.id, seen[f.id]) for f in found if f.log_count > seen[f.id]]
     logs = await db.logs_after(pool, with_logs, MAX_LOG_CHUNKS) if with_logs else []
     return reply(wire.WatchResponse(invocations=found, logs=logs))
@@ -272,6 +283,8 @@ def _within_answer_size(found: list[wire.Invocation]) -> list[wire.Invocation]:
     size = 0
     for invocation in found:
         size += len(invocation.result or b"")
+        if isinstance(invocation.result_json, msgspec.Raw):
+            size += len(invocation.result_json)
         if kept and size > MAX_ANSWER_RESULT_BYTES:
             break
         kept.append(invocation)

@@ -164,6 +164,8 @@ async def _events(
                 while not (found := await db.changed(pool, owner, [(known.id, sent)])):
                     quiet = time.monotonic() - quiet_since
                     if quiet >= keepalive:
+                        if not await db.get_invocations(pool, owner, [known.id]):
+                            return  # purged (retention) while the stream was open
                         yield KEEP_ALIVE
                         quiet_since, quiet = time.monotonic(), 0.0
                     await sub.wait(min(config.recheck_s, keepalive - quiet))
@@ -173,7 +175,7 @@ async def _events(
 
 
 async def stream_logs(request: Request) -> Response:
-    owner = await reader(request)  # None: an administrator, who reads anyone's
+    _, owner = await reader(request)  # None: an administrator, who reads anyone's
     invocation = await _one(request, owner, request.path_params["id"])  # 404 if not theirs
     after = _cursor(request)
     if request.method == "HEAD":

@@ -201,8 +201,8 @@ def _check_result(request: Request, req: wire.CompleteRequest) -> None:
             raise Unprocessable("result_json is over the inline limit")
         try:
             msgspec.json.decode(req.result_json)
-        except msgspec.DecodeError:
-            raise Unprocessable("result_json is not valid JSON") from None
+        except (msgspec.DecodeError, RecursionError):
+            raise Unprocessable("result_json is not valid JSON (or nested too deeply)") from None
     if req.result_file is None:
         return
     root = request.app.state.config.shared_dir

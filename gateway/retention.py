@@ -5,9 +5,7 @@ Idempotency-Keys. Every replica runs it; they take different rows (``SKIP LOCKED
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 
 import asyncpg
 
@@ -24,14 +22,10 @@ async def purge_once(config: GatewayConfig, pool: asyncpg.Pool) -> db.Purged:
     async with pool.acquire() as conn:
         purged = await db.purge(conn, config.retention_s, BATCH)
     if config.shared_dir and purged.files:
-        await asyncio.to_thread(_remove, config.shared_dir, purged.files)
+        # Not a payload file another call that may still run names too.
+        keep = frozenset(await db.live_payload_files(pool))
+        await asyncio.to_thread(shared.remove, config.shared_dir, purged.files, keep)
     return purged
-
-
-def _remove(root: str, files: list[str]) -> None:
-    for name in files:
-        with contextlib.suppress(ValueError, FileNotFoundError):
-            os.remove(shared.resolve(root, name))
 
 
 async def purge_forever(config: GatewayConfig, pool: asyncpg.Pool) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 from bulletin.pickling.pickler import human, type_name
@@ -28,24 +29,74 @@ def encode(value: Any, limit: int) -> tuple[bytes | None, str | None]:
     as lists), or why it cannot be: ``(json, None)`` or ``(None, reason)``."""
     how = "fetch the pickled result (GET /v1/invocations/{id}/result, or sdk.Call.from_id(id)"
     how += ".result()), or return plain JSON types (dict, list, str, int, float, bool, None)"
+    too_big = (
+        f"the function's result is over the limit of {human(limit)} for a JSON result; {how}"
+    )
+
+    def default(obj: Any) -> Any:
+        if _nbytes(obj) > limit:  # before .tolist() makes a huge nested list
+            raise _TooBig
+        return _default(obj)
+
     try:
         text = json.dumps(
-            value, default=_default, allow_nan=False, ensure_ascii=False, separators=(",", ":")
+            value, default=default, allow_nan=False, ensure_ascii=False, separators=(",", ":")
         )
         data = text.encode()
-    except (TypeError, ValueError, RecursionError, UnicodeEncodeError) as exc:
-        reason = str(exc)
+        if len(data) <= limit and _depth(data) > MAX_DEPTH:
+            raise RecursionError(data)
+    except _TooBig:
+        return None, too_big
+    except Exception as exc:  # whatever a user's object does when asked: never the call's fate
+        reason = f"{type_name(exc)}: {exc}"
         if isinstance(exc, UnicodeEncodeError):
             reason = "a string holds a lone surrogate, which JSON text cannot carry"
         elif "Out of range float" in reason:
             reason = "it holds NaN or infinity, which JSON has no numbers for"
+        elif isinstance(exc, RecursionError):
+            reason = f"it is nested too deeply (more than {MAX_DEPTH} levels)"
+        elif isinstance(exc, TypeError):
+            reason = str(exc)
         return None, f"the {type_name(value)} the function returned is not JSON: {reason}; {how}"
     if len(data) > limit:
-        return None, (
-            f"the function's result is {human(len(data))} as JSON, over the limit of "
-            f"{human(limit)} for a JSON result; {how}"
-        )
+        return None, too_big
     return data, None
+
+
+class _TooBig(Exception):
+    pass
+
+
+#: The deepest nesting of arrays and objects a JSON result may have: the gateway checks the
+#: JSON it relays, and that must never run out of stack.
+MAX_DEPTH = 200
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _depth(data: bytes) -> int:
+    """How deeply arrays and objects nest in a JSON text."""
+    deepest = depth = 0
+    for byte in _STRING.sub(b"", data):
+        if byte in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in b"]}":
+            depth -= 1
+    return deepest
+
+
+def _nbytes(obj: Any) -> int:
+    """The size of an array's or tensor's data (0 for anything else)."""
+    nbytes = getattr(obj, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    numel, element_size = getattr(obj, "numel", None), getattr(obj, "element_size", None)
+    if callable(numel) and callable(element_size):
+        try:
+            return int(numel()) * int(element_size())
+        except Exception:
+            return 0
+    return 0
 
 
 def _default(obj: Any) -> Any:

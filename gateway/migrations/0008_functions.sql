@@ -39,18 +39,17 @@ ALTER TABLE invocations
     ADD COLUMN result_json bytea,
     ADD COLUMN result_json_error text;
 
--- Idempotency-Key headers of submissions: the request they came with (a hash of its route
--- and body) and, once answered, the answer, replayed to a retry with the same key and body.
--- `answered_at` NULL: the first request with the key is still in flight.
+-- Idempotency-Key headers of submissions: the request they came with (a hash of its route,
+-- parameters and body) and the invocations it made, written in the transaction that made
+-- them, so one key makes them once. `answered_at` NULL: the request is still answering (an
+-- invoke waiting for its result); a retry meanwhile is told to come back.
 CREATE TABLE idempotency_keys (
-    owner_id      bigint NOT NULL REFERENCES users (id) ON DELETE CASCADE,
-    key           text NOT NULL,
-    request_hash  bytea NOT NULL,
-    status        integer,
-    body          bytea,
-    location      text,
-    created_at    timestamptz NOT NULL DEFAULT now(),
-    answered_at   timestamptz,
+    owner_id        bigint NOT NULL REFERENCES users (id) ON DELETE CASCADE,
+    key             text NOT NULL,
+    request_hash    bytea NOT NULL,
+    invocation_ids  uuid[] NOT NULL DEFAULT '{}',
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    answered_at     timestamptz,
     PRIMARY KEY (owner_id, key)
 );
 CREATE INDEX idempotency_keys_created ON idempotency_keys (created_at);

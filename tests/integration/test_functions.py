@@ -180,6 +180,7 @@ def test_bad_invocations_are_refused_with_what_to_do(cluster: Cluster) -> None:
             assert answer.headers["content-type"] == "application/problem+json"
         answer = client.get("/v1/functions/one/invoke")
         assert answer.status_code == 405 and "POST" in answer.headers["allow"]
+        assert httpx.get(f"{cluster.url}/v1/functions/a/b/c").status_code == 401
         answer = client.put("/v1/functions/bad%20name", json={"payload": ""})
         assert answer.status_code == 422 and "function name" in answer.json()["detail"]
         too_big = invoke(client, "one", {"args": ["x" * (2 << 20)]})
@@ -220,8 +221,21 @@ def test_sharing_lets_colleagues_invoke_but_never_see_each_others_invocations(
     with http(cluster, dave) as client:
         assert invoke(client, "shout", {"args": ["x"]}, owner="alice").json()["result_json"] == "X"
     admin = cluster.add_user("root", is_admin=True)
+    with http(cluster, bob) as client:
+        unfetched = invoke(client, "shout", {"args": ["y"]}, owner="alice", wait=None).json()
     with http(cluster, admin) as client:
         assert client.get(f"/v1/invocations/{bobs}").status_code == 200  # admins see all
+        # ... without stamping the owner's timeline as fetched.
+        seen = poll(client, f"/v1/invocations/{unfetched['id']}")
+        assert seen["result_json"] == "Y" and seen["timeline"]["fetched"] is None
+    with http(cluster, bob) as client:
+        fetched = client.get(f"/v1/invocations/{unfetched['id']}").json()["timeline"]["fetched"]
+        assert fetched is not None
+    shout.register("secret")
+    with http(cluster, admin) as client:
+        assert client.get("/v1/functions/secret", params={"owner": "alice"}).status_code == 200
+        # Administrators read every function, but run only those shared with them.
+        assert invoke(client, "secret", {"args": ["x"]}, owner="alice").status_code == 404
 
 
 def test_an_idempotency_key_submits_once(cluster: Cluster) -> None:
@@ -261,13 +275,39 @@ def test_an_idempotency_key_submits_once(cluster: Cluster) -> None:
         replay = client.post("/v1/functions/slow/invoke", json={"args": [3]}, headers=key)
         assert replay.json()["id"] == answers[0].json()["id"]
 
+        # A retry after a lost 202 gets the invocation as it is now: here, its result.
+        key = {"Idempotency-Key": "job-44"}
+        first = client.post("/v1/functions/slow/invoke", json={"args": [0.5]}, headers=key)
+        assert first.status_code == 202
+        later = client.post("/v1/functions/slow/invoke?wait=30", json={"args": [0.5]}, headers=key)
+        assert later.status_code == 200 and later.json()["id"] == first.json()["id"]
+        assert later.json()["result_json"] == 0.5
+
+        # Copies of one request racing each other make one invocation.
+        key = {"Idempotency-Key": "job-45"}
+        racing: list[httpx.Response] = []
+
+        def send() -> None:
+            with http(cluster) as own:
+                racing.append(
+                    own.post("/v1/functions/slow/invoke", json={"args": [0]}, headers=key)
+                )
+
+        threads = [threading.Thread(target=send) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert {r.status_code for r in racing} <= {200, 202, 409}
+        assert len({r.json()["id"] for r in racing if r.status_code != 409}) == 1
+
         # The same holds for the sdk's submission route.
         submitted = client.post(
             "/v1/invocations", json={"calls": []}, headers={"Idempotency-Key": "k"}
         )
         assert submitted.status_code == 422
         listed = client.get("/v1/invocations").json()
-        assert len([i for i in listed if i["function_name"] == "slow"]) == 2
+        assert len([i for i in listed if i["function_name"] == "slow"]) == 4
 
 
 def test_finished_invocations_are_purged_after_their_retention_time(
@@ -336,3 +376,29 @@ def test_a_nodelet_too_old_for_json_arguments_fails_the_call_saying_why(gateway:
         failed = client.get(location).json()
         assert failed["state"] == "failed" and failed["error_kind"] == "version_skew"
         assert "old-node" in failed["error_message"] and "protocol 3" in failed["error_message"]
+
+
+def test_a_result_file_swapped_for_a_link_is_never_served(
+    shared_gateway: Cluster, tmp_path: Path
+) -> None:
+    cluster = shared_gateway
+    cluster.start_nodelet()
+    sdk.connect(cluster.url, cluster.token)
+
+    @sdk.function()
+    def big() -> bytes:
+        return b"r" * (2 << 20)
+
+    secret = tmp_path / "gateway-secret.txt"
+    secret.write_text("the gateway's database password")
+    with http(cluster) as client:
+        call = big.spawn()
+        done = poll(client, f"/v1/invocations/{call.id}")
+        path = cluster.shared_dir / done["result_file"]  # type: ignore[operator]
+        served = client.get(f"/v1/invocations/{call.id}/result")
+        assert served.status_code == 200 and len(served.content) > 2 << 20
+        path.unlink()
+        path.symlink_to(secret)
+        refused = client.get(f"/v1/invocations/{call.id}/result")
+        assert refused.status_code == 404 and refused.json()["code"] == "no_result"
+        assert "password" not in refused.text

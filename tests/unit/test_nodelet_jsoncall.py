@@ -74,3 +74,35 @@ def test_values_that_are_not_json_say_why_and_where_the_pickle_is(value: object,
 def test_a_json_result_over_the_limit_is_refused() -> None:
     data, error = jsoncall.encode(list(range(1000)), 100)
     assert data is None and error is not None and "over the limit" in error
+
+
+class Awkward:
+    def tolist(self) -> list[int]:
+        raise RuntimeError("cannot list this")
+
+
+def test_an_object_that_fails_to_convert_is_a_reason_not_a_crash() -> None:
+    data, error = jsoncall.encode({"a": Awkward()}, 1 << 20)
+    assert data is None and error is not None and "cannot list this" in error
+
+
+def test_nesting_the_gateway_cannot_read_is_refused_here() -> None:
+    deep: list[object] = ["[{ in a string ]}"]
+    for _ in range(jsoncall.MAX_DEPTH - 1):
+        deep = [deep]
+    data, error = jsoncall.encode(deep, 1 << 20)
+    assert error is None and data is not None
+    data, error = jsoncall.encode([deep], 1 << 20)
+    assert data is None and error is not None and "nested too deeply" in error
+
+
+class Huge:
+    nbytes = 10 << 30
+
+    def tolist(self) -> list[int]:
+        raise AssertionError("must not be listed: it is known to be too big")
+
+
+def test_a_huge_array_is_refused_before_it_is_listed() -> None:
+    data, error = jsoncall.encode([Huge()], 1 << 20)
+    assert data is None and error is not None and "over the limit" in error
