@@ -301,13 +301,18 @@ def test_an_idempotency_key_submits_once(cluster: Cluster) -> None:
         assert {r.status_code for r in racing} <= {200, 202, 409}
         assert len({r.json()["id"] for r in racing if r.status_code != 409}) == 1
 
+        # A JSON invocation is cancelled like any other.
+        running = client.post("/v1/functions/slow/invoke", json={"args": [30]})
+        cancelled = client.post(f"{running.headers['location']}/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+
         # The same holds for the sdk's submission route.
         submitted = client.post(
             "/v1/invocations", json={"calls": []}, headers={"Idempotency-Key": "k"}
         )
         assert submitted.status_code == 422
         listed = client.get("/v1/invocations").json()
-        assert len([i for i in listed if i["function_name"] == "slow"]) == 4
+        assert len([i for i in listed if i["function_name"] == "slow"]) == 5
 
 
 def test_finished_invocations_are_purged_after_their_retention_time(
