@@ -14,7 +14,7 @@ from starlette.routing import Route
 from bulletin import shared, wire
 from gateway import auth, db, idempotency, scheduling
 from gateway.config import GatewayConfig
-from gateway.errors import Conflict, NotFound, PayloadTooLarge, Unprocessable
+from gateway.errors import Conflict, Forbidden, NotFound, PayloadTooLarge, Unprocessable
 from gateway.http import body, int_param, reply, store_blob, stream_blob, stream_file
 from scheduler import Pending, Quota, never_fits, placement
 
@@ -221,11 +221,24 @@ async def fetched(
 
 
 async def list_invocations(request: Request) -> Response:
-    owner = await auth.user_id(request)
+    caller = await auth.principal(request, "user")
+    assert caller.user_id is not None
     limit = int_param(request, "limit", 100)
     if not 1 <= limit <= 1000:
         raise Unprocessable("limit must be between 1 and 1000")
-    return reply(await db.list_invocations(request.app.state.pool, owner, limit))
+    owner, pool = caller.user_id, request.app.state.pool
+    name = request.query_params.get("owner")
+    if name is not None and name != caller.name:
+        if not caller.is_admin:
+            raise Forbidden(
+                "only administrators list other users' invocations; leave out owner= to list yours",
+                code="not_admin",
+            )
+        found = await db.find_user(pool, name) if "\x00" not in name else None
+        if found is None:
+            raise NotFound(f"no user {name!r}")
+        owner = found
+    return reply(await db.list_invocations(pool, owner, limit))
 
 
 async def cancel(request: Request) -> Response:

@@ -223,8 +223,13 @@ def test_sharing_lets_colleagues_invoke_but_never_see_each_others_invocations(
     admin = cluster.add_user("root", is_admin=True)
     with http(cluster, bob) as client:
         unfetched = invoke(client, "shout", {"args": ["y"]}, owner="alice", wait=None).json()
+    with http(cluster, bob) as client:
+        assert client.get("/v1/invocations", params={"owner": "alice"}).status_code == 403
     with http(cluster, admin) as client:
         assert client.get(f"/v1/invocations/{bobs}").status_code == 200  # admins see all
+        listed = client.get("/v1/invocations", params={"owner": "bob"}).json()
+        assert bobs in [i["id"] for i in listed]
+        assert client.get("/v1/invocations", params={"owner": "nobody"}).status_code == 404
         # ... without stamping the owner's timeline as fetched.
         seen = poll(client, f"/v1/invocations/{unfetched['id']}")
         assert seen["result_json"] == "Y" and seen["timeline"]["fetched"] is None
