@@ -377,7 +377,7 @@ def group_set(
     try:
         msgspec.convert(name, wire.GroupName)
     except msgspec.ValidationError:
-        raise click.BadParameter(wire.GROUP_NAME_RULE, param_hint="NAME") from None
+        raise click.BadParameter(wire.SLUG_RULE, param_hint="NAME") from None
     if no_borrow_limit and borrow_limit is not None:
         raise click.UsageError("give --borrow-limit N or --no-borrow-limit, not both")
     row = asyncio.run(

@@ -186,12 +186,12 @@ class Invocation(_Msg, frozen=True, kw_only=True):
     result_json_error: str | None = None
 
 
+#: A name that is also a path segment (groups, registered functions).
+Slug = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+#: Slug's rule, in words for error messages.
+SLUG_RULE = "use letters, digits, '.', '_' and '-' (at most 64, starting with a letter or digit)"
 #: A group's name: also a path segment of the admin API.
-GroupName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
-#: GroupName's rule, in words for error messages.
-GROUP_NAME_RULE = (
-    "use letters, digits, '.', '_' and '-' (at most 64, starting with a letter or digit)"
-)
+GroupName = Slug
 
 
 class GroupQuota(_Msg, frozen=True, kw_only=True):
@@ -224,12 +224,7 @@ class UsageEntry(_Msg, frozen=True, kw_only=True):
 
 
 #: A registered function's name: also a path segment.
-FunctionName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
-#: FunctionName's rule, in words for error messages.
-FUNCTION_NAME_RULE = (
-    "a function name has letters, digits, '.', '_' and '-' (at most 64, starting with a "
-    "letter or digit)"
-)
+FunctionName = Slug
 #: A registered function's version: the first 16 hex digits of a SHA-256 of its content.
 FunctionVersion = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{16}$")]
 #: Who may see and invoke a registered function besides its owner.

@@ -4,7 +4,6 @@ the database directly."""
 
 from __future__ import annotations
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -12,7 +11,7 @@ from starlette.routing import Route
 from bulletin import wire
 from gateway import auth, db
 from gateway.errors import NotFound, Unprocessable
-from gateway.http import body, int_param, reply
+from gateway.http import body, checked, int_param, reply
 
 #: The longest usage period one request may ask for, in days.
 MAX_USAGE_DAYS = 3660
@@ -27,16 +26,8 @@ def _group(row: db.GroupRow) -> wire.Group:
     )
 
 
-def _path_name(request: Request, key: str, kind: type[str], what: str) -> str:
-    value = str(request.path_params[key])
-    try:
-        return msgspec.convert(value, kind)
-    except msgspec.ValidationError:
-        raise Unprocessable(f"{key} {value!r}: {what}") from None
-
-
 def _group_name(request: Request) -> str:
-    return _path_name(request, "name", wire.GroupName, wire.GROUP_NAME_RULE)
+    return checked("name", request.path_params["name"], wire.GroupName, wire.SLUG_RULE)
 
 
 async def list_groups(request: Request) -> Response:
@@ -55,7 +46,7 @@ async def put_group(request: Request) -> Response:
 
 async def put_user_group(request: Request) -> Response:
     await auth.admin(request)
-    user = _path_name(request, "name", wire.Name, "not a user name")
+    user = checked("name", request.path_params["name"], wire.Name, "not a user name")
     req = await body(request, wire.UserGroup)
     pool = request.app.state.pool
     if not await db.group_exists(pool, req.group):

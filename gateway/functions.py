@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 import time
 
 import asyncpg
@@ -25,37 +24,29 @@ from starlette.routing import Match, Route
 from bulletin import wire
 from gateway import auth, db, idempotency, invocations
 from gateway.errors import NotFound, PayloadTooLarge, Unprocessable
-from gateway.http import JSON, body, reply
+from gateway.http import JSON, body, checked, reply
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_VERSION = re.compile(r"[0-9a-f]{16}")
-_OWNER = re.compile(r"[^\x00/]{1,200}")
+FUNCTION_NAME_RULE = f"not a function name: {wire.SLUG_RULE}"
 
 
 def _name(request: Request) -> str:
-    name: str = request.path_params["name"]
-    if not _NAME.fullmatch(name):
-        raise Unprocessable(
-            f"{name!r} is not a function name: {wire.FUNCTION_NAME_RULE}", code="invalid_name"
-        )
-    return name
+    name = request.path_params["name"]
+    return checked("name", name, wire.FunctionName, FUNCTION_NAME_RULE, code="invalid_name")
 
 
 def _owner(request: Request) -> str | None:
     owner = request.query_params.get("owner")
-    if owner is not None and not _OWNER.fullmatch(owner):
-        raise Unprocessable("owner must be a user name (1 to 200 characters, no '/' or NUL)")
-    return owner
+    if owner is None:
+        return None
+    return checked("owner", owner, wire.Name, "not a user name (at most 200 characters, no NUL)")
 
 
 def _version(request: Request) -> str | None:
     version = request.query_params.get("version")
-    if version is not None and not _VERSION.fullmatch(version):
-        raise Unprocessable(
-            f"version {version!r} is not a function version (16 hex digits, as "
-            "GET /v1/functions/{name}/versions lists them)"
-        )
-    return version
+    if version is None:
+        return None
+    what = "not a function version (16 hex digits, as GET /v1/functions/{name}/versions lists)"
+    return checked("version", version, wire.FunctionVersion, what)
 
 
 def _wait(request: Request) -> float:
@@ -261,7 +252,7 @@ async def bad_path(request: Request) -> Response:
         raise HTTPException(405, headers={"Allow": ", ".join(allowed)})
     rest = request.path_params["rest"]
     raise Unprocessable(
-        f"{rest!r} does not name a function (or a route of one): {wire.FUNCTION_NAME_RULE}",
+        f"{rest!r} does not name a function (or a route of one): {wire.SLUG_RULE}",
         code="invalid_name",
     )
 

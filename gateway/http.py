@@ -184,6 +184,16 @@ def reply(value: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(value), status, media_type=JSON)
 
 
+def checked(key: str, value: str, kind: Any, what: str, *, code: str = "") -> str:
+    """``value`` (of the path or query parameter ``key``) if it is a ``kind``, a constrained
+    wire string; else 422 saying ``what`` it must be."""
+    try:
+        result: str = msgspec.convert(value, kind)
+    except msgspec.ValidationError:
+        raise Unprocessable(f"{key} {value!r}: {what}", code=code) from None
+    return result
+
+
 def int_param(request: Request, name: str, default: int | None = None) -> int:
     raw = request.query_params.get(name)
     if raw is None:

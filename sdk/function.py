@@ -9,6 +9,7 @@ import inspect
 import math
 import numbers
 import re
+import typing
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, NoReturn, ParamSpec, TypeVar, overload
@@ -37,8 +38,6 @@ _VALID = (
     "sync_globals",
 )
 MAX_RETRIES = wire.MAX_RETRIES
-_FUNCTION_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
-_VISIBILITY = ("private", "group", "cluster")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +142,13 @@ class Function(Generic[P, R]):
         by version. Globals the function uses are captured as they are now; invocations
         never send state back (use a plain call for that)."""
         name = name if name is not None else (self._options.name or self._fn.__name__)
-        if not isinstance(name, str) or not re.fullmatch(_FUNCTION_NAME, name):
-            raise ValueError(f"cannot register as {name!r}: {wire.FUNCTION_NAME_RULE}")
-        if visibility not in _VISIBILITY:
+        try:
+            name = msgspec.convert(name, wire.FunctionName)
+        except msgspec.ValidationError:
+            raise ValueError(f"cannot register as {name!r}: {wire.SLUG_RULE}") from None
+        if visibility not in (kinds := typing.get_args(wire.Visibility)):
             raise ValueError(
-                f"visibility must be one of {', '.join(map(repr, _VISIBILITY))}, not {visibility!r}"
+                f"visibility must be one of {', '.join(map(repr, kinds))}, not {visibility!r}"
             )
         client = default_client()
         info = client.cluster()

@@ -228,3 +228,16 @@ def test_a_recursive_decorated_function_pickles() -> None:
         return 0 if n == 0 else 1 + countdown.local(n - 1)
 
     assert cloudpickle.loads(cloudpickle.dumps(countdown)).local(3) == 3
+
+
+@pytest.mark.parametrize(
+    ("name", "visibility"), [("../etc", "private"), ("a b", "group"), ("ok", "everyone")]
+)
+def test_register_refuses_bad_names_and_visibility_before_sending_anything(
+    name: str, visibility: str
+) -> None:
+    @sdk.function()
+    def f() -> None: ...
+
+    with pytest.raises(ValueError, match=r"cannot register|visibility must be one of"):
+        f.register(name, visibility=visibility)
