@@ -227,7 +227,7 @@ async def register_node(
         cpu_slots,
         protocol_version,
     )
-    await conn.execute("SELECT pg_notify($1, 'q')", CHANNEL)
+    await _notify(conn, "q")
 
 
 async def registered_nodes(conn: Conn) -> list[NodeRow]:
@@ -348,7 +348,7 @@ async def submit(
         by_ord = {int(r["ord"]): str(r["id"]) for r in rows}
         made = [by_ord[i + 1] for i in range(len(calls))]
         await _key_made(conn, owner_id, key, made)
-        await conn.execute("SELECT pg_notify($1, 'q')", CHANNEL)
+        await _notify(conn, "q")
     return made
 
 
@@ -555,8 +555,17 @@ async def cancel(conn: asyncpg.Connection, owner_id: int, ids: Sequence[str]) ->
 
 
 async def _notify(conn: Conn, *payloads: str) -> None:
-    for payload in payloads:
-        await conn.execute("SELECT pg_notify($1, $2)", CHANNEL, payload)
+    """Send the notifications (in order) in one round trip; they go out when the
+    transaction commits."""
+    if len(payloads) == 1:
+        await conn.execute("SELECT pg_notify($1, $2)", CHANNEL, payloads[0])
+    elif payloads:
+        await conn.execute(
+            "SELECT pg_notify($1, p) FROM unnest($2::text[]) WITH ORDINALITY AS n(p, o)"
+            " ORDER BY o",
+            CHANNEL,
+            list(payloads),
+        )
 
 
 # ------------------------------------------------------------------------------ scheduler
@@ -695,8 +704,7 @@ async def preempt(
         [uuid.UUID(p[0]) for p in preemptions],
         [p[1] for p in preemptions],
     )
-    for r in rows:
-        await _notify(conn, f"i:{r['id']}")
+    await _notify(conn, *(f"i:{r['id']}" for r in rows))
     return [(str(r["id"]), int(r["node_id"])) for r in rows]
 
 
@@ -751,10 +759,8 @@ async def expire_leases(
             " FROM e WHERE i.id = e.id RETURNING i.id, i.state",
             overdue,
         )
-        for r in rows:
-            await _notify(conn, f"i:{r['id']}")
         if rows:
-            await _notify(conn, "q")
+            await _notify(conn, *(f"i:{r['id']}" for r in rows), "q")
     return [(str(r["id"]), r["state"]) for r in rows]
 
 
@@ -1481,7 +1487,7 @@ async def invoke(
             if not status.endswith(" 1"):
                 raise _Gone
             await _key_made(conn, owner_id, key, [str(invocation_id)])
-            await conn.execute("SELECT pg_notify($1, 'q')", CHANNEL)
+            await _notify(conn, "q")
     except (_Gone, asyncpg.ForeignKeyViolationError):  # unregistered meanwhile
         return None
     return str(invocation_id)
