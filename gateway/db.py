@@ -1432,8 +1432,11 @@ async def list_functions(
 ) -> list[wire.FunctionInfo]:
     """The latest version of each function of ``owner`` (None: the caller) that the caller
     may see, by name; with ``name``, every version of that one function, newest first."""
+    # Without a name, only the first (latest) row of each name: DISTINCT ON the name.
+    distinct = "DISTINCT ON (f.name)" if name is None else ""
     rows = await conn.fetch(
-        f"SELECT {_FUNCTION_COLUMNS} FROM functions f JOIN users o ON o.id = f.owner_id"
+        f"SELECT {distinct} {_FUNCTION_COLUMNS}"
+        " FROM functions f JOIN users o ON o.id = f.owner_id"
         " WHERE (CASE WHEN $3::text IS NULL THEN o.id = $1 ELSE o.name = $3 END)"
         f"  AND {_visible('$1', '$2')} AND ($4::text IS NULL OR f.name = $4)"
         " ORDER BY f.name, f.registered_at DESC, f.id DESC",
@@ -1442,8 +1445,7 @@ async def list_functions(
         owner,
         name,
     )
-    infos = [_function_row(r).info for r in rows]
-    return infos if name is not None else [i for i in infos if i.latest]
+    return [_function_row(r).info for r in rows]
 
 
 async def delete_function(conn: Conn, owner_id: int, name: str) -> int:
