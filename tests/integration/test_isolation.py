@@ -42,16 +42,19 @@ def spin(seconds: float) -> float:
     return (time.process_time() - cpu) / (time.monotonic() - wall)
 
 
-def _started(gateway: Cluster, node: str = "node-a") -> str:
+def _started(gateway: Cluster, *lines: str, node: str = "node-a") -> str:
+    """The nodelet's log once it has logged one of ``lines`` (how it enforces a limit:
+    logged just after it registered, so waiting for "registered" alone races with it)."""
     log = gateway.dir / f"{node}.log"
-    wait_until(lambda: "registered" in log.read_text(), 30, "the nodelet to register")
+    seen = lambda: any(line in log.read_text() for line in lines)  # noqa: E731
+    wait_until(seen, 30, f"the nodelet to log one of {lines}")
     return log.read_text()
 
 
 def test_a_call_reaches_only_its_own_gpus_device_files(gateway: Cluster, tmp_path: Path) -> None:
     devices = tmp_path / "dev"
     gateway.start_nodelet(**{"fake-gpu-device-dir": str(devices), "spare-workers": "1"})
-    log = _started(gateway)
+    log = _started(gateway, "GPU isolation", "cannot make fake GPU device file")
     if "GPU isolation: CUDA_VISIBLE_DEVICES only" in log or not devices.exists():
         reason = re.search(r"(GPU isolation: .*|cannot make fake GPU device file .*)", log)
         pytest.skip(f"not enforced here: {reason.group(1) if reason else 'see the log'}")
@@ -67,7 +70,7 @@ def test_a_call_reaches_only_its_own_gpus_device_files(gateway: Cluster, tmp_pat
 
 def test_a_cpu_cap_holds_a_busy_call_to_its_share(gateway: Cluster) -> None:
     gateway.start_nodelet(**{"cpu-limit": "0.25"})
-    log = _started(gateway)
+    log = _started(gateway, "CPU limit")
     if "CPU limit of 0.25 cores per call NOT enforced" in log:
         pytest.skip(re.search(r"NOT enforced: (.*)", log).group(1))  # type: ignore[union-attr]
     assert re.search(r"CPU limit: 0\.25 CPU cores per call \(cgroup v[12] cpu", log)
