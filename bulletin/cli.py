@@ -181,7 +181,7 @@ def _nodelet_config() -> type:
 @struct_options(_gateway_config())
 def gateway(**options: Any) -> None:
     """Run a gateway replica (HTTP API and scheduler host) against PostgreSQL."""
-    from gateway.app import serve
+    from gateway.server import serve
 
     serve(build(_gateway_config(), options))
 

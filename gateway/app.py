@@ -1,5 +1,5 @@
 """The gateway's ASGI application: routes, error mapping, and the lifespan that owns the
-database pool, the notification hub and the scheduler loop."""
+database pool, the notification hub and the scheduler loop (``gateway/server.py`` serves it)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from importlib import resources
 
 import asyncpg
-import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -30,6 +30,7 @@ from gateway import (
 )
 from gateway.config import GatewayConfig
 from gateway.errors import HANDLERS
+from gateway.hosts import AllowedHosts
 from gateway.notify import Hub
 
 log = logging.getLogger(__name__)
@@ -97,22 +98,11 @@ def create_app(config: GatewayConfig) -> Starlette:
         *nodes.ROUTES,
         *admin.ROUTES,
     ]
-    app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(AllowedHosts, hosts=config.hosts)] if config.hosts else [],
+        exception_handlers=HANDLERS,
+        lifespan=lifespan,
+    )
     app.state.config = config
     return app
-
-
-def serve(config: GatewayConfig) -> None:
-    """Run the gateway until SIGINT/SIGTERM (uvicorn drains in-flight requests)."""
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config),
-            host=config.host,
-            port=config.port,
-            log_level="warning",
-            access_log=False,
-            # Long-polls hold for seconds; their clients retry, so do not wait them out.
-            timeout_graceful_shutdown=2,
-        )
-    )
-    server.run()

@@ -2,7 +2,8 @@
 each works only on its own routes. Every token that cannot be used (missing, malformed,
 unknown, expired or revoked) gets the same 401, so an answer tells nothing about which; the
 token itself is never logged. Requests with a user token are rate limited per user
-(``gateway/ratelimit.py``)."""
+(``gateway/ratelimit.py``); failed authentications per client address, answered without a
+database lookup once over the limit (``gateway/badtokens.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import secrets
 
 from starlette.requests import Request
 
-from gateway import db, ratelimit
+from gateway import badtokens, db, ratelimit
 from gateway.errors import Forbidden, Unauthorized
 
 USER_PREFIX = "bu_"
@@ -43,21 +44,35 @@ def token_hash(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-def _bearer(request: Request) -> str:
+def _digest(request: Request) -> bytes | None:
+    """The hash of the request's bearer token; None when it has none of the right form."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not TOKEN_PATTERN.fullmatch(token):
-        raise Unauthorized(UNAUTHORIZED, code="unauthorized")
-    return token
+        return None
+    return token_hash(token)
 
 
 async def principal(request: Request, kind: str) -> db.Principal:
     """The caller, who must hold a token of ``kind`` ("user" or "node"). A user's requests
-    count against their rate limit (429 over it); a node's do not."""
-    found = await db.lookup_token(request.app.state.pool, token_hash(_bearer(request)))
-    if found is None:
+    count against their rate limit (429 over it); a node's do not. Failures count against
+    the client address's failure budget (429 over it, for tokens not known good)."""
+    bad = badtokens.guard(request)
+    digest = _digest(request)
+    address = badtokens.address(request, kind)
+    charged = await badtokens.charge(request, bad, digest, address)
+    if digest is None or bad.is_unknown(digest):
         raise Unauthorized(UNAUTHORIZED, code="unauthorized")
+    try:
+        found = await db.lookup_token(request.app.state.pool, digest)
+    except BaseException:
+        bad.unjudged(address, charged=charged)  # the database failed (503), not the token
+        raise
+    if found is None:
+        bad.failed(address, digest, charged=charged)
+        raise Unauthorized(UNAUTHORIZED, code="unauthorized")
+    bad.worked(address, digest, charged=charged)
     if found.kind != kind:
         raise Forbidden(f"a {found.kind} token cannot be used on {kind} routes", code="wrong_token")
     if found.user_id is not None:

@@ -66,6 +66,33 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     rate_limit_per_s: float = 100.0
     #: Requests a user may make at once above rate_limit_per_s (the bucket's size).
     rate_limit_burst: int = 400
+    #: Requests a second, on average, that may fail authentication (a missing, malformed,
+    #: unknown, expired or revoked token) from one client address (the TCP peer; an IPv6
+    #: /64): a token bucket per address, in this replica's memory. Past it, the address's
+    #: requests get 429 with Retry-After without a database lookup, except those with a
+    #: token that worked here recently. 0: no limit.
+    auth_failure_rate_per_s: float = 1.0
+    #: Failed authentications one address may make at once above auth_failure_rate_per_s.
+    auth_failure_burst: int = 30
+    #: Seconds a token the database did not know is remembered as unknown, so that sending
+    #: it again costs no lookup. 0: not remembered.
+    auth_negative_cache_s: float = 5.0
+    #: Seconds a request refused for its address's failed authentications is held before
+    #: its 429, so that a flood's connections wait idle instead of keeping the gateway busy
+    #: (at most 1000 requests are held at once; more are answered at once). 0: not held.
+    auth_failure_delay_s: float = 1.0
+    #: Seconds a connection has to send a complete request head (line and headers), from
+    #: its opening or the first byte of its next request; then it is closed. Bodies,
+    #: long-polls and streamed answers are not bounded by it.
+    header_timeout_s: float = 10.0
+    #: Seconds a kept-alive connection may stay idle between requests before it is closed.
+    idle_timeout_s: float = 5.0
+    #: Host names (comma-separated; `*.example.org` for its subdomains) the gateway answers
+    #: to; a request with another Host header gets 400. Empty: any (GET /healthz always).
+    allowed_hosts: str = ""
+    #: Most MiB of blobs one user may own: uploads (PUT /v1/blobs) that would pass it get
+    #: 507; results stored by nodes count but are never refused. 0: no limit.
+    user_storage_mb: int = 65536
     #: The longest a `?wait=` on invoke may hold the request, in seconds.
     max_wait_s: float = 60.0
     #: Terminal invocations, their logs, results, blobs and shared-directory files are purged
@@ -87,6 +114,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
             "max_wait_s",
             "retention_s",
             "purge_interval_s",
+            "header_timeout_s",
+            "idle_timeout_s",
         ):
             if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"gateway setting {name} must be a positive number of seconds")
@@ -98,6 +127,23 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("rate_limit_per_s must be 0 (no limit) or more requests a second")
         if self.rate_limit_burst < 1:
             raise ValueError("rate_limit_burst must be at least 1 request")
+        if not 0 <= self.auth_failure_rate_per_s < math.inf:
+            raise ValueError(
+                "auth_failure_rate_per_s must be 0 (no limit) or more failures a second"
+            )
+        if self.auth_failure_burst < 1:
+            raise ValueError("auth_failure_burst must be at least 1 failure")
+        if not 0 <= self.auth_negative_cache_s < math.inf:
+            raise ValueError("auth_negative_cache_s must be 0 (off) or more seconds")
+        if not 0 <= self.auth_failure_delay_s <= 60:
+            raise ValueError("auth_failure_delay_s must be 0 (none) to 60 seconds")
+        if self.user_storage_mb < 0:
+            raise ValueError("user_storage_mb must be 0 (no limit) or more MiB")
+        if any(not host for host in self.hosts):
+            raise ValueError(
+                f"allowed_hosts {self.allowed_hosts!r} has an empty name: list host names "
+                "separated by commas, or leave it empty to allow any"
+            )
         if self.scheduler_policy not in POLICIES:
             raise ValueError(
                 f"scheduler_policy {self.scheduler_policy!r} is not one of {sorted(POLICIES)}"
@@ -119,6 +165,18 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.scheduler_policy == "fair" and self.fair_starve_after_s > 0:
             return policies.get("fair", starve_after_s=self.fair_starve_after_s)
         return policies.get(self.scheduler_policy)
+
+    @property
+    def hosts(self) -> list[str]:
+        """allowed_hosts as a list, lower case; empty: any host."""
+        if not self.allowed_hosts.strip():
+            return []
+        return [host.strip().lower() for host in self.allowed_hosts.split(",")]
+
+    @property
+    def user_storage_bytes(self) -> int | None:
+        """user_storage_mb in bytes; None: no limit."""
+        return self.user_storage_mb << 20 or None
 
     @property
     def sweep_interval_s(self) -> float:

@@ -253,12 +253,28 @@ async def create_blob(conn: Conn, owner_id: int) -> str:
 
 
 async def append_blob_chunk(conn: Conn, blob_id: str, seq: int, data: bytes) -> None:
+    """Store a chunk and add its bytes to the blob's size, so that an upload still in
+    progress counts towards its owner's storage (``blob_usage``)."""
     await conn.execute(
-        "INSERT INTO blob_chunks (blob_id, seq, data) VALUES ($1, $2, $3)",
+        "WITH chunk AS (INSERT INTO blob_chunks (blob_id, seq, data) VALUES ($1, $2, $3))"
+        " UPDATE blobs SET size = size + $4 WHERE id = $1",
         uuid.UUID(blob_id),
         seq,
         data,
+        len(data),
     )
+
+
+async def blob_usage(conn: Conn, owner_id: int, except_blob: str | None = None) -> int:
+    """Bytes of the blobs ``owner_id`` owns, complete or still uploading (their chunks so
+    far), leaving out ``except_blob``."""
+    value = await conn.fetchval(
+        "SELECT coalesce(sum(size), 0) FROM blobs WHERE owner_id = $1"
+        " AND id IS DISTINCT FROM $2",
+        owner_id,
+        None if except_blob is None else uuid.UUID(except_blob),
+    )
+    return int(value)
 
 
 async def finish_blob(conn: Conn, blob_id: str, size: int) -> None:

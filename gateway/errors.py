@@ -11,6 +11,7 @@ ApiError                          default ``code``
  +-- Unprocessable (422)          invalid_request         well-formed but invalid
  +-- TooManyRequests (429)        rate_limited            over the per-user rate limit
  +-- ServiceUnavailable (503)     unavailable             the database is unreachable
+ +-- InsufficientStorage (507)    storage_quota_exceeded  over the user's storage limit
 429 and 503 carry Retry-After (clients retry). Every problem has a ``code``; the full list
 is in docs/http-api.md. No response ever carries a stack trace.
 """
@@ -93,6 +94,10 @@ class ServiceUnavailable(ApiError):
 
     def __init__(self, detail: str, *, retry_after: int = 1, code: str = "") -> None:
         super().__init__(detail, code=code, headers={"Retry-After": str(max(1, retry_after))})
+
+
+class InsufficientStorage(ApiError):
+    status, title, default_code = 507, "Insufficient Storage", "storage_quota_exceeded"
 
 
 #: What a client retrying a 503 for a lost database waits first, in seconds.

@@ -24,7 +24,7 @@ from starlette.routing import Match, Route
 from bulletin import wire
 from gateway import auth, db, idempotency, invocations
 from gateway.errors import NotFound, PayloadTooLarge, Unprocessable
-from gateway.http import JSON, body, checked, reply
+from gateway.http import JSON, body, checked, reply, room_for_calls
 
 FUNCTION_NAME_RULE = f"not a function name: {wire.SLUG_RULE}"
 
@@ -179,6 +179,7 @@ async def invoke(request: Request) -> Response:
             "directory, a URL), or call the function from the sdk",
             code="arguments_too_large",
         )
+    await room_for_calls(request, user)
     # Shared with the caller, or the caller's own: an administrator reads others' private
     # functions but does not run them.
     found = await db.find_function(pool, caller, owner, name, version, to_run=True)

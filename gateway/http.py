@@ -22,6 +22,7 @@ from gateway import db
 from gateway.errors import (
     ApiError,
     BadRequest,
+    InsufficientStorage,
     PayloadTooLarge,
     Unprocessable,
     UnsupportedMediaType,
@@ -209,18 +210,34 @@ def int_param(request: Request, name: str, default: int | None = None) -> int:
     return value
 
 
-async def store_blob(request: Request, owner_id: int) -> wire.BlobRef:
+async def store_blob(request: Request, owner_id: int, *, by_user: bool = False) -> wire.BlobRef:
     """Stream the request body into a new blob of ``owner_id``, CHUNK bytes a row. A body over
-    ``max_state_bytes`` gets 413, and what was stored of it is deleted."""
+    ``max_state_bytes`` gets 413, and what was stored of it is deleted.
+
+    ``by_user``: the owner's own upload (PUT /v1/blobs). An empty one gets 422, and one that
+    would take the owner's blobs over ``user_storage_mb`` gets 507: decided from its
+    Content-Length before anything is stored, and for a streamed body as soon as it crosses
+    the limit. Otherwise the body is a node's result of the owner's call, never refused for
+    either (a finished result must not be lost), though it counts towards their storage."""
     require_octet_stream(request)
-    limit = request.app.state.config.max_state_bytes
+    config = request.app.state.config
+    limit = config.max_state_bytes
     declared = content_length(request)
     if declared is not None and declared > limit:
         raise _too_big(f"{declared} bytes", limit)
     pool: asyncpg.Pool = request.app.state.pool
+    storage = None
+    if by_user:
+        if declared == 0:
+            raise _empty()
+        storage = Storage.of(request, owner_id)
+        if storage is not None:
+            await storage.check(None, declared or 1, fresh=True, how=_how(declared))
     blob_id = await db.create_blob(pool, owner_id)
     try:
-        size = await _store_chunks(request, pool, blob_id, limit)
+        size = await _store_chunks(request, pool, blob_id, limit, storage)
+        if by_user and size == 0:
+            raise _empty()
     except Exception:
         # Never left to look complete; a failed delete leaves an incomplete blob, never read.
         with contextlib.suppress(Exception):
@@ -230,7 +247,9 @@ async def store_blob(request: Request, owner_id: int) -> wire.BlobRef:
     return wire.BlobRef(id=blob_id, size=size)
 
 
-async def _store_chunks(request: Request, pool: asyncpg.Pool, blob_id: str, limit: int) -> int:
+async def _store_chunks(
+    request: Request, pool: asyncpg.Pool, blob_id: str, limit: int, storage: Storage | None
+) -> int:
     pending = bytearray()
     seq = size = 0
     async for piece in request.stream():
@@ -238,13 +257,97 @@ async def _store_chunks(request: Request, pool: asyncpg.Pool, blob_id: str, limi
         size += len(piece)
         if size > limit:
             raise _too_big(f"{size} bytes or more", limit)
+        if storage is not None and storage.over(size):
+            await storage.check(blob_id, size, fresh=True)  # what it knew may be out of date
         while len(pending) >= CHUNK:
             await db.append_blob_chunk(pool, blob_id, seq, bytes(pending[:CHUNK]))
             del pending[:CHUNK]
             seq += 1
+            if storage is not None:
+                # Re-read every chunk: the owner's other uploads may be growing meanwhile.
+                await storage.check(blob_id, size, fresh=True)
     if pending or seq == 0:
         await db.append_blob_chunk(pool, blob_id, seq, bytes(pending))
     return size
+
+
+class Storage:
+    """An uploading user's storage limit, and the bytes of their other blobs (as last read).
+    Concurrent uploads of one user each re-read the others every CHUNK, so together they
+    may pass the limit by at most a CHUNK each."""
+
+    def __init__(self, pool: asyncpg.Pool, owner_id: int, limit: int, retention_s: float) -> None:
+        self.pool, self.owner_id, self.limit, self.retention_s = pool, owner_id, limit, retention_s
+        self.others = 0
+
+    @classmethod
+    def of(cls, request: Request, owner_id: int) -> Storage | None:
+        """The limit of ``owner_id``; None when the gateway sets none."""
+        config = request.app.state.config
+        limit = config.user_storage_bytes
+        if limit is None:
+            return None
+        return cls(request.app.state.pool, owner_id, limit, config.retention_s)
+
+    def over(self, size: int) -> bool:
+        return self.others + size > self.limit
+
+    async def check(
+        self, blob_id: str | None, size: int, *, fresh: bool = False, how: str = "streamed"
+    ) -> None:
+        """507 if a blob of ``size`` bytes takes the owner over the limit; ``how`` the size
+        is known: "declared" (Content-Length), "streamed" (so far), "unknown" (not yet: 1).
+        ``fresh``: re-read their other blobs first."""
+        if fresh:
+            self.others = await db.blob_usage(self.pool, self.owner_id, blob_id)
+        if self.over(size):
+            raise self._exceeded(size, how)
+
+    def _exceeded(self, size: int, how: str) -> InsufficientStorage:
+        head = {
+            "declared": f"this blob of {_size(size)} does not fit",
+            "streamed": f"this blob does not fit (it passed {_size(size)})",
+            "calls": "no room for the results of new calls, so they are refused until there is",
+        }.get(how, "no room for another blob")
+        days = self.retention_s / 86400
+        return InsufficientStorage(
+            f"over your storage limit: {head}: you store {_mib(self.others)} in other blobs, "
+            f"and each user may store {_mib(self.limit)} (the gateway setting "
+            f"user_storage_mb). Payloads and results are purged {days:g} days after their "
+            "calls end (--retention-s): fetch results promptly and let old calls age out, "
+            "unregister functions you no longer need, send less state, or ask an "
+            "administrator to raise the limit",
+            code="storage_quota_exceeded",
+        )
+
+
+async def room_for_calls(request: Request, owner_id: int) -> None:
+    """507 if ``owner_id`` already stores as much as their storage limit: their new calls'
+    results would take them past it, and results are never refused once a call ran (its
+    result would be lost), so it is the calls that are refused, before they run."""
+    storage = Storage.of(request, owner_id)
+    if storage is not None:
+        await storage.check(None, 1, fresh=True, how="calls")
+
+
+def _how(declared: int | None) -> str:
+    return "unknown" if declared is None else "declared"
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB"
+
+
+def _size(size: int) -> str:
+    return f"{size} bytes" if size < 1 << 20 else _mib(size)
+
+
+def _empty() -> Unprocessable:
+    return Unprocessable(
+        "a blob needs at least one byte: send the bytes as the request body (an empty "
+        "payload or result needs no blob)",
+        code="empty_blob",
+    )
 
 
 def _too_big(size: str, limit: int) -> PayloadTooLarge:
@@ -273,8 +376,11 @@ def stream_file(file: BinaryIO) -> StreamingResponse:
     size = os.fstat(file.fileno()).st_size
 
     async def chunks() -> AsyncIterator[bytes]:
+        # Exactly the size announced: the file's owner may change it meanwhile.
+        left = size
         with file:
-            while data := await asyncio.to_thread(file.read, CHUNK):
+            while left > 0 and (data := await asyncio.to_thread(file.read, min(CHUNK, left))):
+                left -= len(data)
                 yield data
 
     return StreamingResponse(

@@ -15,10 +15,17 @@ from bulletin import shared, wire
 from gateway import auth, db, idempotency, scheduling
 from gateway.config import GatewayConfig
 from gateway.errors import Conflict, Forbidden, NotFound, PayloadTooLarge, Unprocessable
-from gateway.http import body, int_param, reply, store_blob, stream_blob, stream_file
+from gateway.http import (
+    body,
+    int_param,
+    reply,
+    room_for_calls,
+    store_blob,
+    stream_blob,
+    stream_file,
+)
 from scheduler import Pending, Quota, never_fits, placement
 
-MAX_RETRIES = wire.MAX_RETRIES
 MAX_LOG_CHUNKS = 10_000
 FAN_IN_LINGER_S = 0.005
 MAX_ANSWER_RESULT_BYTES = 16 << 20
@@ -84,6 +91,7 @@ async def submit(request: Request) -> Response:
             code="priority_not_allowed",
         )
     await check_fits(request, caller.group, calls)
+    await room_for_calls(request, owner)
     keys = [c.idempotency_key for c in calls]
     if len(set(keys)) != len(keys):
         raise Unprocessable("two calls in one request share an idempotency_key")
@@ -306,7 +314,7 @@ def _within_answer_size(found: list[wire.Invocation]) -> list[wire.Invocation]:
 
 async def put_blob(request: Request) -> Response:
     owner = await auth.user_id(request)
-    return reply(await store_blob(request, owner), 201)
+    return reply(await store_blob(request, owner, by_user=True), 201)
 
 
 async def get_blob(request: Request) -> Response:

@@ -13,6 +13,7 @@ which is harmless (every bucket starts full anyway).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Hashable
@@ -36,6 +37,7 @@ class RateLimiter:
         self._clock = clock
         # key -> (tokens left, when they were counted)
         self._buckets: dict[Hashable, tuple[float, float]] = {}
+        self._scanned = -math.inf  # when _forget_full last looked for full buckets
 
     @property
     def enabled(self) -> bool:
@@ -47,8 +49,7 @@ class RateLimiter:
         if not self.enabled:
             return 0.0
         now = self._clock()
-        tokens, then = self._buckets.get(key, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - then) * self.rate_per_s)
+        tokens = self._tokens(key, now)
         if tokens >= 1.0:
             if len(self._buckets) >= MAX_BUCKETS and key not in self._buckets:
                 self._forget_full(now)
@@ -57,15 +58,33 @@ class RateLimiter:
         self._buckets[key] = (tokens, now)
         return (1.0 - tokens) / self.rate_per_s
 
+    def refund(self, key: Hashable) -> None:
+        """Give back a token taken from ``key``'s bucket (up to the bucket's size)."""
+        if self.enabled and key in self._buckets:
+            now = self._clock()
+            self._buckets[key] = (min(float(self.burst), self._tokens(key, now) + 1.0), now)
+
+    def _tokens(self, key: Hashable, now: float) -> float:
+        tokens, then = self._buckets.get(key, (float(self.burst), now))
+        return min(float(self.burst), tokens + (now - then) * self.rate_per_s)
+
     def _forget_full(self, now: float) -> None:
-        """Drop the buckets that have refilled: they are the same as no bucket."""
-        full = [
-            key
-            for key, (tokens, then) in self._buckets.items()
-            if tokens + (now - then) * self.rate_per_s >= self.burst
-        ]
-        for key in full:
-            del self._buckets[key]
+        """Drop the buckets that have refilled: they are the same as no bucket. The scan runs
+        at most once a second; and past twice MAX_BUCKETS (many keys, such as the client
+        addresses of ``gateway/badtokens.py``) the oldest MAX_BUCKETS go, full or not (a
+        dropped key starts full again, as after a restart), so the table stays bounded."""
+        if now - self._scanned >= 1.0:
+            self._scanned = now
+            full = [
+                key
+                for key, (tokens, then) in self._buckets.items()
+                if tokens + (now - then) * self.rate_per_s >= self.burst
+            ]
+            for key in full:
+                del self._buckets[key]
+        if len(self._buckets) >= 2 * MAX_BUCKETS:
+            for key in list(itertools.islice(self._buckets, MAX_BUCKETS)):
+                del self._buckets[key]
 
 
 def limiter(request: Request) -> RateLimiter:

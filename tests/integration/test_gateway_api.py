@@ -252,7 +252,8 @@ def test_cancel_of_a_leased_call_revokes_it_on_the_node(gateway: Cluster) -> Non
     )
 
 
-@pytest.mark.parametrize("size", [0, 5 << 20])
+# An empty blob is refused (422): tests/integration/test_refusals.py.
+@pytest.mark.parametrize("size", [256, 5 << 20])
 def test_blobs_stream_in_and_out(gateway: Cluster, size: int) -> None:
     user = Http(gateway.url, gateway.token)
     data = bytes(range(256)) * (size // 256)
