@@ -112,6 +112,7 @@ def main() -> None:
     )
     proc = None
     with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o711)  # as root, PostgreSQL's system account must traverse it
         config = args.config
         if config is None:
             proc = start_cluster(Path(tmp) / "state")

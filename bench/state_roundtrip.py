@@ -151,6 +151,7 @@ def main() -> None:
         f"torch {torch.__version__}"
     )
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
+        os.chmod(tmp, 0o711)  # as root, PostgreSQL's system account must traverse it
         state = Path(tmp) / "state"
         proc = start_cluster(state)
         try:

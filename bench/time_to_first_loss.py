@@ -71,6 +71,7 @@ def main() -> None:
         f"{platform.python_version()}"
     )
     with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o711)  # as root, PostgreSQL's system account must traverse it
         state = Path(tmp) / "state"
         proc = start_cluster(state)
         try:

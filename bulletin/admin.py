@@ -1,12 +1,26 @@
-"""Accounts and tokens, made directly in the database (the admin's side of set-up)."""
+"""Accounts and tokens, made directly in the database (the admin's side of set-up), and the
+database role the gateway connects as.
+
+The gateway, the migrations and these commands run as a role that owns Bulletin's database
+and nothing else: LOGIN, but not a superuser, and unable to create databases or roles
+(``ensure_role``). A superuser is needed only to make that role and database, and for
+maintenance. Its statements are in ``gateway/db.py``, with all the others.
+"""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
+import hmac
+import os
+import re
+import urllib.parse
 from collections.abc import AsyncIterator
 
 import asyncpg
 
+from bulletin import wire
 from gateway import auth, db
 
 
@@ -168,3 +182,65 @@ async def revoke_token(database_url: str, token_id: int) -> None:
     async with _connection(database_url) as conn:
         if not await db.revoke_token(conn, token_id):
             raise AdminError(f"no token {token_id} that is not revoked (bulletin token list)")
+
+
+# ---------------------------------------------------------------------------- the gateway's role
+
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_SCRAM_ITERATIONS = 4096  # PostgreSQL's default (scram_iterations)
+
+
+def scram_verifier(password: str) -> str:
+    """The SCRAM-SHA-256 secret PostgreSQL stores for ``password`` (RFC 5802/7677), made
+    here so that the password itself never reaches the server, its logs or its statistics."""
+    if not password or not password.isascii() or not password.isprintable():
+        raise AdminError("the role's password must be printable ASCII (no SASLprep here)")
+    salt = os.urandom(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, _SCRAM_ITERATIONS)
+    client_key = hmac.new(salted, b"Client Key", "sha256").digest()
+    server_key = hmac.new(salted, b"Server Key", "sha256").digest()
+    stored_key = hashlib.sha256(client_key).digest()
+    b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731
+    return f"SCRAM-SHA-256${_SCRAM_ITERATIONS}:{b64(salt)}${b64(stored_key)}:{b64(server_key)}"
+
+
+def _identifier(name: str, what: str) -> str:
+    if not _IDENTIFIER.match(name):
+        raise AdminError(
+            f"{what} {name!r} must be lower-case letters, digits and underscores, "
+            "starting with a letter or underscore"
+        )
+    return f'"{name}"'
+
+
+def role_url(server_url: str, role: str, database: str, password: str | None = None) -> str:
+    """``server_url`` (any user's URL of the same server) for ``role`` and ``database``,
+    with the password only when given."""
+    where = urllib.parse.urlsplit(server_url).netloc.rpartition("@")[2]
+    user = urllib.parse.quote(role, safe="")
+    if password is not None:
+        user += ":" + urllib.parse.quote(password, safe="")
+    return _replace(server_url, f"{user}@{where}", database)
+
+
+def _replace(url: str, netloc: str, database: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    path = "/" + urllib.parse.quote(database, safe="")
+    return urllib.parse.urlunsplit((parts.scheme, netloc, path, parts.query, ""))
+
+
+async def ensure_role(superuser_url: str, role: str, password: str, database: str) -> None:
+    """Make ``role`` a plain LOGIN role (NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION
+    NOBYPASSRLS) with ``password`` (SCRAM), owning ``database`` (created if missing) and
+    every table, view and sequence in its ``public`` schema; other roles may neither connect
+    to that database nor create objects in its schema. Idempotent: run it on every start
+    (it also adopts tables a superuser made before the role existed)."""
+    quoted_role, quoted_db = _identifier(role, "role"), _identifier(database, "database")
+    async with _connection(superuser_url) as conn:
+        if not await db.is_superuser(conn):
+            raise AdminError("the --superuser-url must connect as a superuser")
+        await db.set_login_role(conn, role, quoted_role, scram_verifier(password))
+        await db.own_database(conn, database, quoted_db, quoted_role)
+    netloc = urllib.parse.urlsplit(superuser_url).netloc
+    async with _connection(_replace(superuser_url, netloc, database)) as conn:
+        await db.adopt_schema(conn, role, quoted_role)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -111,15 +112,24 @@ def cli(log_level: str) -> None:
     _logging(log_level)
 
 
+def default_state_dir() -> Path:
+    """Root's is a system path (FHS): PostgreSQL then runs as a system account, which must
+    traverse every directory above it, and /root is not traversable."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/bulletin")
+    return Path(platformdirs.user_data_dir("bulletin"))
+
+
 @cli.command()
 @click.option(
     "--state-dir",
     envvar="BULLETIN_STATE_DIR",
     show_envvar=True,
     type=click.Path(path_type=Path),
-    default=lambda: Path(platformdirs.user_data_dir("bulletin")),
-    show_default="a per-user data dir",
-    help="Database, tokens and client.toml live here.",
+    default=default_state_dir,
+    show_default="/var/lib/bulletin as root, else a per-user data dir",
+    help="Database, tokens and client.toml live here (as root: under directories every "
+    "account may traverse, since PostgreSQL runs as a system account).",
 )
 @click.option(
     "--host",
@@ -150,15 +160,41 @@ def cli(log_level: str) -> None:
     default=0,
     help="CPU-only call slots [default: the number of cores]",
 )
+@click.option(
+    "--user-mapping",
+    envvar="BULLETIN_USER_MAPPING",
+    show_envvar=True,
+    default="",
+    help="Run each call as its owner's Unix account: 'same-name', or a file of "
+    "'bulletin-user unix-account' lines (needs root) [default: single-tenant, calls run as "
+    "this account].",
+)
+@click.option(
+    "--trusted-users",
+    envvar="BULLETIN_TRUSTED_USERS",
+    show_envvar=True,
+    default=None,
+    help="On a single-tenant node, whose calls run besides administrators': user names, "
+    "comma-separated, or '*' for all [default: administrators only].",
+)
 @click.pass_context
 def up(
-    ctx: click.Context, state_dir: Path, host: str, port: int, fake_gpus: int | None, cpu_slots: int
+    ctx: click.Context,
+    state_dir: Path,
+    host: str,
+    port: int,
+    fake_gpus: int | None,
+    cpu_slots: int,
+    user_mapping: str,
+    trusted_users: str | None,
 ) -> None:
     """Start a single-machine cluster: PostgreSQL, gateway, scheduler and one nodelet."""
     from bulletin.up import UpError, UpSettings, run
 
     level = ctx.parent.params["log_level"] if ctx.parent else "info"
-    settings = UpSettings(state_dir, host, port, fake_gpus, cpu_slots, level)
+    settings = UpSettings(
+        state_dir, host, port, fake_gpus, cpu_slots, level, user_mapping, trusted_users
+    )
     try:
         ctx.exit(run(settings, lambda line: click.echo(line)))
     except UpError as exc:
@@ -229,6 +265,54 @@ def migrate(database_url: str) -> None:
 
     applied = asyncio.run(admin.migrate(database_url))
     click.echo("applied: " + ", ".join(applied) if applied else "the schema is up to date")
+
+
+@cli.group("db")
+def db_group() -> None:
+    """Set up Bulletin's database on a PostgreSQL server (production; 'up' does it itself)."""
+
+
+@db_group.command("setup")
+@click.option(
+    "--superuser-url",
+    envvar="BULLETIN_SUPERUSER_URL",
+    required=True,
+    show_envvar=True,
+    help="A superuser's URL of the server, e.g. postgresql:///postgres?host=/run/postgresql",
+)
+@click.option("--role", default="bulletin", show_default=True, help="The gateway's role.")
+@click.option("--database", default="bulletin", show_default=True, help="Bulletin's database.")
+@click.option(
+    "--password-file",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The role's password: read from this file if it exists (not world-readable), else "
+    "generated and written there, mode 0600.",
+)
+def db_setup(superuser_url: str, role: str, database: str, password_file: Path) -> None:
+    """Make ROLE a plain login role (no superuser, no CREATEDB/CREATEROLE) owning DATABASE;
+    print its URL without the password. Idempotent: run it on every deploy."""
+    import secrets
+
+    from bulletin import admin
+    from bulletin.secretfiles import SecretFileError, read_secret, write_secret
+
+    try:
+        if password_file.exists():
+            password = read_secret(password_file)
+        else:
+            password = secrets.token_urlsafe(24)
+            write_secret(password_file, password + "\n")
+        asyncio.run(admin.ensure_role(superuser_url, role, password, database))
+    except (admin.AdminError, SecretFileError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(admin.role_url(superuser_url, role, database))
+    click.echo(
+        f"role {role} owns database {database}; its password is in {password_file}. The "
+        f"gateway's BULLETIN_DATABASE_URL is the URL above with ':PASSWORD' after '{role}'; "
+        "it applies the migrations when it starts.",
+        err=True,
+    )
 
 
 @cli.group()

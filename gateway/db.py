@@ -82,6 +82,62 @@ async def ensure_database(conn: asyncpg.Connection, name: str, template: str | N
     await conn.execute(f'CREATE DATABASE "{name}"{suffix}')
 
 
+# ------------------------------------------------------ the gateway's role (run as a superuser)
+# Role and database names are quoted identifiers the caller checked (bulletin/admin.py); DDL
+# takes no parameters, and the password arrives only as a SCRAM verifier.
+
+
+async def is_superuser(conn: asyncpg.Connection) -> bool:
+    return bool(await conn.fetchval("SELECT rolsuper FROM pg_roles WHERE rolname = current_user"))
+
+
+async def set_login_role(conn: asyncpg.Connection, role: str, quoted: str, verifier: str) -> None:
+    """Create or alter ``role`` into a plain LOGIN role (no superuser, no database or role
+    creation, no replication, no RLS bypass) with the SCRAM ``verifier`` as its password."""
+    exists = await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role)
+    attributes = (
+        "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS "
+        f"PASSWORD '{verifier}'"
+    )
+    await conn.execute(f"{'ALTER' if exists else 'CREATE'} ROLE {quoted} {attributes}")
+
+
+async def own_database(
+    conn: asyncpg.Connection, database: str, quoted_db: str, quoted_role: str
+) -> None:
+    """Make ``database`` (created if missing) the role's, and nobody else's to connect to."""
+    if await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", database):
+        await conn.execute(f"ALTER DATABASE {quoted_db} OWNER TO {quoted_role}")
+    else:
+        await conn.execute(f"CREATE DATABASE {quoted_db} OWNER {quoted_role}")
+    await conn.execute(f"REVOKE ALL ON DATABASE {quoted_db} FROM PUBLIC")
+
+
+async def adopt_schema(conn: asyncpg.Connection, role: str, quoted_role: str) -> None:
+    """Give the role the ``public`` schema of the connected database and everything in it
+    (tables a superuser made before the role existed); nobody else may create there."""
+    # PostgreSQL 15+ has the schema owned by pg_database_owner (so by the role, through
+    # the database); older servers by the bootstrap superuser: hand it over either way.
+    owner = await conn.fetchval(
+        "SELECT pg_get_userbyid(nspowner) FROM pg_namespace WHERE nspname = 'public'"
+    )
+    if owner not in (role, "pg_database_owner"):
+        await conn.execute(f"ALTER SCHEMA public OWNER TO {quoted_role}")
+    await conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+    # Tables first: their own sequences (serial, identity) follow them.
+    for kinds, statement in ((["r", "p"], "TABLE"), (["v", "m"], "VIEW"), (["S"], "SEQUENCE")):
+        names = await conn.fetch(
+            "SELECT c.oid::regclass::text AS name, c.relkind::text AS kind FROM pg_class c"
+            " WHERE c.relnamespace = 'public'::regnamespace AND c.relkind::text = ANY($1)"
+            " AND c.relowner <> (SELECT oid FROM pg_roles WHERE rolname = $2)",
+            kinds,
+            role,
+        )
+        for row in names:
+            kind = "MATERIALIZED VIEW" if row["kind"] == "m" else statement
+            await conn.execute(f"ALTER {kind} {row['name']} OWNER TO {quoted_role}")
+
+
 # -------------------------------------------------------------------------- users, nodes, tokens
 
 

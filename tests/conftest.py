@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,6 +26,8 @@ import pytest
 from bulletin import admin
 from bulletin.pgserver import EmbeddedPostgres, free_port
 from gateway import db
+from tests import accounts
+from tests.accounts import Portable
 
 TEMPLATE = "bulletin_template"
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,15 +48,53 @@ async def _prepare_template(server_url: str, template_url: str) -> None:
     await admin.migrate(template_url)
 
 
-@pytest.fixture(scope="session")
-def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostgres]:
-    pg = EmbeddedPostgres(tmp_path_factory.mktemp("postgres") / "pgdata")
-    server_url = pg.start()
+@contextlib.contextmanager
+def reachable_dir(prefix: str) -> Iterator[Path]:
+    """A fresh directory the PostgreSQL system account (under root) can traverse but not
+    list: pytest's own temporary directories are 0700, and nothing widens them any more."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
     try:
-        asyncio.run(_prepare_template(server_url, pg.url(TEMPLATE)))
-        yield pg
+        path.chmod(0o711)
+        yield path
     finally:
-        pg.stop()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[EmbeddedPostgres]:
+    """One server for the session; tests connect as its superuser (``url()``), which can
+    clone the template database quickly."""
+    with reachable_dir("bulletin-pg-") as parent:
+        pg = EmbeddedPostgres(parent / "pgdata")
+        server_url = pg.start()
+        try:
+            asyncio.run(_prepare_template(server_url, pg.url(TEMPLATE)))
+            yield pg
+        finally:
+            pg.stop()
+
+
+@pytest.fixture(scope="session")
+def portable_python() -> Iterator[Portable]:
+    """A Python every account can run, with this checkout's packages (tests/accounts.py).
+    Fails, never skips, when it cannot be made: what it tests must run in CI."""
+    try:
+        python, source = accounts.portable()
+    except accounts.SetupFailed as exc:
+        pytest.fail(f"cannot run tests of calls as their owners' accounts: {exc}")
+    try:
+        yield python
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def unix_accounts() -> dict[str, int]:
+    """Two real, unprivileged Unix accounts, ``bt-alice`` and ``bt-bob`` (their uids)."""
+    try:
+        return {name: accounts.ensure_account(name).pw_uid for name in ("bt-alice", "bt-bob")}
+    except accounts.SetupFailed as exc:
+        pytest.fail(f"cannot make the test accounts: {exc}")
 
 
 @pytest.fixture
