@@ -47,6 +47,10 @@ async def add_user(
 ) -> str:
     """Create the user if new (in ``group``, else 'default'; an existing user is moved to
     ``group`` when given) and return a fresh token for them."""
+    if not re.fullmatch(wire.SLUG, name):
+        # A user name names a directory of the shared directory, and on nodes with
+        # --user-mapping same-name a Unix account: nothing else.
+        raise AdminError(f"user name {name!r} is not one: {wire.SLUG_RULE}")
     async with _connection(database_url) as conn:
         async with conn.transaction():
             if group is not None:

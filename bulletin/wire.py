@@ -16,8 +16,11 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: the nodelet acts on Preemption orders; 3: JSON arguments
-MIN_PROTOCOL_VERSION = 1
+# 2: the nodelet acts on Preemption orders; 3: JSON arguments; 4: calls run as their owner
+# (single-tenant nodes refuse untrusted users) and shared files live in per-user directories,
+# bound to their invocation. Older nodelets are refused: they ran every mapped call as root.
+PROTOCOL_VERSION = 4
+MIN_PROTOCOL_VERSION = 4
 
 #: Media type of the raw bodies of blob uploads and downloads.
 OCTET_STREAM = "application/octet-stream"
@@ -87,12 +90,29 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Fals
 # ---------------------------------------------------------------- user side (sdk <-> gateway)
 
 
-#: Paths inside the cluster's shared directory (the NAS) that calls may name: payload files
-#: written by the sdk and result files written by workers.
-SharedPayload = Annotated[str, msgspec.Meta(pattern="^bulletin/payloads/[A-Za-z0-9_.-]{1,100}$")]
+#: A name that is also a path segment (users, groups, registered functions).
+SLUG = "[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+#: Paths inside the cluster's shared directory (the NAS) that calls may name, relative to
+#: its root: payload files written by the owner's sdk and result files written by the
+#: owner's worker, each in its owner's directory (bulletin/shared.py).
+SHARED_FILE = (
+    rf"^bulletin/users/(?P<user>{SLUG})/(?P<kind>payload|result)-(?P<stem>[A-Za-z0-9_-]{{1,100}})"
+    r"\.bin$"
+)
+SharedPayload = Annotated[
+    str, msgspec.Meta(pattern=rf"^bulletin/users/{SLUG}/payload-[A-Za-z0-9_-]{{1,100}}\.bin$")
+]
+SharedResult = Annotated[
+    str, msgspec.Meta(pattern=rf"^bulletin/users/{SLUG}/result-[A-Za-z0-9_-]{{1,100}}\.bin$")
+]
 #: A GPU model name to match, as NVML reports it ("NVIDIA A100-SXM4-80GB" matches "A100").
 GpuModel = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9 _.-]{1,64}$")]
-SharedResult = Annotated[str, msgspec.Meta(pattern="^bulletin/results/[A-Za-z0-9_.-]{1,100}$")]
+MAX_RETRIES = 10
+#: What a call asks for, as the gateway takes it (the published schema says exactly this):
+#: a GPU count (0: CPU only), retries on infrastructure failure, and positive seconds.
+GpuCount = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Retries = Annotated[int, msgspec.Meta(ge=0, le=MAX_RETRIES)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
 
 
 class CallSpec(_Msg, frozen=True, kw_only=True):
@@ -102,9 +122,9 @@ class CallSpec(_Msg, frozen=True, kw_only=True):
 
     idempotency_key: Name = ""
     function_name: Name = ""
-    gpus: Int32 = 0
-    max_retries: Int32 = 2
-    timeout_s: float | None = None
+    gpus: GpuCount = 0
+    max_retries: Retries = 2
+    timeout_s: Seconds | None = None
     payload: bytes | None = None
     payload_blob: Id | None = None
     payload_file: SharedPayload | None = None
@@ -117,7 +137,7 @@ class CallSpec(_Msg, frozen=True, kw_only=True):
     gpu_memory_mb: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
     #: How long the call is expected to run, in seconds: lets FIFO backfill past it (the
     #: time limit, ``timeout_s``, is used when this is not given).
-    expected_s: Annotated[float, msgspec.Meta(gt=0, le=1e9)] | None = None
+    expected_s: Seconds | None = None
 
 
 class SubmitRequest(_Msg, frozen=True, kw_only=True):
@@ -184,10 +204,14 @@ class Invocation(_Msg, frozen=True, kw_only=True):
     #: ``GET /v1/invocations/{id}/result``).
     result_json: Any = None
     result_json_error: str | None = None
+    #: Whose code made the result: the owner of the registered function that ran (None when
+    #: not known), else the invocation's owner. Unpickling a result runs code its maker
+    #: chose, so the sdk loads one made by another user's code only when told to trust them.
+    code_owner: str | None = None
 
 
-#: A name that is also a path segment (groups, registered functions).
-Slug = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+#: A name that is also a path segment (users, groups, registered functions).
+Slug = Annotated[str, msgspec.Meta(pattern=f"^{SLUG}$")]
 #: Slug's rule, in words for error messages.
 SLUG_RULE = "use letters, digits, '.', '_' and '-' (at most 64, starting with a letter or digit)"
 #: A group's name: also a path segment of the admin API.
@@ -229,18 +253,17 @@ FunctionName = Slug
 FunctionVersion = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{16}$")]
 #: Who may see and invoke a registered function besides its owner.
 Visibility = Literal["private", "group", "cluster"]
-MAX_RETRIES = 10
 
 
 class FunctionResources(_Msg, frozen=True, kw_only=True):
     """What every invocation of a registered function asks for (as ``CallSpec``)."""
 
-    gpus: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
+    gpus: GpuCount = 0
     gpu_model: GpuModel | None = None
     gpu_memory_mb: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
-    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=1e9)] | None = None
-    max_retries: Annotated[int, msgspec.Meta(ge=0, le=MAX_RETRIES)] = 2
-    expected_s: Annotated[float, msgspec.Meta(gt=0, le=1e9)] | None = None
+    timeout_s: Seconds | None = None
+    max_retries: Retries = 2
+    expected_s: Seconds | None = None
 
 
 class FunctionRegistration(_Msg, frozen=True, kw_only=True):
@@ -366,6 +389,11 @@ class ClusterInfo(_Msg, frozen=True, kw_only=True):
     #: Content of ``<shared_dir>/bulletin/cluster-id``: a client that reads the same there
     #: sees the same directory, and may pass payloads and take results through it.
     shared_dir_id: str | None = None
+    #: The caller's user name: their files of the shared directory go in its directory
+    #: ``bulletin/users/<user>/`` (bulletin/shared.py), which only their account may write.
+    user: str | None = None
+    #: Files left in the shared directory longer than this (seconds) are deleted.
+    shared_ttl_s: float | None = None
 
 
 class GpuInfo(_Msg, frozen=True, kw_only=True):
@@ -420,6 +448,12 @@ class Assignment(_Msg, frozen=True, kw_only=True):
     owner: str = ""
     # The owner's user name (nodes may run calls as the Unix account of that name).
     owner_name: str = ""
+    # Whether the owner is an administrator: a single-tenant node runs only calls of
+    # administrators and of the users it is told to trust (protocol 4).
+    owner_admin: bool = False
+    # A registered function of another user than the owner: whose code runs (a worker that
+    # ran it never runs the owner's own calls, which that code could have tampered with).
+    function_owner: str = ""
     # JSON invocations: ``{"args": [...], "kwargs": {...}}`` to call the payload's function
     # with (protocol 3; the payload then holds ``(function, (), {})``).
     arguments: bytes | None = None
@@ -541,10 +575,12 @@ class WorkerTask(_Msg, frozen=True, kw_only=True):
     """What the nodelet hands a worker process on its stdin (msgpack, length-prefixed)."""
 
     invocation_id: str
-    # The call's envelope: inline, or in a file (the shared directory's, or a download).
+    # The call's envelope: inline, in a file the nodelet downloaded (``payload_path``), or
+    # in the owner's directory of the shared directory (``payload_file``, relative to it).
     payload: bytes | None = None
     payload_path: str | None = None
-    # Where to leave the WorkerOutcome.
+    payload_file: str | None = None
+    # Where to leave the WorkerOutcome (in ``spill_dir``).
     result_path: str
     # JSON invocations: the arguments (Assignment.arguments) to call the function with.
     arguments: bytes | None = None
@@ -553,9 +589,12 @@ class WorkerTask(_Msg, frozen=True, kw_only=True):
     # The torch device tensors and modules are moved to before the call ("cuda:0", "cpu").
     device: str = "cpu"
     # Results up to this size go inline in the outcome; bigger ones into a file: in
-    # ``shared_dir`` when the caller reads it (PickleHeader.shared_results), else ``spill_dir``.
+    # ``shared_dir`` as ``shared_result`` (the one name the gateway accepts for this attempt)
+    # when the caller reads it there (PickleHeader.shared_results), else into ``spill_dir``
+    # as ``result.bin``.
     inline_limit: int = 1 << 20
     shared_dir: str | None = None
+    shared_result: str | None = None
     spill_dir: str = ""
     # Run the call as this account (a nodelet running as root with a user mapping).
     run_as: RunAs | None = None
@@ -581,7 +620,8 @@ class WorkerOutcome(_Msg, frozen=True, kw_only=True):
 
     ok: bool
     result: bytes | None = None
-    # Absolute path of a file holding the result envelope when it was too big to inline.
+    # Absolute path of a file holding the result envelope when it was too big to inline:
+    # the task's shared result or ``spill_dir/result.bin``; the nodelet accepts no other.
     result_path: str | None = None
     # When the user's code started and finished (time.time() on the node).
     started: float | None = None

@@ -47,19 +47,21 @@ async def sweep_forever(config: GatewayConfig, pool: asyncpg.Pool) -> None:
         await asyncio.sleep(config.sweep_interval_s)
 
 
-def info(request: Request) -> wire.ClusterInfo:
+def info(request: Request, user: str | None = None) -> wire.ClusterInfo:
     config: GatewayConfig = request.app.state.config
     return wire.ClusterInfo(
         inline_limit=config.inline_limit,
         max_state_bytes=config.max_state_bytes,
         shared_dir=config.shared_dir or None,
         shared_dir_id=request.app.state.shared_dir_id,
+        user=user,
+        shared_ttl_s=config.shared_ttl_s if config.shared_dir else None,
     )
 
 
 async def get_cluster(request: Request) -> Response:
-    await auth.user_id(request)
-    return reply(info(request))
+    caller = await auth.principal(request, "user")
+    return reply(info(request, caller.name))
 
 
 ROUTES = [Route("/v1/cluster", get_cluster, methods=["GET"])]

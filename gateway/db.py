@@ -27,8 +27,9 @@ from scheduler import Pending, Running
 CHANNEL = "bulletin_events"
 #: The first nodelet protocol that acts on preemption orders.
 PREEMPTING_PROTOCOL = 2
-#: The first nodelet protocol that runs JSON invocations (Assignment.arguments).
-JSON_PROTOCOL = 3
+#: Nodelets older than this are never given work, even if they registered with an older
+#: gateway and still poll: they ran a mapped node's calls as root (wire.MIN_PROTOCOL_VERSION).
+SAFE_PROTOCOL = wire.MIN_PROTOCOL_VERSION
 _LEASED = ("assigned", "running")
 
 Conn: TypeAlias = asyncpg.Connection | asyncpg.Pool
@@ -455,6 +456,10 @@ def _invocation_columns(result: str = "i.result") -> str:
         f" i.error_kind, i.error_type, i.error_message, i.traceback, {result} AS result,"
         f" i.function_version, {result_json} AS result_json, i.result_json_error,"
         " i.result_blob, i.result_file, i.log_count,"
+        # Whose code made the result: a registered function's owner (unknown, NULL, for one
+        # unregistered before it was recorded), else the caller.
+        " CASE WHEN i.function_version IS NOT NULL THEN i.function_owner"
+        "  ELSE (SELECT u.name FROM users u WHERE u.id = i.owner_id) END AS code_owner,"
         " extract(epoch FROM i.submitted_at) AS t_submitted,"
         " extract(epoch FROM i.scheduled_at) AS t_scheduled,"
         " extract(epoch FROM i.delivered_at) AS t_delivered,"
@@ -507,6 +512,7 @@ def to_invocation(row: asyncpg.Record) -> wire.Invocation:
         function_version=row["function_version"],
         result_json=None if row["result_json"] is None else msgspec.Raw(row["result_json"]),
         result_json_error=row["result_json_error"],
+        code_owner=row["code_owner"],
     )
 
 
@@ -665,6 +671,7 @@ async def live_nodes(
     rows = await conn.fetch(
         f"SELECT {_NODE_COLUMNS} FROM nodes"
         " WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) AND NOT draining"
+        f" AND protocol_version >= {SAFE_PROTOCOL}"
         " ORDER BY id" + (" FOR UPDATE" if lock else ""),
         heartbeat_timeout_s,
     )
@@ -1139,14 +1146,16 @@ async def deliver(
     starts it, so a lost poll answer loses nothing. Delivery renews the lease: the node starts
     its own lease clock on receipt, and must never believe in more lease than it has."""
     rows = await conn.fetch(
-        # A nodelet older than protocol 3 would ignore a JSON invocation's arguments and call
-        # the function without them: such calls fail at once, saying why.
+        # A nodelet older than SAFE_PROTOCOL (registered with an older gateway, still polling)
+        # would run the call as root on a mapped node: what was assigned to it before the
+        # upgrade fails at once, saying why, and it gets nothing more (live_nodes).
         "WITH old AS (UPDATE invocations i SET state = 'failed', error_kind = 'version_skew',"
         "  error_type = 'VersionSkew', error_message = 'node ' || n.name || ' runs a nodelet"
-        " older than protocol 3, which cannot run JSON invocations: upgrade it',"
+        f" older than protocol {SAFE_PROTOCOL}, which this gateway no longer trusts to run"
+        " calls: upgrade it',"
         "  finished_at = clock_timestamp(), lease_expires_at = NULL FROM nodes n"
-        f"  WHERE n.id = $1 AND n.protocol_version < {JSON_PROTOCOL} AND i.node_id = $1"
-        "  AND i.state = 'assigned' AND i.arguments IS NOT NULL RETURNING i.id),"
+        f"  WHERE n.id = $1 AND n.protocol_version < {SAFE_PROTOCOL} AND i.node_id = $1"
+        "  AND i.state = 'assigned' RETURNING i.id),"
         " woken AS (SELECT pg_notify($6, 'i:' || id) FROM old"
         "  UNION ALL SELECT pg_notify($6, 'q') WHERE EXISTS (SELECT 1 FROM old)),"
         " delivered AS (UPDATE invocations i"
@@ -1157,8 +1166,9 @@ async def deliver(
         "  AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
         "   WHERE a.id = i.id AND a.epoch = i.epoch)"
         " RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,"
-        "  i.owner_id, i.payload_file, i.arguments,"
+        "  i.owner_id, i.payload_file, i.arguments, i.function_owner,"
         "  (SELECT u.name FROM users u WHERE u.id = i.owner_id) AS owner_name,"
+        "  (SELECT u.is_admin FROM users u WHERE u.id = i.owner_id) AS owner_admin,"
         "  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload)"
         # Reading `woken` (always, even when nothing is delivered) sends its notifications.
         " SELECT d.* FROM (SELECT count(*) FROM woken) w LEFT JOIN delivered d ON true",
@@ -1180,6 +1190,8 @@ async def deliver(
             payload_file=r["payload_file"],
             owner=str(r["owner_id"]),
             owner_name=r["owner_name"] or "",
+            owner_admin=bool(r["owner_admin"]),
+            function_owner=r["function_owner"] or "",
             arguments=None if r["arguments"] is None else bytes(r["arguments"]),
         )
         for r in rows
@@ -1265,6 +1277,21 @@ async def attempt_owner(conn: Conn, node_id: int, invocation_id: str, epoch: int
         epoch,
     )
     return None if value is None else int(value)
+
+
+async def attempt_owner_name(
+    conn: Conn, node_id: int, invocation_id: str, epoch: int
+) -> str | None:
+    """The user name of the owner of a fenced attempt (its shared files are named after
+    them); None if stale."""
+    value = await conn.fetchval(
+        "SELECT u.name FROM invocations i JOIN users u ON u.id = i.owner_id"
+        f" WHERE {_FENCE}",
+        uuid.UUID(invocation_id),
+        node_id,
+        epoch,
+    )
+    return None if value is None else str(value)
 
 
 async def append_logs(
@@ -1548,10 +1575,12 @@ async def invoke(
             status = await conn.execute(
                 "INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,"
                 " max_retries, timeout_s, payload, payload_blob, payload_size, gpu_model,"
-                " gpu_memory_mb, expected_s, function_id, function_version, arguments)"
+                " gpu_memory_mb, expected_s, function_id, function_version, function_owner,"
+                " arguments)"
                 " SELECT $1, $2, $5, f.name, f.gpus, f.max_retries, f.timeout_s, f.payload,"
                 "  f.payload_blob, f.payload_size, f.gpu_model, f.gpu_memory_mb, f.expected_s,"
-                "  f.id, f.version, $4 FROM functions f WHERE f.id = $3",
+                "  f.id, f.version, u.name, $4"
+                " FROM functions f JOIN users u ON u.id = f.owner_id WHERE f.id = $3",
                 invocation_id,
                 owner_id,
                 function_id,

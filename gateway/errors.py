@@ -157,7 +157,10 @@ def _allowed_methods(request: Request) -> list[str]:
     first route's, and a path may have a route per method)."""
     methods: set[str] = set()
     for route in request.app.routes:
-        if isinstance(route, Route) and route.matches(request.scope)[0] != Match.NONE:
+        # Not the catch-alls that answer paths no route takes (they take every method).
+        if not isinstance(route, Route) or not route.include_in_schema:
+            continue
+        if route.matches(request.scope)[0] != Match.NONE:
             methods |= route.methods or set()
     return sorted(methods)
 

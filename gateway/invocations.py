@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from typing import BinaryIO
 
 import msgspec
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -31,14 +33,11 @@ FAN_IN_LINGER_S = 0.005
 MAX_ANSWER_RESULT_BYTES = 16 << 20
 
 
-def _check_call(spec: wire.CallSpec, index: int, config: GatewayConfig) -> wire.CallSpec:
+def _check_call(
+    spec: wire.CallSpec, index: int, config: GatewayConfig, user: str
+) -> wire.CallSpec:
+    # gpus, max_retries and timeout_s were checked by their wire types when decoded.
     where = f"calls[{index}]"
-    if spec.gpus < 0:
-        raise Unprocessable(f"{where}.gpus must be 0 (CPU only) or more, not {spec.gpus}")
-    if not 0 <= spec.max_retries <= MAX_RETRIES:
-        raise Unprocessable(f"{where}.max_retries must be between 0 and {MAX_RETRIES}")
-    if spec.timeout_s is not None and spec.timeout_s <= 0:
-        raise Unprocessable(f"{where}.timeout_s must be a positive number of seconds")
     ways = [p for p in (spec.payload, spec.payload_blob, spec.payload_file) if p is not None]
     if len(ways) != 1:
         raise Unprocessable(f"{where} needs exactly one of payload, payload_blob and payload_file")
@@ -49,7 +48,7 @@ def _check_call(spec: wire.CallSpec, index: int, config: GatewayConfig) -> wire.
             code="payload_too_large",
         )
     if spec.payload_file is not None:
-        _check_payload_file(spec.payload_file, where, config.shared_dir)
+        _check_payload_file(spec.payload_file, where, config.shared_dir, user)
     if len(spec.idempotency_key) > 200:
         raise Unprocessable(f"{where}.idempotency_key is longer than 200 characters")
     if not spec.idempotency_key:
@@ -58,16 +57,20 @@ def _check_call(spec: wire.CallSpec, index: int, config: GatewayConfig) -> wire.
     return spec
 
 
-def _check_payload_file(name: str, where: str, root: str) -> None:
+def _check_payload_file(name: str, where: str, root: str, user: str) -> None:
+    """A payload file must be in the submitter's own directory of the shared directory,
+    which only their account can write to: nobody can submit another's payload as theirs."""
     if not root:
         raise Unprocessable(
             f"{where}.payload_file: this cluster has no shared directory; upload the payload "
             "with PUT /v1/blobs and pass payload_blob"
         )
-    try:
-        shared.resolve(root, name)
-    except ValueError as exc:
-        raise Unprocessable(f"{where}.payload_file: {exc}") from None
+    if not shared.is_payload_of(name, user):
+        raise Unprocessable(
+            f"{where}.payload_file {name} is not a payload file of yours: yours go in "
+            f"{shared.user_dir(user) if shared.valid_user(user) else 'your user directory'}/",
+            code="payload_file_not_yours",
+        )
 
 
 async def submit(request: Request) -> Response:
@@ -82,7 +85,7 @@ async def submit(request: Request) -> Response:
     if not 1 <= len(req.calls) <= wire.MAX_SUBMIT:
         raise Unprocessable(f"submit between 1 and {wire.MAX_SUBMIT} calls per request")
     config = request.app.state.config
-    calls = [_check_call(c, i, config) for i, c in enumerate(req.calls)]
+    calls = [_check_call(c, i, config, caller.name) for i, c in enumerate(req.calls)]
     raised = [i for i, c in enumerate(calls) if c.priority > 0]
     if raised and not caller.is_admin:
         raise Unprocessable(
@@ -148,6 +151,21 @@ async def check_fits(request: Request, group: str, calls: list[wire.CallSpec]) -
             raise Unprocessable(reason, code="never_fits")
 
 
+class _InvocationSegment(Convertor[str]):
+    """An invocation id in a path: any segment but the names of the routes beside it."""
+
+    regex = "(?!(?:watch|cancel)$)[^/]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("invocation", _InvocationSegment())
+
+
 def valid_id(value: str) -> str:
     try:
         return str(uuid.UUID(value))
@@ -199,14 +217,40 @@ async def get_result(request: Request) -> Response:
             return stream_blob(pool, found.result_blob, size)
     root = request.app.state.config.shared_dir
     if found.result_file is not None and root:
-        file = await asyncio.to_thread(shared.open_file, root, found.result_file)
-        if file is not None:
-            return stream_file(file)
+        return stream_file(await _shared_result(root, found))
     raise NotFound(
         f"invocation {found.id} has no result to fetch (it ended {found.state} without one, "
         "or its result was purged)",
         code="no_result",
     )
+
+
+async def _shared_result(root: str, found: wire.Invocation) -> BinaryIO:
+    """The result file of ``found`` in the shared directory, opened as the gateway may: a
+    regular file of its user directory's owner, never through a link."""
+    assert found.result_file is not None
+    try:
+        return await asyncio.to_thread(shared.open_file, root, found.result_file)
+    except FileNotFoundError:
+        raise NotFound(
+            f"invocation {found.id}'s result file {found.result_file} is gone from the shared "
+            "directory: it is deleted once its caller loaded it, and swept after shared_ttl_s",
+            code="no_result",
+        ) from None
+    except PermissionError:
+        # A user's directory is their account's alone (0700): a gateway running as a
+        # service account cannot read it, only its owner can.
+        raise Conflict(
+            f"invocation {found.id}'s result is the file {root}/{found.result_file} of the "
+            "cluster's shared directory, which only its owner's account can read: load it on "
+            "a machine that mounts the shared directory, as that account "
+            f"(sdk.Call.from_id({found.id!r}).result())",
+            code="result_in_shared_dir",
+        ) from None
+    except (OSError, ValueError) as exc:  # UnsafeSharedDir: a link, another's file...
+        raise NotFound(
+            f"invocation {found.id}'s result file cannot be served: {exc}", code="no_result"
+        ) from None
 
 
 async def fetched(
@@ -332,7 +376,8 @@ ROUTES = [
     Route("/v1/invocations", list_invocations, methods=["GET"]),
     Route("/v1/invocations/watch", watch, methods=["POST"]),
     Route("/v1/invocations/cancel", cancel_many, methods=["POST"]),
-    Route("/v1/invocations/{id}", get_invocation, methods=["GET"]),
+    # Not "watch" or "cancel": those name the POST routes above (a GET of them is a 405).
+    Route("/v1/invocations/{id:invocation}", get_invocation, methods=["GET"]),
     Route("/v1/invocations/{id}/result", get_result, methods=["GET"]),
     Route("/v1/invocations/{id}/cancel", cancel, methods=["POST"]),
     Route("/v1/blobs", put_blob, methods=["PUT"]),

@@ -185,6 +185,8 @@ async def complete(request: Request) -> Response:
     invocation_id = valid_id(request.path_params["id"])
     req = await body(request, wire.CompleteRequest)
     _check_result(request, req)
+    if req.result_file is not None:
+        await _check_result_file(request, node_id, invocation_id, req)
     async with request.app.state.pool.acquire() as conn:
         if not await db.complete(conn, node_id, invocation_id, req):
             raise _stale(invocation_id)
@@ -203,15 +205,29 @@ def _check_result(request: Request, req: wire.CompleteRequest) -> None:
             msgspec.json.decode(req.result_json)
         except (msgspec.DecodeError, RecursionError):
             raise Unprocessable("result_json is not valid JSON (or nested too deeply)") from None
-    if req.result_file is None:
-        return
-    root = request.app.state.config.shared_dir
-    if not root:
+
+
+async def _check_result_file(
+    request: Request, node_id: int, invocation_id: str, req: wire.CompleteRequest
+) -> None:
+    """A result file is accepted only under the one name derived from the invocation, its
+    owner and the epoch: in the owner's own directory, which no one else can write to. So
+    a call cannot pass off another user's file as its result."""
+    if not request.app.state.config.shared_dir:
         raise Unprocessable("result_file: this cluster has no shared directory")
+    owner = await db.attempt_owner_name(request.app.state.pool, node_id, invocation_id, req.epoch)
+    if owner is None:
+        raise _stale(invocation_id)
     try:
-        shared.resolve(root, req.result_file)
+        expected = shared.result_name(owner, invocation_id, req.epoch)
     except ValueError as exc:
         raise Unprocessable(f"result_file: {exc}") from None
+    if req.result_file != expected:
+        raise Unprocessable(
+            f"result_file {req.result_file} is not this attempt's: its result file can only "
+            f"be {expected}",
+            code="result_file_not_bound",
+        )
 
 
 ROUTES = [

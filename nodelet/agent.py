@@ -19,8 +19,8 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from bulletin import shared, wire
-from nodelet.accounts import Accounts
-from nodelet.attempt import Attempt, NodeFacts
+from nodelet.accounts import Accounts, unreachable
+from nodelet.attempt import Attempt, NodeFacts, removals_done
 from nodelet.backoff import Backoff
 from nodelet.client import GatewayClient
 from nodelet.config import NodeletConfig
@@ -42,7 +42,7 @@ def run(config: NodeletConfig) -> None:
     """Serve until SIGINT or SIGTERM; exit with status 1 if the gateway refuses the node."""
     try:
         asyncio.run(_serve_until_signalled(config))
-    except NodeletError as exc:
+    except (NodeletError, ValueError) as exc:  # ValueError: a setting it cannot serve with
         log.critical("nodelet stopped: %s", exc)
         raise SystemExit(1) from None
 
@@ -65,14 +65,26 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
 
     Raises AuthRejected when the token is refused, GatewayRejected when registration is.
     """
-    accounts = Accounts.from_setting(config.user_mapping)
-    if accounts.single_tenant:
-        log.info("workers run as this nodelet's own account (single-tenant: no user_mapping)")
-    else:
-        log.info("workers run as their caller's Unix account (mapping %s)", config.user_mapping)
+    accounts = Accounts.from_setting(config.user_mapping, config.trusted_users)
+    if not accounts.single_tenant:
+        accounts.check_interpreter()
+    log.info("calls: %s", accounts.describe())
+    if accounts.single_tenant and accounts.trusted and os.geteuid() == 0:
+        log.warning(
+            "trusted_users' calls run as root on this node: they can do anything root can "
+            "(read every secret, change the node); run it with --user-mapping instead unless "
+            "they are its administrators"
+        )
     work_dir = config.work_dir or tempfile.mkdtemp(prefix="bulletin-nodelet-")
     if not accounts.single_tenant:
         os.chmod(work_dir, 0o711)  # workers switched to users' accounts pass through it
+        blocked = unreachable([work_dir])
+        if blocked is not None:
+            raise ValueError(
+                f"work_dir {work_dir}: workers switched to their users' accounts cannot reach "
+                f"it through {blocked}: choose a work directory under directories every "
+                "account may traverse (e.g. /var/lib/bulletin-nodelet)"
+            )
     client = GatewayClient(config.gateway_url, config.token, timeout_s=config.http_timeout_s)
     gpus = choose_provider(
         config.fake_gpus,
@@ -107,8 +119,12 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
             await pool.close()
         await client.aclose()
         await asyncio.to_thread(gpus.close)
+        await removals_done(SHUTDOWN_GRACE_S * 10)
         if not config.work_dir:
-            shutil.rmtree(work_dir, ignore_errors=True)
+            try:  # what is left of attempts whose removal did not finish: fd-based, no links
+                await asyncio.to_thread(shutil.rmtree, work_dir, ignore_errors=True)
+            except RecursionError:
+                log.warning("could not remove %s (nested too deeply); left in place", work_dir)
 
 
 def _pool(config: NodeletConfig, work_dir: str, gpus: GpuProvider) -> WorkerPool:

@@ -2,10 +2,15 @@
 
 The nodelet never unpickles anything here: payload and result are opaque bytes (envelopes)
 passed between the gateway and the worker process. A small payload goes to the worker inline;
-a big one as a file: the shared directory's, or a download into the attempt's directory. A
-big result comes back as a file: one in the shared directory is passed on by name, one in the
-attempt's directory (the worker's ``spill_dir``) is streamed up as a blob before the
-directory is removed.
+a big one as a file: the owner's in the shared directory (which the worker, as the owner,
+opens itself), or a download into the attempt's directory. A big result comes back as a
+file: one in the shared directory, under the one name the attempt may use, is passed on by
+that name; one in the attempt's ``out`` directory (the worker's ``spill_dir``) is streamed up
+as a blob before the directory is removed.
+
+The attempt's directory is the nodelet's; ``out`` in it is the call's account's, and is
+read only through a descriptor (:mod:`nodelet.userfiles`): nothing the user puts there is
+followed, waited on or read past its limit.
 """
 
 from __future__ import annotations
@@ -31,9 +36,17 @@ from bulletin import shared, wire
 from nodelet.accounts import AccountError, Accounts
 from nodelet.backoff import Backoff
 from nodelet.client import GatewayClient
-from nodelet.errors import GatewayRejected, GatewayUnavailable, NodeletError, StaleAttempt
+from nodelet.errors import (
+    GatewayRejected,
+    GatewayUnavailable,
+    NodeletError,
+    StaleAttempt,
+    UntrustedFile,
+)
 from nodelet.gpus import GpuProvider
 from nodelet.logs import LogShipper
+from nodelet.userfiles import make_private_dir, open_owned, read_owned
+from nodelet.worker import SPILLED
 from nodelet.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -41,6 +54,14 @@ log = logging.getLogger(__name__)
 #: How long output may keep flowing after the worker and its process group are gone
 #: (only a grandchild that left the group can hold the pipes open that long).
 EOF_GRACE_S = 2.0
+#: The worker's files in the attempt's ``out`` directory, and the payload the nodelet
+#: downloaded into the attempt's own.
+OUT = "out"
+PAYLOAD = "payload.bin"
+OUTCOME = "outcome.msgpack"
+#: An outcome holds at most an inline result, its JSON and three texts the worker cuts to
+#: 64 KiB each: anything bigger was not written by the worker.
+_OUTCOME_SLACK = 1 << 20
 _T = TypeVar("_T")
 _outcome_decoder = msgspec.msgpack.Decoder(wire.WorkerOutcome)
 
@@ -79,6 +100,78 @@ class Report:
 
     request: wire.CompleteRequest
     result_path: str | None = None
+
+
+@dataclass(slots=True)
+class _Files:
+    """An attempt's directory (the nodelet's), and ``out`` in it: the call's account's,
+    held open from the moment it was made."""
+
+    path: str
+    fd: int
+    out_fd: int
+    #: Who must own what the worker leaves in ``out``.
+    uid: int
+    gid: int
+
+    @classmethod
+    def make(cls, work_dir: str, run_as: wire.RunAs | None) -> _Files:
+        path = tempfile.mkdtemp(prefix="attempt-", dir=work_dir)
+        fd = out_fd = -1
+        uid, gid = (run_as.uid, run_as.gid) if run_as else (os.geteuid(), os.getegid())
+        try:
+            if run_as is not None:
+                os.chmod(path, 0o711)  # the account passes through to its own ``out``
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            out_fd = make_private_dir(fd, OUT, uid, gid)
+        except BaseException:
+            for opened in (fd, out_fd):
+                if opened >= 0:
+                    os.close(opened)
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        return cls(path, fd, out_fd, uid, gid)
+
+    @property
+    def out(self) -> str:
+        return os.path.join(self.path, OUT)
+
+    async def close(self) -> None:
+        """Remove the attempt's directory. What the call left in ``out`` is removed as the
+        call's own account, in a process of its own (``find -delete``): a tree made to
+        exhaust the nodelet's descriptors or stack, or links swapped in meanwhile, cost only
+        that process, and can only touch the account's own files. Then the nodelet removes
+        what is its own, entry by entry, never recursing into what the account controls."""
+        try:
+            if self.uid == os.geteuid():  # single-tenant: the same account, trusted
+                await asyncio.to_thread(shutil.rmtree, self.path, ignore_errors=True)
+            else:
+                await self._empty_out_as_the_account()
+                await asyncio.to_thread(self._remove_own)
+        except (OSError, RecursionError) as exc:
+            log.warning("could not remove %s (%s); left in place", self.path, exc)
+        finally:
+            os.close(self.out_fd)
+            os.close(self.fd)
+
+    async def _empty_out_as_the_account(self) -> None:
+        process = await asyncio.create_subprocess_exec(
+            "find", self.out, "-xdev", "-mindepth", "1", "-delete",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            user=self.uid,
+            group=self.gid,
+            extra_groups=[],
+            cwd="/",
+        )  # fmt: skip
+        await process.wait()
+
+    def _remove_own(self) -> None:
+        os.rmdir(OUT, dir_fd=self.fd)  # fails, and stays, if the account put more there
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(PAYLOAD, dir_fd=self.fd)
+        os.rmdir(self.path)
 
 
 class Attempt:
@@ -165,17 +258,17 @@ class Attempt:
         # Marking the attempt started is not on the call's critical path: the worker starts
         # at once, and a revoked attempt (409) is killed as soon as the answer comes.
         started = asyncio.create_task(self._start(), name=f"{self.name}-start")
-        # Holds the downloaded payload and the worker's spilled result until it is uploaded.
-        attempt_dir = tempfile.mkdtemp(prefix="attempt-", dir=self._facts.work_dir)
+        files: _Files | None = None
         try:
             try:
-                task = await self._task(attempt_dir)
-                if isinstance(task, Report):
-                    report = task  # the call cannot run on this node
-                elif self.preempting:
-                    report = None
+                prepared = await self._task()
+                report: Report | None
+                if isinstance(prepared, Report):
+                    report = prepared  # the call cannot run on this node
                 else:
-                    report = await self._execute(task)  # None: preempted before it started
+                    files, task = prepared
+                    # None: preempted before it started.
+                    report = None if self.preempting else await self._execute(task, files)
                 await started
             finally:
                 started.cancel()
@@ -184,58 +277,94 @@ class Attempt:
                 await self._reap()
                 await self._hand_back()
                 return
-            await self._complete(report, attempt_dir)
+            await self._complete(report, files)
         finally:
-            shutil.rmtree(attempt_dir, ignore_errors=True)
+            if files is not None:
+                _remove_later(files)
 
-    async def _task(self, attempt_dir: str) -> wire.WorkerTask | Report:
-        """The worker's task, with the payload inline or in a file; a failure report when
-        the payload is in a shared directory this node does not see."""
+    async def _task(self) -> tuple[_Files, wire.WorkerTask] | Report:
+        """The worker's task and the attempt's files, with the payload inline or in a file; a
+        failure report when the node must not run the call, or cannot see its payload."""
         assignment, facts = self.assignment, self._facts
         try:
-            run_as = facts.accounts.run_as(assignment.owner_name)
+            # Off the event loop: account lookups may go to LDAP and take seconds.
+            run_as = await asyncio.to_thread(
+                facts.accounts.run_as, assignment.owner_name, admin=assignment.owner_admin
+            )
         except AccountError as exc:
             return self._failed(
                 wire.ErrorKind.NOT_PERMITTED, f"node {facts.node!r} cannot run the call: {exc}"
             )
-        if run_as is not None:
-            # The worker, once it is the owner's account, writes its outcome and result here.
-            os.chown(attempt_dir, run_as.uid, run_as.gid)
-        payload, payload_path = assignment.payload, None
-        if assignment.payload_file is not None:
-            payload_path = self._shared_payload(assignment.payload_file)
-            if payload_path is None:
-                return self._failed(
-                    wire.ErrorKind.BAD_PAYLOAD,
-                    f"the call's payload is a file in the cluster's shared directory "
-                    f"{facts.cluster_shared_dir!r}, which node {facts.node!r} does not see: "
-                    "mount the shared directory at the same path on every node (a job for the "
-                    "cluster's admin)",
-                )
-        elif payload is None:
-            payload_path = os.path.join(attempt_dir, "payload.bin")
-            await _retrying(self._client.payload_to_file, *self._ids, payload_path)
-        return wire.WorkerTask(
-            invocation_id=self.ref.invocation_id,
-            payload=payload,
-            payload_path=payload_path,
-            result_path=os.path.join(attempt_dir, "outcome.msgpack"),
-            arguments=assignment.arguments,
-            gpu_indices=list(assignment.gpu_indices),
-            device=facts.gpus.device(assignment.gpu_indices),
-            inline_limit=facts.inline_limit,
-            shared_dir=facts.shared_dir,
-            spill_dir=attempt_dir,
-            env=self._pool.limiter.task_env(),
-            run_as=run_as,
-            # Random per call: the user's own output cannot end the call early.
-            end_marker=b"\x00\x00bulletin-end-" + secrets.token_hex(8).encode() + b"\x00",
-        )
+        payload_file = assignment.payload_file
+        if payload_file is not None:
+            problem = self._payload_file_problem(payload_file)
+            if problem is not None:
+                return self._failed(wire.ErrorKind.BAD_PAYLOAD, problem)
+        # Local directory operations, made here at once: a cancellation cannot strand them.
+        files = _Files.make(facts.work_dir, run_as)
+        try:
+            payload_path = None
+            if assignment.payload is None and payload_file is None:
+                payload_path = await self._download_payload(files, run_as)
+            task = wire.WorkerTask(
+                invocation_id=self.ref.invocation_id,
+                payload=assignment.payload,
+                payload_path=payload_path,
+                payload_file=payload_file,
+                result_path=os.path.join(files.out, OUTCOME),
+                arguments=assignment.arguments,
+                gpu_indices=list(assignment.gpu_indices),
+                device=facts.gpus.device(assignment.gpu_indices),
+                inline_limit=facts.inline_limit,
+                shared_dir=facts.shared_dir,
+                shared_result=self._shared_result(),
+                spill_dir=files.out,
+                env=self._pool.limiter.task_env(),
+                run_as=run_as,
+                # Random per call: the user's own output cannot end the call early.
+                end_marker=b"\x00\x00bulletin-end-" + secrets.token_hex(8).encode() + b"\x00",
+            )
+        except BaseException:
+            _remove_later(files)
+            raise
+        return files, task
 
-    def _shared_payload(self, relative: str) -> str | None:
+    def _payload_file_problem(self, relative: str) -> str | None:
+        """Why the worker cannot read its payload file from the shared directory, or None."""
+        facts = self._facts
+        if facts.shared_dir is None:
+            return (
+                f"the call's payload is a file in the cluster's shared directory "
+                f"{facts.cluster_shared_dir!r}, which node {facts.node!r} does not see: mount "
+                "the shared directory at the same path on every node (a job for the cluster's "
+                "admin)"
+            )
+        if not shared.is_payload_of(relative, self.assignment.owner_name):
+            # The gateway never assigns another's file; refused here all the same.
+            return f"the payload file {relative} is not in the directory of the call's owner"
+        return None
+
+    def _shared_result(self) -> str | None:
+        """The one name this attempt's result may have in the shared directory."""
         if self._facts.shared_dir is None:
             return None
-        return shared.resolve(self._facts.shared_dir, relative)
+        try:
+            return shared.result_name(self.assignment.owner_name, *self._ids)
+        except ValueError:  # an owner name that cannot name a directory
+            return None
+
+    async def _download_payload(self, files: _Files, run_as: wire.RunAs | None) -> str:
+        """Download the payload into a new file of the attempt's directory, which only the
+        call's account may read."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(PAYLOAD, flags, 0o600, dir_fd=files.fd)
+        try:
+            if run_as is not None:
+                os.fchown(fd, run_as.uid, run_as.gid)
+            await _retrying(self._client.payload_to_file, *self._ids, fd)
+        finally:
+            os.close(fd)
+        return os.path.join(files.path, PAYLOAD)
 
     @property
     def _ids(self) -> tuple[str, int]:
@@ -259,8 +388,8 @@ class Attempt:
             # The call may still complete: the gateway accepts it from an assigned attempt.
             log.warning("%s: could not mark it started (%s); running it anyway", self, exc)
 
-    async def _execute(self, task: wire.WorkerTask) -> Report | None:
-        key = (self.assignment.owner, tuple(self.assignment.gpu_indices))
+    async def _execute(self, task: wire.WorkerTask, files: _Files) -> Report | None:
+        key = (_warm_owner(self.assignment), tuple(self.assignment.gpu_indices))
         function = self.assignment.function_name or None
         worker = await self._pool.acquire(key, function)
         if self.preempting:  # preempted while the worker was being acquired: it ran nothing
@@ -283,7 +412,7 @@ class Attempt:
                 pending.cancel()
         if shipper.stale is not None:
             raise shipper.stale
-        report = self._report(task.result_path, worker, ending, oom_kills)
+        report = await self._report(files, worker, ending, oom_kills)
         timing = {"worker_acquired": acquired, "warm": worker.warm}
         report = replace(report, request=msgspec.structs.replace(report.request, **timing))
         if ending is _Ending.FINISHED and not self.killed and not self.preempting:
@@ -349,7 +478,9 @@ class Attempt:
         await exited
         return _Ending.TIMED_OUT_KILLED if killed else _Ending.TIMED_OUT
 
-    def _report(self, result_path: str, worker: Worker, ending: _Ending, oom_kills: int) -> Report:
+    async def _report(
+        self, files: _Files, worker: Worker, ending: _Ending, oom_kills: int
+    ) -> Report:
         epoch = self.ref.epoch
         if ending in (_Ending.TIMED_OUT, _Ending.TIMED_OUT_KILLED):
             message = (
@@ -362,7 +493,10 @@ class Attempt:
             return Report(
                 wire.CompleteRequest(epoch=epoch, state="timed_out", error_message=message)
             )
-        outcome = _read_outcome(result_path)
+        try:
+            outcome = await asyncio.to_thread(self._read_outcome, files)
+        except UntrustedFile as exc:
+            return self._failed(wire.ErrorKind.WORKER_DIED, f"the worker's outcome: {exc}")
         limiter = self._pool.limiter
         if worker.oom_kills() > oom_kills:
             if outcome is None:
@@ -394,10 +528,23 @@ class Attempt:
         )
         return Report(request, outcome.result_path)
 
-    async def _complete(self, report: Report, attempt_dir: str) -> None:
+    def _read_outcome(self, files: _Files) -> wire.WorkerOutcome | None:
+        """The outcome the worker left in ``out`` (None if none); UntrustedFile if what is
+        there is not a bounded regular file of the call's account."""
+        limit = 2 * self._facts.inline_limit + _OUTCOME_SLACK
+        data = read_owned(files.out_fd, OUTCOME, files.uid, max_bytes=limit)
+        if data is None:
+            return None
+        try:
+            return _outcome_decoder.decode(data)
+        except msgspec.DecodeError as exc:
+            log.warning("%s: unreadable worker outcome: %s", self, exc)
+            return None
+
+    async def _complete(self, report: Report, files: _Files | None) -> None:
         request = report.request
-        if report.result_path is not None:
-            request = await self._result_file(request, report.result_path, attempt_dir)
+        if report.result_path is not None and files is not None:
+            request = await self._result_file(request, report.result_path, files)
         elif request.result is not None and len(request.result) > self._facts.inline_limit:
             request = await self._result_blob(request, self._client.upload_result, request.result)
         try:
@@ -405,33 +552,44 @@ class Attempt:
         except StaleAttempt:
             if request.result_file is not None and self._facts.shared_dir is not None:
                 # Nobody will read a discarded result: do not leave it to the sweeper.
-                with contextlib.suppress(OSError):
-                    os.unlink(shared.resolve(self._facts.shared_dir, request.result_file))
+                root, names = self._facts.shared_dir, [request.result_file]
+                await asyncio.to_thread(shared.remove, root, names)
             raise
         log.info("%s completed: %s", self, request.state)
 
     async def _result_file(
-        self, request: wire.CompleteRequest, path: str, attempt_dir: str
+        self, request: wire.CompleteRequest, path: str, files: _Files
     ) -> wire.CompleteRequest:
-        """Pass on a result file in the shared directory by name; stream one the worker
-        spilled into the attempt's directory up as a blob; refuse any other."""
+        """Pass on the result file in the shared directory by the one name this attempt may
+        use; stream the one the worker spilled into ``out`` up as a blob; refuse any other
+        (a call's code may write its outcome itself, naming any file: another user's
+        result, the node's token)."""
+        shared_result = self._shared_result()
         root = self._facts.shared_dir
-        name = shared.relative(root, path) if root is not None else None
-        if name is not None and not name.startswith(shared.RESULTS + "/"):
-            name = None
-        if name is None and not _within(path, attempt_dir):
+        if shared_result and root and path == os.path.join(root, shared_result):
+            return msgspec.structs.replace(request, result=None, result_file=shared_result)
+        if path != os.path.join(files.out, SPILLED):
             return self._failed(
                 wire.ErrorKind.WORKER_DIED,
-                f"the worker left its result in {path}, outside its spill_dir and the shared "
-                "directory's results: refused",
+                f"the worker's outcome names {path} as its result, which is neither its "
+                "spill_dir's result.bin nor the attempt's own file of the shared directory: "
+                "refused",
             ).request
-        if not await asyncio.to_thread(os.path.isfile, path):
-            return self._failed(
-                wire.ErrorKind.WORKER_DIED, f"the worker's result file {path} is missing"
-            ).request
-        if name is not None:
-            return msgspec.structs.replace(request, result=None, result_file=name)
-        return await self._result_blob(request, self._client.upload_result_file, path)
+        try:
+            opened = await asyncio.to_thread(open_owned, files.out_fd, SPILLED, files.uid)
+        except FileNotFoundError:
+            message = f"the worker's result file {path} is missing"
+            return self._failed(wire.ErrorKind.WORKER_DIED, message).request
+        except UntrustedFile as exc:
+            message = f"the worker's result file: {exc}"
+            return self._failed(wire.ErrorKind.WORKER_DIED, message).request
+        try:
+            return await self._result_blob(request, self._client.upload_result_file, opened)
+        except UntrustedFile as exc:
+            message = f"the worker's result file: {exc}"
+            return self._failed(wire.ErrorKind.WORKER_DIED, message).request
+        finally:
+            os.close(opened.fd)
 
     async def _result_blob(
         self,
@@ -498,20 +656,34 @@ def _marked(pumps: list[asyncio.Task[Any]]) -> bool:
     )
 
 
-def _within(path: str, directory: str) -> bool:
-    real = os.path.realpath(path)
-    return real.startswith(os.path.realpath(directory) + os.sep)
+#: Attempt directories being removed (kept referenced until they are).
+_removing: set[asyncio.Task[None]] = set()
 
 
-def _read_outcome(path: str) -> wire.WorkerOutcome | None:
-    try:
-        with open(path, "rb") as file:
-            return _outcome_decoder.decode(file.read())
-    except FileNotFoundError:
-        return None
-    except (OSError, msgspec.DecodeError) as exc:
-        log.warning("unreadable worker outcome %s: %s", path, exc)
-        return None
+def _remove_later(files: _Files) -> None:
+    """Remove an attempt's directory in a task of its own: the attempt is over (a late
+    revocation, which cancels its task, must not cut the removal short), and a big tree
+    left by the call takes a while."""
+    task = asyncio.create_task(files.close(), name=f"remove-{os.path.basename(files.path)}")
+    _removing.add(task)
+    task.add_done_callback(_removing.discard)
+
+
+async def removals_done(timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) for the attempt directories being removed."""
+    if _removing:
+        await asyncio.wait(set(_removing), timeout=timeout_s)
+
+
+def _warm_owner(assignment: wire.Assignment) -> str:
+    """Whose warm workers may run the call: the owner's, or, for another user's registered
+    function, those that ran only that user's code for this owner. Code stays behind in a
+    worker (patched modules, threads): a colleague's function must not be able to tamper
+    with the owner's own later results, which the owner's sdk trusts."""
+    code = assignment.function_owner
+    if not code or code == assignment.owner_name:
+        return assignment.owner
+    return f"{assignment.owner}:{code}"
 
 
 def _broken_cuda(request: wire.CompleteRequest) -> str | None:

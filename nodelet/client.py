@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
 import msgspec
 
 from bulletin import wire
+from nodelet import userfiles
 from nodelet.errors import (
     AuthRejected,
     GatewayRejected,
@@ -94,10 +95,10 @@ class GatewayClient:
     async def start(self, invocation_id: str, epoch: int) -> None:
         await self._post(_route(invocation_id, "start"), wire.StartRequest(epoch=epoch))
 
-    async def payload_to_file(self, invocation_id: str, epoch: int, path: str) -> int:
-        """Stream the payload of an assignment that was not inline into ``path`` (created, or
-        truncated on a retry), a chunk at a time; returns its size. Never the whole payload
-        in memory."""
+    async def payload_to_file(self, invocation_id: str, epoch: int, fd: int) -> int:
+        """Stream the payload of an assignment that was not inline into the file open as
+        ``fd`` (emptied first, so a retry starts afresh), a chunk at a time; returns its
+        size. Never the whole payload in memory."""
         route = _route(invocation_id, "payload")
         size = 0
         try:
@@ -107,13 +108,13 @@ class GatewayClient:
                 if response.is_error:
                     await response.aread()
                     raise _error_for("GET", route, response)
-                with open(path, "wb") as file:
-                    pending = bytearray()
-                    async for piece in response.aiter_bytes():
-                        pending += piece
-                        if len(pending) >= TRANSFER_CHUNK:
-                            size += await _write(file, pending)
-                    size += await _write(file, pending)
+                await asyncio.to_thread(os.ftruncate, fd, 0)
+                pending = bytearray()
+                async for piece in response.aiter_bytes():
+                    pending += piece
+                    if len(pending) >= TRANSFER_CHUNK:
+                        size += await _write(fd, size, pending)
+                size += await _write(fd, size, pending)
         except httpx.HTTPError as exc:
             raise _unavailable("GET", route, exc) from exc
         return size
@@ -125,11 +126,14 @@ class GatewayClient:
         """Stream a result too big to inline; the answer names the blob for ``complete``."""
         return await self._put_result(invocation_id, epoch, _chunks(data), len(data))
 
-    async def upload_result_file(self, invocation_id: str, epoch: int, path: str) -> wire.BlobRef:
-        """Stream the result in the file at ``path`` up as a blob, a chunk at a time (never
-        the whole file in memory). Each call reads the file afresh, so it may be retried."""
-        size = await asyncio.to_thread(os.path.getsize, path)
-        return await self._put_result(invocation_id, epoch, _file_chunks(path), size)
+    async def upload_result_file(
+        self, invocation_id: str, epoch: int, file: userfiles.Opened
+    ) -> wire.BlobRef:
+        """Stream the result in an opened file up as a blob, a chunk at a time (never the
+        whole file in memory), as long as it was when opened. Each call reads it from the
+        start, so it may be retried."""
+        chunks = _file_chunks(file.fd, file.size)
+        return await self._put_result(invocation_id, epoch, chunks, file.size)
 
     async def _put_result(
         self, invocation_id: str, epoch: int, content: AsyncIterator[bytes], size: int
@@ -179,12 +183,15 @@ class GatewayClient:
         return response
 
 
-async def _write(file: BinaryIO, pending: bytearray) -> int:
-    """Write out and empty ``pending``, in a thread: a slow disk must not stall heartbeats."""
-    written = len(pending)
-    await asyncio.to_thread(file.write, pending)
+async def _write(fd: int, offset: int, pending: bytearray) -> int:
+    """Write out and empty ``pending`` at ``offset``, in a thread: a slow disk must not stall
+    heartbeats."""
+    data = bytes(pending)
     pending.clear()
-    return written
+    done = 0
+    while done < len(data):
+        done += await asyncio.to_thread(os.pwrite, fd, data[done:] if done else data, offset + done)
+    return len(data)
 
 
 def _unavailable(method: str, path: str, exc: httpx.HTTPError) -> GatewayUnavailable:
@@ -214,10 +221,10 @@ async def _chunks(data: bytes) -> AsyncIterator[bytes]:
         yield bytes(view[offset : offset + TRANSFER_CHUNK])
 
 
-async def _file_chunks(path: str) -> AsyncIterator[bytes]:
-    with open(path, "rb") as file:
-        while chunk := await asyncio.to_thread(file.read, TRANSFER_CHUNK):
-            yield chunk
+async def _file_chunks(fd: int, size: int) -> AsyncIterator[bytes]:
+    for offset in range(0, size, TRANSFER_CHUNK):
+        length = min(TRANSFER_CHUNK, size - offset)
+        yield await asyncio.to_thread(userfiles.read_exactly, fd, offset, length)
 
 
 def _error_for(method: str, path: str, response: httpx.Response) -> NodeletError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 
 import msgspec
@@ -53,10 +54,19 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: load lazily on the first one) before their first call, when torch is installed, so a
     #: call's first training step does not pay for them. Counts against memory_limit_mb.
     warm_torch: bool = True
-    #: Whose account runs a call: empty, the nodelet's own (single-tenant: users must trust
-    #: each other); "same-name", the owner's Unix account of the same name; or a file of
-    #: "bulletin-user unix-account" lines. Mapping needs the nodelet to run as root.
+    #: Whose account runs a call: empty, the nodelet's own (single-tenant: only calls of
+    #: administrators and trusted_users run); "same-name", the owner's Unix account of the
+    #: same name; or a file of "bulletin-user unix-account" lines. Mapping needs the
+    #: nodelet to run as root (docs/security.md).
     user_mapping: str = ""
+    #: Single-tenant nodes only: users whose calls run here besides administrators',
+    #: comma-separated, or * for every user. Their code runs as this nodelet's account and
+    #: can read its token and other calls' work: only for users who trust each other.
+    trusted_users: str = ""
+    #: Variables of the nodelet's environment that workers get too, comma-separated (NAME,
+    #: or NAME=VALUE to set one), besides PATH, locale, time zone and library paths; never
+    #: the nodelet's own BULLETIN_* settings. Workers get nothing else of it.
+    worker_env: str = ""
     #: A worker is recycled (a fresh one takes its place) after this many calls; 0: never.
     worker_max_calls: int = 1000
     #: A worker whose resident memory is over this many MiB after a call is recycled; 0: no
@@ -120,5 +130,34 @@ def _problems(config: NodeletConfig) -> list[str]:
             config.memory_limit_mb >= 0,
             f"memory_limit_mb must be >= 0 (0 = no limit), got {config.memory_limit_mb}",
         ),
+        (
+            not (config.trusted_users.strip() and config.user_mapping),
+            "trusted_users is for single-tenant nodes: with a user_mapping every call runs as "
+            "its owner's account; unset one of them",
+        ),
+        *((False, problem) for problem in _worker_env_problems(config.worker_env)),
     ]
     return [message for ok, message in checks if not ok]
+
+
+def worker_env_names(setting: str) -> list[tuple[str, str | None]]:
+    """``worker_env`` as (name, value) pairs; value None: taken from the nodelet's own."""
+    pairs: list[tuple[str, str | None]] = []
+    for item in (part.strip() for part in setting.split(",")):
+        if item:
+            name, equals, value = item.partition("=")
+            pairs.append((name.strip(), value if equals else None))
+    return pairs
+
+
+def _worker_env_problems(setting: str) -> list[str]:
+    problems = []
+    for name, _ in worker_env_names(setting):
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            problems.append(f"worker_env: {name!r} is not an environment variable name")
+        elif name.upper().startswith("BULLETIN_"):
+            problems.append(
+                f"worker_env: {name} is one of the nodelet's own settings, which may hold "
+                "secrets; workers never get them"
+            )
+    return problems

@@ -4,7 +4,9 @@ NodeletError
 ├── StaleAttempt        409: the attempt was revoked, requeued or cancelled; drop its result
 ├── GatewayUnavailable  transport error, 429 or 5xx: retry with backoff
 ├── AuthRejected        401/403: the node token is wrong; fatal
-└── GatewayRejected     any other 4xx: the request itself was refused
+├── GatewayRejected     any other 4xx: the request itself was refused
+└── UntrustedFile       a file a call's account left is not what it must be (a link, a FIFO,
+                        another's, too big): refused, never read through
 """
 
 from __future__ import annotations
@@ -33,3 +35,7 @@ class AuthRejected(NodeletError):
 
 class GatewayRejected(NodeletError):
     """The gateway refused the request (a 4xx other than 401, 403 and 409)."""
+
+
+class UntrustedFile(NodeletError):
+    """A file the call's account left is not what it must be (the message says why)."""

@@ -27,8 +27,13 @@ def arguments(raw: bytes) -> tuple[tuple[Any, ...], dict[str, Any]]:
 def encode(value: Any, limit: int) -> tuple[bytes | None, str | None]:
     """``value`` as JSON (arrays and tensors as nested lists, dataclasses as objects, sets
     as lists), or why it cannot be: ``(json, None)`` or ``(None, reason)``."""
-    how = "fetch the pickled result (GET /v1/invocations/{id}/result, or sdk.Call.from_id(id)"
-    how += ".result()), or return plain JSON types (dict, list, str, int, float, bool, None)"
+    how = (
+        "return plain JSON types (dict, list, str, int, float, bool, None), or load the "
+        "pickled result (GET /v1/invocations/{id}/result) in Python with "
+        "sdk.Call.from_id(id).result(), which refuses a result made by another user's "
+        "function: unpickling runs code that function chose, so pass trust='<its owner>' only "
+        "if you trust them"
+    )
     too_big = (
         f"the function's result is over the limit of {human(limit)} for a JSON result; {how}"
     )

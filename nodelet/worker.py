@@ -72,7 +72,13 @@ def die_with_parent() -> None:
 
 
 def run_task(task: wire.WorkerTask) -> wire.WorkerOutcome:
-    """Prepare the environment, check and unpickle the call, run it, pack its outcome."""
+    """Become the call's account, prepare the environment, check and unpickle the call, run
+    it, pack its outcome."""
+    # First of all: nothing of the call, not even its payload file, is touched as root.
+    if task.run_as is not None:
+        become(task.run_as, task.spill_dir)
+    else:
+        private(task.spill_dir)
     os.environ.update(task.env)
     # The gateway's GPU choice wins over anything in task.env.
     # NVML numbers GPUs by PCI bus; CUDA's default order (fastest first) may differ.
@@ -80,13 +86,22 @@ def run_task(task: wire.WorkerTask) -> wire.WorkerOutcome:
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, task.gpu_indices))
     limit_mb = limits.set_address_space_limit(task.env)
     where = f"node {socket.gethostname()!r}"
-    source = task.payload if task.payload is not None else task.payload_path
     try:
-        if source is None:
-            raise envelope.EnvelopeError("the task carries no payload")
-        remote_call = remote.open_call(source, where=where)
+        remote_call = remote.open_call(_payload(task), where=where)
     except remote.VersionSkew as exc:
         return _failure(wire.ErrorKind.VERSION_SKEW, "VersionSkew", str(exc))
+    except PermissionError as exc:
+        if task.payload_file is None:
+            return _bad_payload(exc)
+        return _failure(
+            wire.ErrorKind.BAD_PAYLOAD,
+            type_name(exc),
+            f"the call's payload file {task.payload_file} cannot be read by this worker's "
+            f"account (uid {os.geteuid()}): {exc.strerror}. A user's directory of the shared "
+            "directory is theirs alone; on a single-tenant node workers run as the nodelet's "
+            "account. Run the node with a user mapping (--user-mapping same-name), or send "
+            "big state through the gateway (sdk.Client.use_shared_dir = False)",
+        )
     except (envelope.EnvelopeError, OSError) as exc:
         return _bad_payload(exc)
     try:
@@ -190,32 +205,80 @@ def call(
     )
 
 
+def _payload(task: wire.WorkerTask) -> bytes | int:
+    """The call's envelope: inline bytes, or a descriptor of its file (opened as the call's
+    own account; one in the shared directory only as a regular file of its owner's)."""
+    if task.payload is not None:
+        return task.payload
+    if task.payload_file is not None and task.shared_dir is not None:
+        uid = os.geteuid() if task.run_as is not None else None
+        try:
+            return shared.open_fd(task.shared_dir, task.payload_file, uid=uid)
+        except ValueError as exc:
+            raise envelope.EnvelopeError(str(exc)) from None
+    if task.payload_path is not None:
+        return os.open(task.payload_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    raise envelope.EnvelopeError("the task carries no payload")
+
+
 def _place(
     packed: envelope.Packed, header: wire.PickleHeader, task: wire.WorkerTask
 ) -> tuple[bytes | None, str | None]:
-    """Inline when small; else a file in the shared directory (when the caller reads it there)
-    or in the spill directory (which the nodelet uploads)."""
+    """Inline when small; else a file in the owner's directory of the shared directory
+    (when the caller reads it there), or in the spill directory (which the nodelet uploads)."""
     if packed.nbytes <= task.inline_limit:
         return packed.tobytes(), None
-    if header.shared_results and task.shared_dir:
-        _, path = shared.new_result(task.shared_dir, task.invocation_id)
-    else:
-        path = os.path.join(task.spill_dir or os.path.dirname(task.result_path), "result.bin")
+    if header.shared_results and task.shared_dir and task.shared_result:
+        # A worker that runs as the owner's account may make the owner's directory; one that
+        # runs as the nodelet's (a single-tenant node) writes only into a directory that is
+        # already its own account's: it must not take the name of another account's.
+        create = task.run_as is not None
+        try:
+            files = task.shared_dir, task.shared_result, packed.pieces()
+            return None, shared.write_file(*files, create=create)
+        except FileNotFoundError:
+            pass  # no directory of the owner's that this account may use: spilled, quietly
+        except OSError as exc:  # not this account's directory, a full or read-only NAS...
+            print(
+                f"bulletin: the result could not be written to the shared directory ({exc}); "
+                "it goes through the gateway instead",
+                file=sys.__stderr__,
+                flush=True,
+            )
+    path = os.path.join(task.spill_dir or os.path.dirname(task.result_path), SPILLED)
     packed.write(path)
     return None, path
 
 
+#: The name of a result spilled into the task's ``spill_dir`` (the nodelet uploads it).
+SPILLED = "result.bin"
+
+
 def become(account: wire.RunAs, workdir: str) -> None:
     """Switch this worker to ``account`` for good, before anything of the call is loaded (a
-    warm worker serves one owner only: it is already that account for later calls)."""
-    if os.geteuid() != account.uid:
+    warm worker serves one owner only: it is already that account for later calls), with
+    its supplementary groups, its home and a private umask."""
+    if os.geteuid() == 0 and account.uid != 0:
         os.setgroups(account.groups)
         os.setgid(account.gid)
-        os.setuid(account.uid)
+        os.setuid(account.uid)  # as root: real, effective and saved ids alike
         die_with_parent()  # changing credentials clears the parent-death signal
+    if os.getresuid() != (account.uid,) * 3 or os.getresgid() != (account.gid,) * 3:
+        # A worker that served another account, or a switch that did not take: never run.
+        raise PermissionError(
+            f"worker {os.getpid()} runs as uid {os.getuid()}, not as {account.user!r} "
+            f"(uid {account.uid}); it cannot run this call"
+        )
     os.environ.update(HOME=account.home, USER=account.user, LOGNAME=account.user)
+    private(workdir)
+
+
+def private(workdir: str) -> None:
+    """Files the call makes are its account's alone unless it says otherwise (umask 077); it
+    starts in its own directory (the nodelet's work directory is not the account's)."""
+    os.umask(0o077)
     if workdir:
-        os.chdir(workdir)  # the nodelet's own work directory is not the account's
+        os.chdir(workdir)
 
 
 def _failure(

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from bulletin import wire
+from nodelet.config import worker_env_names
 from nodelet.limits import Cgroup, Limiter
 from nodelet.worker import frame
 
@@ -176,17 +177,18 @@ async def spawn_worker(
     command: Sequence[str] = WORKER_COMMAND,
     limiter: Limiter | None = None,
     gpus: Sequence[int] = (),
+    passed_env: Sequence[tuple[str, str | None]] = (),
 ) -> Worker:
     """Start one worker process (``command``, which speaks the protocol of
-    :mod:`nodelet.worker`), confined by ``limiter`` (allowed ``gpus``' device files); it
-    waits for its task on stdin."""
+    :mod:`nodelet.worker`), confined by ``limiter`` (allowed ``gpus``' device files), with
+    the environment of :func:`worker_env`; it waits for its task on stdin."""
     process = await asyncio.create_subprocess_exec(
         *command,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         cwd=cwd,
-        env=worker_env(env),
+        env=worker_env(env, passed_env),
         start_new_session=True,
     )
     if limiter is None:
@@ -201,10 +203,30 @@ async def spawn_worker(
         raise
 
 
-def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The nodelet's environment for a worker, unbuffered so logs stream as they are written."""
-    env = dict(os.environ)
+#: What a worker gets of the nodelet's environment: what finds programs and libraries
+#: (PYTHONPATH: the same Bulletin as the nodelet), the locale and the time zone; plus the
+#: names the admin adds (``worker_env``). Nothing else: the nodelet's own settings and
+#: whatever its service was started with (database URLs, tokens) never reach a worker,
+#: whose user can read its whole memory, before and after it switches accounts.
+PASSED_ENV = frozenset(
+    {"PATH", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_HOME", "CUDA_PATH"}
+)
+
+
+def worker_env(
+    extra: Mapping[str, str] | None = None, passed: Sequence[tuple[str, str | None]] = ()
+) -> dict[str, str]:
+    """A worker's environment: the allowed part of the nodelet's (:data:`PASSED_ENV`, locale
+    variables, and ``passed``: names, or names with a value of their own), then ``extra``;
+    unbuffered so logs stream as they are written."""
+    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith("LC_")}
+    for name, value in passed:
+        if value is not None:
+            env[name] = value
+        elif name in os.environ:
+            env[name] = os.environ[name]
     env.update(extra or {})
+    env.setdefault("PATH", os.defpath)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -232,8 +254,10 @@ class WorkerPool:
         kill_grace_s: float = 10.0,
         max_calls: int = 0,
         max_rss_mb: int = 0,
+        passed_env: Sequence[tuple[str, str | None]] = (),
     ) -> None:
         self.spares = spares
+        self.passed_env = tuple(passed_env)
         #: A worker is recycled after this many calls, or once its resident memory is over
         #: this many MiB after a call (0: no bound).
         self.max_calls = max_calls
@@ -278,6 +302,7 @@ class WorkerPool:
             kill_grace_s=config.kill_grace_s,
             max_calls=config.worker_max_calls,
             max_rss_mb=config.worker_max_rss_mb,
+            passed_env=worker_env_names(config.worker_env),
         )
 
     async def acquire(self, key: WarmKey | None = None, function: str | None = None) -> Worker:
@@ -459,7 +484,12 @@ class WorkerPool:
             visible = ",".join(map(str, gpus))
             env = {**env, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible}
         return await spawn_worker(
-            cwd=self._cwd, env=env, command=self.command, limiter=self.limiter, gpus=gpus or ()
+            cwd=self._cwd,
+            env=env,
+            command=self.command,
+            limiter=self.limiter,
+            gpus=gpus or (),
+            passed_env=self.passed_env,
         )
 
     async def _discard(self, worker: Worker) -> None:

@@ -45,6 +45,7 @@ from sdk.errors import (
     SerializationError,
     StateSyncWarning,
     StateTooLarge,
+    UntrustedResult,
     VersionSkewError,
     WorkerDiedError,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "StateSyncWarning",
     "StateTooLarge",
     "Status",
+    "UntrustedResult",
     "VersionSkewError",
     "WorkerDiedError",
     "connect",

@@ -109,7 +109,7 @@ class Call(Generic[R]):
         """The invocation id."""
         return self._id
 
-    def result(self, timeout: float | None = None) -> R:
+    def result(self, timeout: float | None = None, *, trust: bool | str = False) -> R:
         """Wait for the call and return its value, printing its output live meanwhile.
 
         The first time it returns (or raises the call's own exception), the globals the call
@@ -119,15 +119,21 @@ class Call(Generic[R]):
         Re-raises the remote exception (see ``sdk.errors``). With ``timeout`` (seconds),
         raises ``ResultTimeout`` when the wait runs out; the call keeps running. Ctrl-C
         cancels the call and re-raises ``KeyboardInterrupt``.
+
+        A result made by another user's code (a colleague's registered function invoked over
+        HTTP, or, for an administrator, another user's call) is not unpickled, which would
+        run code they chose here: ``UntrustedResult`` is raised, unless ``trust`` names that
+        user (or is True: anyone).
         """
         with self._resolving:  # one thread loads and applies the outcome; others wait
-            if self._resolved is None:
-                self._resolve(timeout)
+            refused = self._resolved is not None and self._resolved.untrusted
+            if self._resolved is None or (refused and trust):
+                self._resolve(timeout, trust)
         assert self._resolved is not None
         value: R = self._resolved.unwrap()
         return value
 
-    def _resolve(self, timeout: float | None) -> None:
+    def _resolve(self, timeout: float | None, trust: bool | str = False) -> None:
         try:
             invocation = self._wait(timeout)
         except KeyboardInterrupt:
@@ -138,7 +144,7 @@ class Call(Generic[R]):
         # Interrupted or failed (Ctrl-C while a big result downloads, the gateway away), the
         # outcome is not applied yet: keep what applying it needs, result() may be retried.
         self._resolved = outcome.resolve(
-            invocation, self._client, prepared.sync if prepared else None
+            invocation, self._client, prepared.sync if prepared else None, trust=trust
         )
         self._release()
 

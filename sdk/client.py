@@ -12,7 +12,10 @@ from __future__ import annotations
 import email.utils
 import logging
 import math
+import os
+import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 from urllib.parse import quote
@@ -62,6 +65,9 @@ _TRANSIENT = (
     httpx.RemoteProtocolError,
     httpx.ProxyError,
 )
+#: How many of the cluster's shared_ttl_s a payload file of ours may be left before we
+#: delete it (results: one).
+PAYLOAD_AGE_TTLS = 7
 # Headroom of the HTTP read timeout over the gateway's long-poll hold.
 _LONG_POLL_MARGIN_S = 15.0
 
@@ -105,6 +111,9 @@ class Client:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self._cluster: wire.ClusterInfo | None = None
+        self._shared_unusable = False
+        self._own_dir = False
+        self._swept = False
         self._http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}", "User-Agent": "bulletin-sdk"},
@@ -215,11 +224,72 @@ class Client:
         return self._cluster
 
     def shared_dir(self) -> str | None:
-        """The cluster's shared directory if this machine sees it (and ``use_shared_dir``)."""
+        """The cluster's shared directory if this machine sees it (and ``use_shared_dir``),
+        and our own directory there can be used."""
         info = self.cluster()
-        if self.use_shared_dir and shared.sees(info.shared_dir, info.shared_dir_id):
-            return info.shared_dir
-        return None
+        if self._shared_unusable or not self.use_shared_dir or not info.user:
+            return None
+        if not shared.valid_user(info.user) or not shared.sees(info.shared_dir, info.shared_dir_id):
+            return None
+        assert info.shared_dir is not None  # sees() it
+        if not self._own_dir:
+            # Made now, as this account, so that results can come back through it too (a
+            # worker that runs as another account than ours never makes it for us).
+            try:
+                os.close(shared.open_user_dir(info.shared_dir, info.user, create=True))
+            except OSError as exc:
+                self._unusable(exc)
+                return None
+            self._own_dir = True
+        return info.shared_dir
+
+    def _unusable(self, exc: OSError) -> None:
+        self._shared_unusable = True
+        warnings.warn(
+            f"Bulletin: the cluster's shared directory cannot be used from here ({exc}); "
+            "big call state goes through the gateway instead (slower)",
+            UserWarning,
+            stacklevel=5,
+        )
+
+    def write_payload_file(
+        self, pieces: Iterable[bytes | memoryview]
+    ) -> tuple[str, str] | None:
+        """Write a payload file into our own directory of the shared directory: its name
+        (relative to the root) and path; None when the shared directory cannot be used (a
+        warning says why, once, and big state goes through the gateway from then on)."""
+        root, user = self.shared_dir(), self.cluster().user
+        if root is None or user is None:
+            return None
+        name = shared.payload_name(user)
+        try:
+            path = shared.write_file(root, name, pieces)
+        except OSError as exc:  # not our own directory, a full or read-only NAS...
+            self._unusable(exc)
+            return None
+        self._sweep_once(root, user)
+        return name, path
+
+    def _sweep_once(self, root: str, user: str) -> None:
+        """Delete our own files left in the shared directory (a user's directory is theirs
+        alone: the gateway may not enter it), in the background, once per client: results
+        older than the cluster keeps them, and payloads older than
+        ``PAYLOAD_AGE_TTLS`` times that (one of a call still queued must stay; a notebook
+        that died before its call ended leaves its payload behind)."""
+        ttl = self.cluster().shared_ttl_s
+        if self._swept or ttl is None:
+            return
+        self._swept = True
+
+        def sweep() -> None:
+            shared.sweep(root, ttl, user=user, kinds=("result",))
+            shared.sweep(root, ttl * PAYLOAD_AGE_TTLS, user=user, kinds=("payload",))
+
+        threading.Thread(target=sweep, name="bulletin-sweep", daemon=True).start()
+
+    def get_result(self, invocation_id: str) -> bytearray:
+        """Download an invocation's pickled outcome (``GET /v1/invocations/{id}/result``)."""
+        return self._request("GET", _path(invocation_id) + "/result", read=_collect)
 
     def put_blob(
         self, data: bytes | bytearray | memoryview | Pieces, size: int = -1

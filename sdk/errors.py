@@ -5,6 +5,8 @@ The tree::
     BulletinError                       base of everything below
     ├── ConfigError                     no cluster configured, or a malformed client.toml
     ├── SerializationError              the call (or its result) cannot be (un)pickled
+    │   └── UntrustedResult             the result was made by another user's code: not
+    │                                   unpickled unless trusted (Call.result(trust=...))
     ├── ResultTimeout                   Call.result(timeout=...) ran out; the call keeps running
     │                                   (also a builtin TimeoutError)
     ├── GatewayError                    the gateway answered with an error   .status, .detail
@@ -46,6 +48,17 @@ class SerializationError(BulletinError):
     def __init__(self, message: str, *, invocation_id: str | None = None) -> None:
         super().__init__(message)
         self.invocation_id = invocation_id
+
+
+class UntrustedResult(SerializationError):
+    """The result was made by another user's code (their registered function, or their own
+    call read by an administrator). Unpickling it would run code they chose in this process,
+    so it is loaded only with ``Call.result(trust=<their user name>)``. ``code_owner`` is
+    that user."""
+
+    def __init__(self, message: str, *, invocation_id: str, code_owner: str) -> None:
+        super().__init__(message, invocation_id=invocation_id)
+        self.code_owner = code_owner
 
 
 class StateTooLarge(SerializationError):

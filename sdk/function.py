@@ -16,7 +16,7 @@ from typing import Any, Generic, NoReturn, ParamSpec, TypeVar, overload
 
 import msgspec
 
-from bulletin import shared, wire
+from bulletin import wire
 from sdk import fanout, serialize
 from sdk.call import Call, Prepared, submit
 from sdk.client import Client
@@ -214,9 +214,8 @@ class Function(Generic[P, R]):
         size = packed.nbytes
         if size <= min(client.inline_limit, info.inline_limit):
             return Prepared(_replace(spec, payload=packed.tobytes()), sent.sync)
-        if root is not None:
-            relative, path = shared.new_payload(root)
-            packed.write(path)
+        if root is not None and (written := client.write_payload_file(packed.pieces())):
+            relative, path = written
             return Prepared(_replace(spec, payload_file=relative), sent.sync, path)
         blob = client.put_blob(packed.pieces, size)
         return Prepared(_replace(spec, payload_blob=blob.id), sent.sync)

@@ -20,6 +20,7 @@ from sdk.errors import (
     RemoteError,
     SerializationError,
     StateSyncWarning,
+    UntrustedResult,
     VersionSkewError,
     WorkerDiedError,
 )
@@ -33,6 +34,8 @@ class Resolved:
     value: Any = None
     error: Exception | None = None
     remote_globals: dict[str, Any] = field(default_factory=dict)
+    #: Its result was not unpickled: another user's code made it and was not trusted.
+    untrusted: bool = False
 
     def unwrap(self) -> Any:
         if self.error is not None:
@@ -46,11 +49,16 @@ def unwrap(invocation: wire.Invocation, client: Client) -> Any:
 
 
 def resolve(
-    invocation: wire.Invocation, client: Client, sync: caller.Sync | None = None
+    invocation: wire.Invocation,
+    client: Client,
+    sync: caller.Sync | None = None,
+    *,
+    trust: bool | str = False,
 ) -> Resolved:
     """Load a terminal invocation's outcome. With ``sync`` (kept when the call was sent), the
     state it changed is applied in place and its changed globals are bound in the namespace,
-    on success and on failure alike, as if the function had run here."""
+    on success and on failure alike, as if the function had run here. A result made by
+    another user's code is unpickled only when ``trust`` is True or names that user."""
     state, iid = invocation.state, invocation.id
     if state == wire.State.CANCELLED:
         return Resolved(error=CallCancelled(f"Call {iid} was cancelled.", invocation_id=iid))
@@ -60,13 +68,16 @@ def resolve(
         return Resolved(error=error)
     if state == wire.State.FAILED and invocation.error_kind != wire.ErrorKind.USER:
         return Resolved(error=_infrastructure_failure(invocation))
+    untrusted = False
     try:
+        _check_trust(invocation, client, trust)
         returned = _load(invocation, client, sync)
     except BulletinError as exc:
         # Kept on the Call: its traceback would keep _load's frame (and the memo) alive.
         exc = exc.with_traceback(None)
+        untrusted = isinstance(exc, UntrustedResult)
         if state == wire.State.SUCCEEDED or isinstance(exc, VersionSkewError):
-            return Resolved(error=exc)
+            return Resolved(error=exc, untrusted=untrusted)
         returned = None  # the failure is still described by the invocation's text
     if state == wire.State.SUCCEEDED:
         if returned is None:
@@ -76,7 +87,28 @@ def resolve(
     changed = returned.changed if returned is not None else {}
     error_object = returned.error if returned is not None else None
     raised = _user_exception(invocation, error_object, sent=returned is not None)
-    return Resolved(error=raised, remote_globals=changed)
+    return Resolved(error=raised, remote_globals=changed, untrusted=untrusted)
+
+
+def _check_trust(invocation: wire.Invocation, client: Client, trust: bool | str) -> None:
+    """Refuse to unpickle a result made by another user's code unless trusted: unpickling
+    runs whatever code that pickle names, here, with this notebook's rights."""
+    maker = invocation.code_owner
+    if maker is None and invocation.function_version is None:
+        return  # a gateway that does not say (older than this sdk): the caller's own call
+    if trust is True or (maker is not None and (trust == maker or maker == client.cluster().user)):
+        return
+    who = repr(maker) if maker is not None else "an unknown user (a function since unregistered)"
+    how = f"trust={maker!r}" if maker is not None else "trust=True"
+    raise UntrustedResult(
+        f"The result of call {invocation.id} was made by code of user {who} (their "
+        f"function {invocation.function_name!r}), not yours: unpickling it would run "
+        "whatever that code put in it, in this process. Load it only if you trust them: "
+        f"sdk.Call.from_id({invocation.id!r}).result({how}). A JSON result needs no "
+        "unpickling: GET /v1/invocations/{id} (result_json).",
+        invocation_id=invocation.id,
+        code_owner=maker or "",
+    )
 
 
 def _load(
@@ -127,15 +159,14 @@ def _open(invocation: wire.Invocation, client: Client) -> tuple[frame.Opened | N
     if invocation.result_blob is not None:
         return frame.open_bytes(client.get_blob(invocation.result_blob)), None
     if invocation.result_file is not None:
-        root = client.shared_dir() or client.cluster().shared_dir
-        if root is None:
-            raise RemoteError(
-                f"The result of call {invocation.id} is in the cluster's shared directory, "
-                "which this machine does not see.",
-                invocation_id=invocation.id,
-            )
-        path = shared.resolve(root, invocation.result_file)
-        return frame.open_file(path), path
+        root = client.shared_dir()
+        if root is None:  # this machine does not see it: the gateway may read it for us
+            return frame.open_bytes(client.get_result(invocation.id)), None
+        try:
+            fd = shared.open_fd(root, invocation.result_file)
+        except (PermissionError, ValueError):  # another account's; a name of an old layout
+            return frame.open_bytes(client.get_result(invocation.id)), None
+        return frame.open_fd(fd, invocation.result_file), shared.path(root, invocation.result_file)
     return None, None
 
 

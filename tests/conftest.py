@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import httpx
@@ -140,10 +141,12 @@ class Cluster:
     gateway: subprocess.Popen[bytes] | None = None
     nodelets: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, args: list[str], env: dict[str, str], python: str = sys.executable
+    ) -> subprocess.Popen[bytes]:
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 (closed with the process)
         return subprocess.Popen(
-            [sys.executable, *args],
+            [python, *args],
             env={**os.environ, "BULLETIN_LOG_LEVEL": "debug", **env},
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -177,22 +180,35 @@ class Cluster:
     def set_group(self, name: str, guaranteed: int, borrow_limit: int | None = None) -> None:
         asyncio.run(admin.set_group(self.database_url, name, guaranteed, borrow_limit))
 
-    def node_token(self, name: str) -> Path:
-        path = self.dir / f"{name}.token"
+    def node_token(self, name: str, directory: Path | None = None) -> Path:
+        """A new token of node ``name``, in a root-only file in ``directory`` (default: the
+        test's)."""
+        path = (directory or self.dir) / f"{name}.token"
         path.write_text(asyncio.run(admin.add_node(self.database_url, name)))
+        path.chmod(0o600)
         return path
 
     def start_nodelet(
-        self, name: str = "node-a", fake_gpus: int | None = 2, cpu_slots: int = 2, **options: str
+        self,
+        name: str = "node-a",
+        fake_gpus: int | None = 2,
+        cpu_slots: int = 2,
+        *,
+        python: Portable | None = None,
+        env: dict[str, str] | None = None,
+        token_dir: Path | None = None,
+        **options: str,
     ) -> subprocess.Popen[bytes]:
-        """Start a nodelet; ``fake_gpus=None`` uses the machine's NVIDIA GPUs."""
+        """Start a nodelet; ``fake_gpus=None`` uses the machine's NVIDIA GPUs. With
+        ``python``, from that interpreter (one that every account can run: for nodes that
+        run calls as their owners' accounts), with ``env`` added to its environment."""
         args = [
             "-m",
             "nodelet",
             "--gateway",
             self.url,
             "--token-file",
-            str(self.node_token(name)),
+            str(self.node_token(name, token_dir)),
             "--name",
             name,
             "--cpu-slots",
@@ -201,12 +217,19 @@ class Cluster:
         if fake_gpus is not None:
             args += ["--fake-gpus", str(fake_gpus)]
         # Importing torch in every worker costs seconds of CPU on 2 cores: only tests of
-        # warm workers ask for it,
-        # and per-GPU spares: most tests want few processes.
-        options = {"warm-torch": "false", "gpu-spare-workers": "0", **options}
+        # warm workers ask for it, and per-GPU spares: most tests want few processes. The
+        # tests' users trust each other unless a test says otherwise (a single-tenant node
+        # runs only administrators' calls by default; tests/integration/test_tenancy.py).
+        defaults = {"warm-torch": "false", "gpu-spare-workers": "0"}
+        if "user-mapping" not in options:
+            defaults["trusted-users"] = "*"
+        options = {**defaults, **options}
         for key, value in options.items():
             args += [f"--{key}", value]
-        proc = self._spawn(name, args, {})
+        if python is None:
+            proc = self._spawn(name, args, env or {})
+        else:
+            proc = self._spawn(name, args, {**(env or {}), **python.env()}, python.python)
         self.nodelets.append(proc)
         return proc
 
@@ -291,3 +314,39 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.when == "call":
         item.rep_call = report  # type: ignore[attr-defined]
     return report
+
+
+# ------------------------------------------------------------------ skips: only for hardware
+
+#: The only reasons a test may skip: it needs what these machines lack (a GPU with CUDA, a
+#: cgroup v2 controller; or it must not run where NVIDIA GPUs are). Any other skip fails the
+#: run: a feature whose test skips is not tested (every run prints the skips at its end).
+ALLOWED_SKIPS = re.compile(r"CUDA|cgroup v2|has NVIDIA GPUs")
+_skips: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        assert isinstance(report.longrepr, tuple)
+        _skips.append((report.nodeid, str(report.longrepr[2]).removeprefix("Skipped: ")))
+
+
+def _forbidden_skips() -> list[tuple[str, str]]:
+    return [(test, why) for test, why in _skips if not ALLOWED_SKIPS.search(why)]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _forbidden_skips() and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    write = terminalreporter.write_line
+    write(f"skipped tests: {len(_skips)} (allowed only for: {ALLOWED_SKIPS.pattern})")
+    for test, why in _skips:
+        verdict = "ok" if ALLOWED_SKIPS.search(why) else "NOT ALLOWED"
+        write(f"  {verdict:11} {test}: {why}")
+    if _forbidden_skips():
+        write("a skip that is not for missing hardware fails the run: make the test set up what")
+        write("it needs (an account, a booted systemd, a second host) or fail loudly")

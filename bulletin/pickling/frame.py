@@ -109,11 +109,18 @@ def open_bytes(data: bytes | bytearray | memoryview) -> Opened:
 def open_file(path: str) -> Opened:
     """Open an envelope file as a private (copy-on-write) mapping: nothing is read until
     used, and changes made to tensors built over it never reach the file."""
-    with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
+    return open_fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC), path)
+
+
+def open_fd(fd: int, what: str = "the envelope file") -> Opened:
+    """Like :func:`open_file`, for a file already open as ``fd`` (which is closed)."""
+    try:
+        size = os.fstat(fd).st_size
         if size == 0:
-            raise EnvelopeError(f"{path} is empty, not a Bulletin envelope")
-        mapping = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)
+            raise EnvelopeError(f"{what} is empty, not a Bulletin envelope")
+        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
     return _parse(memoryview(mapping), mapping)
 
 

@@ -434,10 +434,16 @@ def _dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
 
 
-def open_call(source: bytes | str, *, where: str) -> RemoteCall:
-    """Open a call envelope (bytes, or a file path) and check versions before anything is
-    unpickled. Raises ``frame.EnvelopeError`` or ``VersionSkew``."""
-    opened = frame.open_file(source) if isinstance(source, str) else frame.open_bytes(source)
+def open_call(source: bytes | int | str, *, where: str) -> RemoteCall:
+    """Open a call envelope (bytes, a file descriptor, which is closed, or a file path) and
+    check versions before anything is unpickled. Raises ``frame.EnvelopeError`` or
+    ``VersionSkew``."""
+    if isinstance(source, int):
+        opened = frame.open_fd(source, "the call's payload file")
+    elif isinstance(source, str):
+        opened = frame.open_file(source)
+    else:
+        opened = frame.open_bytes(source)
     problem = frame.skew(opened.header, they="the notebook", we=where)
     if problem is not None:
         raise VersionSkew(problem)

@@ -232,9 +232,10 @@ def test_a_200_mib_tensor_goes_to_the_node_and_comes_back_changed(
     assert float(total) == 50 * 1024 * 1024 and same == "True" and float(last) == 1.0
     assert how == ("file" if via == "shared directory" else "blob")
     # Consumed files are deleted (in the background: unlinking 200 MiB takes a while).
-    for sub in ("results", "payloads"):
-        folder = tmp_path / "nas" / "bulletin" / sub
-        wait_until(lambda d=folder: not any(d.iterdir()), 10, f"{sub} to be deleted")
+    mine = tmp_path / "nas" / "bulletin" / "users" / "alice"
+    assert mine.is_dir() == (via == "shared directory")  # the user's own, made on first use
+    left = lambda: list(mine.iterdir()) if mine.exists() else []  # noqa: E731
+    wait_until(lambda: not left(), 10, "the payload and result files to be deleted")
 
 
 def test_ctrl_c_in_the_notebook_stops_the_remote_call_and_its_children(

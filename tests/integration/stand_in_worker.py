@@ -4,7 +4,8 @@ unpickles nothing, so the nodelet's handling of payloads and results is tested o
 
 A payload is ``b"<command>\\n<data>"``; the result envelope is ``<data>``:
 ``echo`` returns it inline up to ``inline_limit`` and spills it into ``spill_dir`` above;
-``echo-shared`` writes it to the shared directory's results when the task names one;
+``echo-shared`` writes it as the task's result file of the shared directory when the task
+names one;
 ``outside`` leaves it in a file outside both; ``double`` spills ``<data>`` twice. Each task
 is recorded (its fields, and the size and SHA-256 of the payload it received) as a JSON line
 in ``tasks.jsonl`` in the working directory.
@@ -35,6 +36,8 @@ def read_task(stream: IO[bytes]) -> wire.WorkerTask | None:
 
 
 def payload_file(task: wire.WorkerTask) -> IO[bytes]:
+    if task.payload_file is not None and task.shared_dir is not None:
+        return shared.open_file(task.shared_dir, task.payload_file)
     if task.payload_path is not None:
         return open(task.payload_path, "rb")
     spooled = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the caller)
@@ -67,9 +70,10 @@ def run(task: wire.WorkerTask) -> wire.WorkerOutcome:
         payload.seek(start)
         if command == "echo" and size <= task.inline_limit:
             return wire.WorkerOutcome(ok=True, result=payload.read())
-        if command == "echo-shared" and task.shared_dir is not None:
-            _, path = shared.new_result(task.shared_dir, task.invocation_id)
-        elif command == "outside":
+        if command == "echo-shared" and task.shared_dir and task.shared_result:
+            path = shared.write_file(task.shared_dir, task.shared_result, [payload.read()])
+            return wire.WorkerOutcome(ok=True, result_path=path)
+        if command == "outside":
             path = os.path.join(tempfile.mkdtemp(), "result.bin")
         else:
             path = os.path.join(task.spill_dir, "result.bin")

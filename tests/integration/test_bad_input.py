@@ -263,10 +263,24 @@ def test_blob_uploads_take_octet_streams_and_refuse_json(gateway: Cluster) -> No
     assert "application/octet-stream" in str(problem["detail"])
 
 
-def test_a_negative_gpu_count_gets_422_naming_the_field(gateway: Cluster) -> None:
-    r = user_client(gateway).post("/v1/invocations", content=submit_body(gpus=-1), headers=JSON)
-    problem = assert_problem(r, 422, "invalid_request")
-    assert "calls[0].gpus" in str(problem["detail"])
+@pytest.mark.parametrize(
+    ("field", "value", "rule"),
+    [
+        ("gpus", -1, ">= 0"),
+        ("max_retries", 11, "<= 10"),
+        ("max_retries", -1, ">= 0"),
+        ("timeout_s", 0, "> 0"),
+        ("expected_s", -5, "> 0"),
+    ],
+)
+def test_an_out_of_range_resource_gets_422_naming_the_field_and_the_rule(
+    gateway: Cluster, field: str, value: int, rule: str
+) -> None:
+    # The same rule the published schema states (openapi.yaml: CallSpec), checked once.
+    body = submit_body(**{field: value})
+    r = user_client(gateway).post("/v1/invocations", content=body, headers=JSON)
+    problem = assert_problem(r, 422, "invalid_body")
+    assert f"calls[0].{field}" in str(problem["detail"]) and rule in str(problem["detail"])
 
 
 def test_a_body_of_the_wrong_shape_gets_422_naming_the_field(gateway: Cluster) -> None:
@@ -330,6 +344,36 @@ def test_an_unknown_invocation_gets_404(gateway: Cluster, invocation_id: str) ->
 
 def test_an_unknown_route_gets_404_problem(gateway: Cluster) -> None:
     assert_problem(user_client(gateway).get("/v1/nothing-here"), 404, "not_found")
+
+
+def test_every_wrong_method_on_every_documented_path_gets_405_and_its_methods(
+    gateway: Cluster,
+) -> None:
+    """Schemathesis found paths that answered 404 to a wrong method (GET on the POST-only
+    /v1/invocations/watch was taken for an invocation id) or listed methods they do not take
+    in Allow: every path of the contract, every method it does not document."""
+    import yaml
+
+    from tests.conftest import ROOT
+
+    spec = yaml.safe_load((ROOT / "openapi.yaml").read_text())
+    user = user_client(gateway)
+    node = httpx.Client(
+        base_url=gateway.url,
+        headers={"Authorization": f"Bearer {gateway.node_token('n1').read_text()}"},
+    )
+    methods = {"get", "put", "post", "delete", "patch"}
+    wrong = []
+    for path, operations in spec["paths"].items():
+        documented = {m.upper() for m in operations if m in methods}
+        concrete = path.replace("{id}", str(uuid.uuid4())).replace("{name}", "fn")
+        client = node if path.startswith("/v1/node/") else user
+        for method in sorted(methods - {m.lower() for m in documented}):
+            r = client.request(method.upper(), concrete)
+            allowed = {m.strip() for m in r.headers.get("allow", "").split(",")} - {"HEAD", ""}
+            if r.status_code != 405 or allowed != documented:
+                wrong.append(f"{method.upper()} {path}: {r.status_code}, Allow {sorted(allowed)}")
+    assert not wrong, wrong
 
 
 def test_a_wrong_method_gets_405_problem_with_allow(gateway: Cluster) -> None:

@@ -4,12 +4,14 @@ retention time. Real gateway, PostgreSQL, nodelet and workers; only the GPUs are
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import cloudpickle
 import httpx
 import pytest
@@ -360,7 +362,10 @@ def test_finished_invocations_are_purged_after_their_retention_time(
             assert invoke(client, "big", {"args": [3]}).json()["state"] == "succeeded"
 
 
-def test_a_nodelet_too_old_for_json_arguments_fails_the_call_saying_why(gateway: Cluster) -> None:
+def test_a_nodelet_older_than_protocol_4_gets_no_work(gateway: Cluster) -> None:
+    """Older nodelets ran a mapped node's calls as root: they are refused at registration,
+    and one that registered before the gateway was upgraded (and still polls) gets nothing;
+    what was assigned to it fails, saying why."""
     sdk.connect(gateway.url, gateway.token)
 
     @sdk.function()
@@ -370,22 +375,44 @@ def test_a_nodelet_too_old_for_json_arguments_fails_the_call_saying_why(gateway:
     add.register("add")
     node = {"Authorization": f"Bearer {gateway.node_token('old-node').read_text()}"}
     with http(gateway) as client:
+        old = {"name": "old-node", "gpus": [], "cpu_slots": 1, "protocol_version": 3}
+        refused = client.post("/v1/node/register", json=old, headers=node)
+        assert refused.status_code == 422 and "upgrade the nodelet" in refused.json()["detail"]
         registered = client.post(
-            "/v1/node/register",
-            json={"name": "old-node", "gpus": [], "cpu_slots": 1, "protocol_version": 2},
-            headers=node,
+            "/v1/node/register", json={**old, "protocol_version": 4}, headers=node
         )
         assert registered.status_code == 200, registered.text
-        answer = invoke(client, "add", {"args": [1, 2]}, wait=None)
-        location = answer.headers["location"]
-        wait_until(lambda: client.get(location).json()["state"] == "assigned", 20, "the assignment")
+        node_id = registered.json()["node_id"]
+        # As if it had registered with the gateway before this one.
+        asyncio.run(_sql(gateway, "UPDATE nodes SET protocol_version = 2 WHERE id = $1", node_id))
+        queued = invoke(client, "add", {"args": [1, 2]}, wait=None).json()
+        time.sleep(2.5)  # two scheduling rounds
+        assert client.get(f"/v1/invocations/{queued['id']}").json()["state"] == "queued"
+        # What an older gateway had assigned to it fails at its next poll.
+        asyncio.run(
+            _sql(
+                gateway,
+                "UPDATE invocations SET state = 'assigned', node_id = $1, epoch = epoch + 1,"
+                " lease_expires_at = now() + interval '1 minute' WHERE id = $2::uuid",
+                node_id,
+                queued["id"],
+            )
+        )
         polled = client.post(
             "/v1/node/poll", json={"running": [], "timeout_s": 0.1}, headers=node
         ).json()
-        assert polled["assignments"] == []  # never handed to a node that would drop the arguments
-        failed = client.get(location).json()
+        assert polled["assignments"] == []
+        failed = client.get(f"/v1/invocations/{queued['id']}").json()
         assert failed["state"] == "failed" and failed["error_kind"] == "version_skew"
-        assert "old-node" in failed["error_message"] and "protocol 3" in failed["error_message"]
+        assert "old-node" in failed["error_message"] and "protocol 4" in failed["error_message"]
+
+
+async def _sql(cluster: Cluster, statement: str, *args: Any) -> None:
+    conn = await asyncpg.connect(cluster.database_url)
+    try:
+        await conn.execute(statement, *args)
+    finally:
+        await conn.close()
 
 
 def test_a_result_file_swapped_for_a_link_is_never_served(
@@ -412,3 +439,78 @@ def test_a_result_file_swapped_for_a_link_is_never_served(
         refused = client.get(f"/v1/invocations/{call.id}/result")
         assert refused.status_code == 404 and refused.json()["code"] == "no_result"
         assert "password" not in refused.text
+
+
+class Planted:
+    """What a colleague's function may return: unpickling it runs code of their choosing."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (exec, ("import builtins; builtins.PLANTED_BY_ALICE = True",))
+
+
+def test_a_result_made_by_another_users_code_is_unpickled_only_if_trusted(
+    cluster: Cluster,
+) -> None:
+    import builtins
+
+    @sdk.function()
+    def gift(n: int) -> Planted:
+        return Planted()
+
+    gift.register("gift", visibility="cluster")
+    bob = cluster.add_user("bob")
+    with http(cluster, bob) as client:
+        body = invoke(client, "gift", {"args": [1]}, owner="alice").json()
+    assert body["state"] == "succeeded" and body["code_owner"] == "alice"
+    # The note on the JSON result recommends nothing unsafe.
+    assert "trust" in body["result_json_error"] and "only if you trust" in body["result_json_error"]
+    sdk.connect(cluster.url, bob)
+    call = sdk.Call.from_id(body["id"])
+    for trust in (False, "mallory"):
+        with pytest.raises(sdk.UntrustedResult) as refused:
+            call.result(timeout=30, trust=trust)
+        assert refused.value.code_owner == "alice"
+        assert "result(trust='alice')" in str(refused.value)
+    assert not hasattr(builtins, "PLANTED_BY_ALICE"), "unpickled without being trusted"
+    # Trusted by name: loaded (and the colleague's code ran here, as the caller chose).
+    assert call.result(timeout=30, trust="alice") is None
+    assert builtins.PLANTED_BY_ALICE is True
+    del builtins.PLANTED_BY_ALICE
+    # Results of one's own code need no trust: one's calls, one's own registered functions.
+    own = sdk.function()(lambda: 41 + 1).spawn()
+    assert own.result(timeout=30) == 42
+    assert call.info().code_owner == "alice" and own.info().code_owner == "bob"
+
+
+def test_a_colleagues_function_never_shares_a_worker_with_the_callers_own_calls(
+    cluster: Cluster,
+) -> None:
+    """Code stays behind in a warm worker (a patched module, a thread): a worker that ran
+    Alice's function for Bob is not reused for Bob's own calls, whose results Bob's sdk
+    unpickles without asking."""
+
+    @sdk.function()
+    def plant() -> int:
+        import builtins
+        import os
+
+        builtins.PLANTED_BY_ALICE = True  # type: ignore[attr-defined]
+        return os.getpid()
+
+    plant.register("plant", visibility="cluster")
+    bob = cluster.add_user("bob")
+    with http(cluster, bob) as client:
+        planted_in = invoke(client, "plant", {}, owner="alice").json()["result_json"]
+        again = invoke(client, "plant", {}, owner="alice").json()["result_json"]
+    assert isinstance(planted_in, int) and again == planted_in  # its own warm worker
+
+    def own() -> tuple[int, bool]:
+        import builtins
+        import os
+
+        return os.getpid(), hasattr(builtins, "PLANTED_BY_ALICE")
+
+    sdk.connect(cluster.url, bob)
+    for _ in range(3):
+        pid, planted = sdk.function()(own)()
+        assert pid != planted_in and not planted

@@ -18,6 +18,7 @@ import pytest
 
 import sdk
 from bulletin import wire
+from nodelet.accounts import Accounts
 from nodelet.attempt import Attempt, NodeFacts
 from nodelet.client import GatewayClient
 from nodelet.gpus import FakeGpuProvider
@@ -120,6 +121,7 @@ class NodeHarness:
                 inline_limit=registration.inline_limit,
                 log_flush_s=0.02,
                 gpus=FakeGpuProvider(0),
+                accounts=Accounts.from_setting("", trusted_users="*"),
             )
             attempt = Attempt(assignment, client=client, pool=pool, facts=facts)
             renewing = asyncio.create_task(_renew(client, attempt.ref))

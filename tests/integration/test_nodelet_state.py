@@ -24,10 +24,12 @@ import msgspec
 import pytest
 
 from bulletin import shared, wire
+from nodelet.accounts import Accounts
 from nodelet.agent import shared_dir_seen
-from nodelet.attempt import Attempt, NodeFacts
+from nodelet.attempt import Attempt, NodeFacts, removals_done
 from nodelet.client import GatewayClient
 from nodelet.gpus import FakeGpuProvider
+from nodelet.userfiles import Opened
 from nodelet.workers import WorkerPool
 from tests.conftest import Cluster, running
 from tests.integration.test_gateway_api import Http, status, submit
@@ -55,6 +57,7 @@ class Node:
             gpus=FakeGpuProvider(1),
             cluster_shared_dir=registration.shared_dir,
             shared_dir=await shared_dir_seen(registration),
+            accounts=Accounts.from_setting("", trusted_users="*"),
         )
 
     async def run_one(self, facts: NodeFacts | None = None) -> None:
@@ -65,6 +68,7 @@ class Node:
             assignment, client=self.client, pool=self.pool, facts=facts or await self.facts()
         )
         await asyncio.wait_for(attempt.start(), 60)
+        await removals_done(10)  # the attempt's directory goes in a task of its own
 
     def tasks(self) -> list[dict[str, Any]]:
         """What the stand-in worker recorded of each task it ran."""
@@ -133,7 +137,8 @@ def test_a_big_payload_arrives_in_a_file_and_a_spilled_result_goes_up_as_a_blob(
     # Streamed into the attempt's directory, byte for byte; never down the worker's pipe.
     assert not task["inline"] and task["payload_path"].endswith("/payload.bin")
     assert (task["payload_size"], task["payload_sha256"]) == (len(payload), sha256(payload))
-    assert task["spill_dir"] == os.path.dirname(task["payload_path"])
+    # The worker writes into the account's own directory of the attempt's.
+    assert task["spill_dir"] == os.path.join(os.path.dirname(task["payload_path"]), "out")
     assert (task["device"], task["inline_limit"], task["shared_dir"]) == ("cpu", MiB, None)
     done = status(user, invocation_id)
     assert done.state == wire.State.SUCCEEDED, done
@@ -160,17 +165,19 @@ def test_a_shared_directory_payload_is_read_in_place_and_a_shared_result_passes_
     assert root is not None
     user = Http(shared_gateway.url, shared_gateway.token)
     data = os.urandom(3 * MiB)
-    name, path = shared.new_payload(str(root))
-    Path(path).write_bytes(b"echo-shared\n" + data)
+    name = shared.payload_name("alice")
+    shared.write_file(str(root), name, [b"echo-shared\n" + data])
     [invocation_id] = submit(user, spec(payload_file=name))
 
     [task] = run_one(shared_gateway, tmp_path)
-    assert not task["inline"] and task["payload_path"] == path
+    assert not task["inline"] and task["payload_path"] is None and task["payload_file"] == name
     assert task["shared_dir"] == str(root)
+    # The one name this attempt's result may have, in the owner's directory.
+    assert task["shared_result"] == shared.result_name("alice", invocation_id, 1)
     done = status(user, invocation_id)
     assert done.state == wire.State.SUCCEEDED, done
     assert done.result is None and done.result_blob is None
-    assert done.result_file is not None and done.result_file.startswith("bulletin/results/")
+    assert done.result_file == task["shared_result"]
     assert (root / done.result_file).read_bytes() == data
 
 
@@ -180,8 +187,8 @@ def test_a_node_that_does_not_see_the_shared_directory_fails_such_calls_clearly(
     root = shared_gateway.shared_dir
     assert root is not None
     user = Http(shared_gateway.url, shared_gateway.token)
-    name, path = shared.new_payload(str(root))
-    Path(path).write_bytes(b"echo\nx")
+    name = shared.payload_name("alice")
+    shared.write_file(str(root), name, [b"echo\nx"])
     [invocation_id] = submit(user, spec(payload_file=name))
 
     n1 = node(shared_gateway, tmp_path)
@@ -237,7 +244,7 @@ def test_a_result_file_outside_the_spill_and_shared_directories_is_refused(
     run_one(gateway, tmp_path)
     done = status(user, invocation_id)
     assert (done.state, done.error_kind) == (wire.State.FAILED, wire.ErrorKind.WORKER_DIED)
-    assert "outside its spill_dir" in (done.error_message or "")
+    assert "neither its spill_dir's result.bin nor" in (done.error_message or "")
     assert done.result is None and done.result_blob is None
 
 
@@ -272,17 +279,20 @@ async def _transfer(
         [work] = (await n.client.poll([], hold_s=5)).assignments
         ids = (work.invocation_id, work.epoch)
         peaks, refs = [], []
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         tracemalloc.start()
         try:
             tracemalloc.reset_peak()
-            size = await n.client.payload_to_file(*ids, str(path))
+            size = await n.client.payload_to_file(*ids, fd)
             peaks.append(tracemalloc.get_traced_memory()[1])
             for _ in range(2):
                 tracemalloc.reset_peak()
-                refs.append(await n.client.upload_result_file(*ids, str(path)))
+                opened = Opened(fd, os.fstat(fd).st_size)
+                refs.append(await n.client.upload_result_file(*ids, opened))
                 peaks.append(tracemalloc.get_traced_memory()[1])
         finally:
             tracemalloc.stop()
+            os.close(fd)
         assert size == path.stat().st_size
         return peaks, refs
 

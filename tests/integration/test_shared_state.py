@@ -26,13 +26,21 @@ def cluster_info(gateway: Cluster) -> wire.ClusterInfo:
     return msgspec.json.decode(r.content, type=wire.ClusterInfo)
 
 
-def file_call(name: str = "bulletin/payloads/call.bin", **kw: object) -> wire.CallSpec:
+#: A payload file of alice's (the fixtures' user) in her directory of the shared directory.
+ALICES = "bulletin/users/alice/payload-call.bin"
+
+
+def file_call(name: str = ALICES, **kw: object) -> wire.CallSpec:
     return wire.CallSpec(idempotency_key=uuid.uuid4().hex, payload_file=name, **kw)  # type: ignore[arg-type]
 
 
 def test_the_cluster_route_says_there_is_no_shared_directory(gateway: Cluster) -> None:
     assert cluster_info(gateway) == wire.ClusterInfo(
-        inline_limit=1 << 20, max_state_bytes=16 << 30, shared_dir=None, shared_dir_id=None
+        inline_limit=1 << 20,
+        max_state_bytes=16 << 30,
+        shared_dir=None,
+        shared_dir_id=None,
+        user="alice",
     )
     assert httpx.get(f"{gateway.url}/v1/cluster").status_code == 401
     node = Http(gateway.url, gateway.node_token("n1").read_text())
@@ -48,7 +56,9 @@ def test_the_cluster_route_and_registration_name_the_shared_directory(
     assert info.shared_dir == str(root)
     assert info.shared_dir_id == (root / shared.MARKER).read_text().strip()
     assert shared.sees(info.shared_dir, info.shared_dir_id)
-    assert (root / shared.PAYLOADS).is_dir() and (root / shared.RESULTS).is_dir()
+    assert info.user == "alice" and info.shared_ttl_s == 86400
+    # Anyone may make their own directory in users/; nobody may list or remove another's.
+    assert (root / shared.USERS).stat().st_mode & 0o7777 == 0o1733
     node = Http(shared_gateway.url, shared_gateway.node_token("n1").read_text())
     r = node.post("/v1/node/register", wire.RegisterRequest(name="n1", gpus=[], cpu_slots=1))
     registered = msgspec.json.decode(r.content, type=wire.RegisterResponse)
@@ -72,20 +82,26 @@ def test_a_payload_file_needs_a_shared_directory(gateway: Cluster) -> None:
     [
         "../etc/passwd",
         "/etc/passwd",
-        "bulletin/payloads/../cluster-id",
-        "bulletin/payloads/..",
-        "bulletin/results/r.bin",  # a result file is no payload
-        "bulletin/payloads/",
-        "bulletin/payloads/a/b.bin",
+        "bulletin/users/alice/../bob/payload-x.bin",
+        "bulletin/users/alice/..",
+        "bulletin/users/alice/result-x-1.bin",  # a result file is no payload
+        "bulletin/users/alice/",
+        "bulletin/users/alice/a/payload-b.bin",
+        "bulletin/payloads/abc.bin",  # the old, shared layout
+        # Another user's payload: submitting it would run their code on their arguments.
+        "bulletin/users/bob/payload-call.bin",
     ],
 )
-def test_a_payload_file_must_be_a_payload_of_the_shared_directory(
+def test_a_payload_file_must_be_a_payload_of_the_submitters_own(
     shared_gateway: Cluster, name: str
 ) -> None:
     user = Http(shared_gateway.url, shared_gateway.token)
     r = user.post("/v1/invocations", wire.SubmitRequest(calls=[call(), file_call(name)]))
     assert r.status_code == 422, r.text
     assert r.headers["content-type"] == "application/problem+json"
+    if name.startswith("bulletin/users/bob/"):
+        assert r.json()["code"] == "payload_file_not_yours"
+        assert "yours go in bulletin/users/alice/" in r.json()["detail"]
 
 
 def test_a_call_carries_exactly_one_payload(shared_gateway: Cluster) -> None:
@@ -103,13 +119,14 @@ def test_a_payload_file_reaches_the_node_and_the_result_file_the_caller(
 ) -> None:
     user = Http(shared_gateway.url, shared_gateway.token)
     node = register(shared_gateway)
-    [invocation_id] = submit(user, file_call("bulletin/payloads/abc.bin", gpus=1))
+    [invocation_id] = submit(user, file_call(ALICES, gpus=1))
     [work] = poll(node).assignments
-    assert (work.payload, work.payload_file) == (None, "bulletin/payloads/abc.bin")
+    assert (work.payload, work.payload_file) == (None, ALICES)
+    assert (work.owner_name, work.owner_admin) == ("alice", False)
     base = f"/v1/node/invocations/{invocation_id}"
     r = node.get(f"{base}/payload", params={"epoch": work.epoch})
     assert r.status_code == 404 and r.json()["code"] == "payload_is_a_file"
-    assert "bulletin/payloads/abc.bin" in r.json()["detail"]
+    assert ALICES in r.json()["detail"]
 
     def complete(**result: object) -> httpx.Response:
         return node.post(
@@ -117,19 +134,32 @@ def test_a_payload_file_reaches_the_node_and_the_result_file_the_caller(
             wire.CompleteRequest(epoch=work.epoch, state="succeeded", **result),  # type: ignore[arg-type]
         )
 
-    assert complete(result_file="bulletin/results/..").status_code == 422
+    own = shared.result_name("alice", invocation_id, work.epoch)
+    assert own == f"bulletin/users/alice/result-{invocation_id}-{work.epoch}.bin"
+    assert complete(result_file="bulletin/users/alice/..").status_code == 422
     assert complete(result_file="../x").status_code == 422
-    assert complete(result=b"r", result_file="bulletin/results/r.bin").status_code == 422
-    assert complete(result_file="bulletin/results/r.bin").status_code == 204
+    assert complete(result=b"r", result_file=own).status_code == 422
+    # Any other file, even a well-formed one, is not this attempt's result: another user's
+    # (which the gateway would then serve to alice), another invocation's, another epoch's.
+    for other in (
+        shared.result_name("bob", invocation_id, work.epoch),
+        shared.result_name("alice", str(uuid.uuid4()), work.epoch),
+        shared.result_name("alice", invocation_id, work.epoch + 1),
+    ):
+        r = complete(result_file=other)
+        assert r.status_code == 422 and r.json()["code"] == "result_file_not_bound", r.text
+        assert own in r.json()["detail"]
+    assert status(user, invocation_id).state == wire.State.ASSIGNED
+    assert complete(result_file=own).status_code == 204
     done = status(user, invocation_id)
     assert (done.state, done.result, done.result_blob, done.result_file) == (
         wire.State.SUCCEEDED,
         None,
         None,
-        "bulletin/results/r.bin",
+        own,
     )
     [listed] = user.get("/v1/invocations").json()
-    assert listed["result_file"] == "bulletin/results/r.bin"
+    assert listed["result_file"] == own
 
 
 def test_a_result_file_needs_a_shared_directory(gateway: Cluster) -> None:
@@ -138,7 +168,9 @@ def test_a_result_file_needs_a_shared_directory(gateway: Cluster) -> None:
     [invocation_id] = submit(user, call(gpus=1))
     [work] = poll(node).assignments
     done = wire.CompleteRequest(
-        epoch=work.epoch, state="succeeded", result_file="bulletin/results/r.bin"
+        epoch=work.epoch,
+        state="succeeded",
+        result_file=shared.result_name("alice", invocation_id, work.epoch),
     )
     r = node.post(f"/v1/node/invocations/{invocation_id}/complete", done)
     assert r.status_code == 422 and "no shared directory" in r.json()["detail"]
@@ -152,14 +184,18 @@ def test_old_files_are_swept_from_the_shared_directory_and_new_ones_kept(
     root.mkdir()
     shared.prepare(str(root))
     hour_ago = time.time() - 3600
-    old_payload, old_result, new_payload, new_result = (
-        root / shared.PAYLOADS / "old.bin",
-        root / shared.RESULTS / "old.bin",
-        root / shared.PAYLOADS / "new.bin",
-        root / shared.RESULTS / "new.bin",
+    mine = root / shared.user_dir("alice")
+    mine.mkdir(mode=0o700)
+    old_payload, old_result, new_payload, new_result, other = (
+        mine / "payload-old.bin",
+        mine / "result-old-1.bin",
+        mine / "payload-new.bin",
+        mine / "result-new-1.bin",
+        mine / "notes.txt",  # not a file of the layout: never touched
     )
-    for path in (old_payload, old_result, new_payload, new_result):
+    for path in (old_payload, old_result, new_payload, new_result, other):
         path.write_bytes(b"state")
+    os.utime(other, (hour_ago, hour_ago))
     for path in (old_payload, old_result):
         os.utime(path, (hour_ago, hour_ago))
     cluster = Cluster(database_url, tmp_path)
@@ -167,7 +203,7 @@ def test_old_files_are_swept_from_the_shared_directory_and_new_ones_kept(
     # Swept at start, then every quarter of the time to live (here 10 minutes).
     with running(cluster, request, shared_dir=root, options={"shared-ttl-s": "600"}):
         wait_until(lambda: not old_payload.exists() and not old_result.exists(), 10, "a sweep")
-        assert new_payload.exists() and new_result.exists()
+        assert new_payload.exists() and new_result.exists() and other.exists()
         assert (root / shared.MARKER).read_text() == cluster_id  # the same cluster again
 
 
@@ -231,11 +267,13 @@ def test_the_sweep_keeps_the_payload_of_a_call_that_may_still_run(
     # Files live 2 s; the sweep runs every half second.
     with running(cluster, request, shared_dir=root, options={"shared-ttl-s": "2"}):
         user = Http(cluster.url, cluster.token)
-        queued, orphan = root / shared.PAYLOADS / "queued.bin", root / shared.PAYLOADS / "x.bin"
+        mine = root / shared.user_dir("alice")
+        mine.mkdir(mode=0o700)
+        queued, orphan = mine / "payload-queued.bin", mine / "payload-x.bin"
         for path in (queued, orphan):
             path.write_bytes(b"state")
         [invocation_id] = submit(
-            user, call(payload=None, payload_file="bulletin/payloads/queued.bin")
+            user, call(payload=None, payload_file="bulletin/users/alice/payload-queued.bin")
         )
         wait_until(lambda: not orphan.exists(), 10, "the orphan to be swept")
         assert queued.exists()  # no node: the call is still queued, its payload must stay

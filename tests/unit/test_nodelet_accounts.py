@@ -26,13 +26,23 @@ def nobody() -> pwd.struct_passwd:
         pytest.skip("this machine has no 'nobody' account")
 
 
-def test_single_tenant_by_default() -> None:
-    accounts = Accounts.from_setting("")
-    assert accounts.single_tenant and accounts.run_as("alice") is None
+def test_single_tenant_by_default_runs_only_administrators_and_trusted_users() -> None:
+    accounts = Accounts.from_setting("", "bob, carol")
+    assert accounts.single_tenant
+    assert accounts.run_as("root-of-the-lab", admin=True) is None  # its own account
+    assert accounts.run_as("bob") is None and accounts.run_as("carol") is None
+    with pytest.raises(AccountError) as refused:
+        accounts.run_as("mallory")
+    # What to do, in words: enable mapping, or trust the user.
+    assert "--user-mapping same-name" in str(refused.value)
+    assert "--trusted-users" in str(refused.value)
+    assert Accounts.from_setting("", "*").run_as("anyone") is None
 
 
 @as_root
-def test_a_mapping_file_maps_users_and_refuses_the_rest(tmp_path: Path) -> None:
+def test_a_mapping_file_maps_users_and_refuses_the_rest(
+    tmp_path: Path, unix_accounts: dict[str, int]
+) -> None:
     account = nobody()
     mapping = tmp_path / "users"
     mapping.write_text(f"# lab accounts\nalice {account.pw_name}\nmallory root\n")
@@ -44,9 +54,15 @@ def test_a_mapping_file_maps_users_and_refuses_the_rest(tmp_path: Path) -> None:
     with pytest.raises(AccountError, match="root account: refused"):
         accounts.run_as("mallory")
     same = Accounts.from_setting("same-name")
-    assert same.run_as(account.pw_name) is not None
+    mapped = same.run_as("bt-alice")
+    assert mapped is not None and mapped.uid == unix_accounts["bt-alice"]
     with pytest.raises(AccountError, match="has no Unix account"):
         same.run_as("no-such-user-here")
+    # Anyone may be a Bulletin user named like a system account: same-name never maps to
+    # one ('postgres' owns the database's files; 'nobody' is nobody's). A file may.
+    for system in ("nobody", "postgres", "daemon"):
+        with pytest.raises(AccountError, match="a system account"):
+            same.run_as(system)
 
 
 @as_root
@@ -58,8 +74,10 @@ def test_a_malformed_mapping_is_refused_at_start(tmp_path: Path) -> None:
 
 
 @as_root
-def test_a_worker_switched_to_an_account_cannot_read_what_the_node_can(tmp_path: Path) -> None:
-    account = nobody()
+def test_a_worker_switched_to_an_account_cannot_read_what_the_node_can(
+    tmp_path: Path, unix_accounts: dict[str, int]
+) -> None:
+    account = pwd.getpwnam("bt-alice")
     secret = tmp_path / "node.token"
     secret.write_text("bn_secret")
     secret.chmod(0o600)
@@ -74,7 +92,7 @@ def test_a_worker_switched_to_an_account_cannot_read_what_the_node_can(tmp_path:
         import os
         from nodelet.accounts import Accounts
         from nodelet.worker import become
-        become(Accounts.from_setting("same-name").run_as("nobody"), {str(workdir)!r})
+        become(Accounts.from_setting("same-name").run_as("bt-alice"), {str(workdir)!r})
         try:
             open({str(secret)!r}).read()
             readable = True

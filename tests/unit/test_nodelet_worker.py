@@ -410,6 +410,20 @@ def test_payload_file_in_and_big_result_spilled_to_a_file(tmp_path: Path) -> Non
     assert returned.value == bytes(3 << 20)
 
 
+def big_shared_result(tmp_path: Path, root: Path, name: str) -> Finished:
+    """Run a call returning 3 MiB for a caller that reads results in the shared directory
+    ``root``, where the nodelet named ``name`` as its result file."""
+    sent = caller.pack_call(bytes, (3 << 20,), {}, sync=False, shared_results=True).packed
+    return run_worker(
+        tmp_path,
+        sent.tobytes(),
+        inline_limit=1 << 20,
+        shared_dir=str(root),
+        shared_result=name,
+        spill_dir=str(tmp_path),
+    )
+
+
 def test_big_result_goes_to_the_shared_directory_when_the_caller_reads_it(
     tmp_path: Path,
 ) -> None:
@@ -418,14 +432,43 @@ def test_big_result_goes_to_the_shared_directory_when_the_caller_reads_it(
     root = tmp_path / "nas"
     root.mkdir()
     shared.prepare(str(root))
-    sent = caller.pack_call(bytes, (3 << 20,), {}, sync=False, shared_results=True).packed
-    done = run_worker(
-        tmp_path, sent.tobytes(), inline_limit=1 << 20, shared_dir=str(root), spill_dir="/nope"
-    )
+    name = shared.result_name("alice", "inv-1", 3)
+    user_dir = root / shared.user_dir("alice")
+    # A single-tenant worker (no run_as) never makes a user's directory: another account's
+    # name would be taken for good. Without one of its own account's, it spills.
+    done = big_shared_result(tmp_path, root, name)
+    assert done.outcome is not None and done.outcome.ok, done.stderr
+    assert done.outcome.result_path == str(tmp_path / "result.bin") and not user_dir.exists()
+    assert b"gateway instead" not in done.stderr  # nothing went wrong: nothing to say
+    user_dir.mkdir(mode=0o700)  # as the owner's sdk makes it (here: the same account)
+    done = big_shared_result(tmp_path, root, name)
     outcome = done.outcome
     assert outcome is not None and outcome.ok, done.stderr
-    assert outcome.result_path is not None
-    assert shared.relative(str(root), outcome.result_path) is not None
+    # Exactly the name the nodelet gave, in the owner's own private directory.
+    assert outcome.result_path == str(root / name)
+    assert user_dir.stat().st_uid == os.geteuid() and user_dir.stat().st_mode & 0o777 == 0o700
+    assert (root / name).stat().st_mode & 0o777 == 0o600
+    assert not list(user_dir.glob("*.part")), "the temporary file was left behind"
+
+
+def test_a_big_result_avoids_a_user_directory_that_is_not_the_owners(tmp_path: Path) -> None:
+    """Someone else made the owner's directory of the shared directory before the owner did:
+    the result is not written where they could read or replace it, but spilled (the nodelet
+    uploads it), and the call's output says why."""
+    from bulletin import shared
+
+    root = tmp_path / "nas"
+    root.mkdir()
+    shared.prepare(str(root))
+    squatted = root / shared.user_dir("alice")
+    squatted.mkdir(mode=0o777)
+    squatted.chmod(0o777)  # writable by anyone: as good as another's
+    done = big_shared_result(tmp_path, root, shared.result_name("alice", "inv-1", 0))
+    outcome = done.outcome
+    assert outcome is not None and outcome.ok, done.stderr
+    assert outcome.result_path == str(tmp_path / "result.bin")
+    assert not list(squatted.iterdir())
+    assert b"goes through the gateway instead" in done.stdout + done.stderr
 
 
 def allocate(mib: int) -> tuple[int, int]:

@@ -26,6 +26,7 @@ def test_all_is_pinned() -> None:
         "StateSyncWarning",
         "StateTooLarge",
         "Status",
+        "UntrustedResult",
         "VersionSkewError",
         "WorkerDiedError",
         "connect",

@@ -1,0 +1,184 @@
+"""A call's code attacks the nodelet (root) through the files it leaves for it: a symbolic
+link flipped under the result it uploads, a FIFO where its outcome goes, an outcome of
+gigabytes, an outcome naming a file that is not its own. Each must fail the attacker's call
+alone: no byte of what root can read leaks, and other users' calls on the node finish.
+
+Through a real cluster whose nodelet runs as root with a user mapping (tests/accounts.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import sdk
+from bulletin import wire
+from tests.integration.conftest import Tenants, wait_until_running
+from tests.integration.test_gateway_api import status
+
+# -------------------------------------------------------- run by the worker, as the attacker
+
+
+def own_outcome(result_path: str) -> None:
+    """Leave an outcome of our own, naming ``result_path`` as the result, in the attempt's
+    ``out`` directory (the call's working directory), and end the worker at once (so it
+    never writes its own)."""
+    import os
+
+    import msgspec
+
+    from bulletin import wire
+
+    outcome = wire.WorkerOutcome(ok=True, result_path=result_path)
+    with open("outcome.msgpack.x", "wb") as file:
+        file.write(msgspec.msgpack.encode(outcome))
+    os.replace("outcome.msgpack.x", "outcome.msgpack")
+
+
+def flip(target: str, seconds: float) -> None:
+    """Name result.bin as the result, and keep swapping it between a harmless file and a
+    symbolic link to ``target`` from a process that outlives the worker."""
+    import os
+    import time
+
+    own_outcome(os.path.join(os.getcwd(), "result.bin"))
+    if os.fork() == 0:
+        os.setsid()
+        end = time.time() + seconds
+        while time.time() < end:
+            with open("r.tmp", "wb") as file:
+                file.write(b"harmless")
+            os.replace("r.tmp", "result.bin")
+            os.symlink(target, "l.tmp")
+            os.replace("l.tmp", "result.bin")
+        os._exit(0)
+    time.sleep(0.05)  # let it start flipping
+    os._exit(0)
+
+
+def fifo(where: str) -> None:
+    """Put a FIFO where the nodelet reads: the outcome itself, or the result it names."""
+    import os
+
+    if where == "outcome":
+        os.mkfifo("outcome.msgpack")
+    else:
+        os.mkfifo("result.bin")
+        own_outcome(os.path.join(os.getcwd(), "result.bin"))
+    os._exit(0)
+
+
+def huge_outcome() -> None:
+    """An outcome of 64 GiB (sparse: it costs the attacker nothing)."""
+    import os
+
+    with open("outcome.msgpack", "wb") as file:
+        file.truncate(64 << 30)
+    os._exit(0)
+
+
+def name_as_result(path: str) -> None:
+    """Name any file as our result (the node token, another user's result file)."""
+    import os
+
+    own_outcome(path)
+    os._exit(0)
+
+
+def deep_tree(depth: int) -> str:
+    """Leave a tree deeper than a recursive removal (or one descriptor a level) can take."""
+    import os
+
+    here = os.getcwd()
+    for _ in range(depth):
+        os.mkdir("d")
+        os.chdir("d")
+    os.chdir(here)
+    return here
+
+
+def hold(seconds: float) -> str:
+    import time
+
+    time.sleep(seconds)
+    return "alice's result"
+
+
+def attack(t: Tenants, fn: Any, *args: Any) -> wire.Invocation:
+    """Run Bob's attacking call to its end; the invocation as Bob sees it."""
+    t.be("bt-bob")
+    call = sdk.function(max_retries=0)(fn).spawn(*args)
+    with contextlib.suppress(sdk.BulletinError):
+        call.result(timeout=60)
+    return status(t.http("bt-bob"), call.id)
+
+
+def leaked(t: Tenants, invocation: wire.Invocation, secret: bytes) -> bool:
+    """Whether ``secret`` is anywhere Bob can read of his invocation."""
+    http = t.http("bt-bob")
+    seen = http.get(f"/v1/invocations/{invocation.id}").content
+    seen += http.get(f"/v1/invocations/{invocation.id}/result").content
+    seen += http.get(f"/v1/invocations/{invocation.id}/logs").content
+    return secret in seen
+
+
+def test_a_symlink_flipped_under_the_result_never_makes_root_read_the_target(
+    tenants: Tenants,
+) -> None:
+    token = tenants.node_token.read_bytes().strip()
+    for _ in range(4):
+        done = attack(tenants, flip, str(tenants.node_token), 3.0)
+        assert done.state == wire.State.FAILED, done
+        assert not leaked(tenants, done, token)
+        # Refused as a link, or uploaded while it was the harmless file: never the token.
+        assert "symbolic link" in (done.error_message or "") or done.result_blob is not None
+
+
+def test_a_fifo_for_the_outcome_or_the_result_does_not_wedge_the_node(tenants: Tenants) -> None:
+    tenants.be("bt-alice")
+    alices = sdk.function()(hold).spawn(6.0)
+    wait_until_running(alices)
+    started = time.monotonic()
+    for where in ("outcome", "result"):
+        done = attack(tenants, fifo, where)
+        assert (done.state, done.error_kind) == (wire.State.FAILED, wire.ErrorKind.WORKER_DIED)
+        assert "not a regular file" in (done.error_message or ""), done.error_message
+    assert time.monotonic() - started < 20
+    # The node kept heartbeating: Alice's call was never requeued and finished.
+    assert alices.result(timeout=60) == "alice's result"
+    assert status(tenants.http("bt-alice"), alices.id).attempts == 1
+
+
+def test_an_outcome_of_gigabytes_is_refused_unread(tenants: Tenants) -> None:
+    started = time.monotonic()
+    done = attack(tenants, huge_outcome)
+    assert (done.state, done.error_kind) == (wire.State.FAILED, wire.ErrorKind.WORKER_DIED)
+    assert "over the limit" in (done.error_message or "")
+    assert time.monotonic() - started < 20
+
+
+def test_an_outcome_naming_a_file_that_is_not_the_attempts_own_is_refused(
+    tenants: Tenants,
+) -> None:
+    token = tenants.node_token.read_bytes().strip()
+    for path in (str(tenants.node_token), "/etc/shadow", "/home/bt-alice/.profile"):
+        done = attack(tenants, name_as_result, path)
+        assert (done.state, done.error_kind) == (wire.State.FAILED, wire.ErrorKind.WORKER_DIED)
+        assert "refused" in (done.error_message or "")
+        assert not leaked(tenants, done, token)
+
+
+def test_a_tree_too_deep_to_remove_recursively_costs_the_node_nothing(tenants: Tenants) -> None:
+    from pathlib import Path
+
+    from tests.conftest import wait_until
+
+    tenants.be("bt-bob")
+    out = Path(sdk.function()(deep_tree)(5000))
+    # Removed as Bob's own account, out of the nodelet's process: nothing is left behind.
+    wait_until(lambda: not out.parent.exists(), 30, f"{out.parent} to be removed")
+    tenants.be("bt-alice")
+    assert sdk.function()(hold)(0.0) == "alice's result"
+    log = (tenants.cluster.dir / "node-a.log").read_text()
+    assert "crashed" not in log and "Traceback" not in log
