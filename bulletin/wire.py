@@ -138,6 +138,9 @@ class CallSpec(_Msg, frozen=True, kw_only=True):
     #: How long the call is expected to run, in seconds: lets FIFO backfill past it (the
     #: time limit, ``timeout_s``, is used when this is not given).
     expected_s: Seconds | None = None
+    #: With ``payload_file``: its size in bytes, which counts towards the owner's storage
+    #: limit while the call may run (the gateway cannot read the owner's directory).
+    payload_size: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
 
 
 class SubmitRequest(_Msg, frozen=True, kw_only=True):
@@ -558,6 +561,8 @@ class CompleteRequest(_Msg, frozen=True, kw_only=True):
     result: bytes | None = None
     result_blob: Id | None = None
     result_file: SharedResult | None = None
+    # With result_file: its size in bytes (it counts towards the owner's storage limit).
+    result_size: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
     # The node's clock: when it had a worker, when the user's code started and finished.
     worker_acquired: Epoch | None = None
     started: Epoch | None = None
@@ -623,6 +628,8 @@ class WorkerOutcome(_Msg, frozen=True, kw_only=True):
     # Absolute path of a file holding the result envelope when it was too big to inline:
     # the task's shared result or ``spill_dir/result.bin``; the nodelet accepts no other.
     result_path: str | None = None
+    # Its size in bytes.
+    result_size: int = 0
     # When the user's code started and finished (time.time() on the node).
     started: float | None = None
     finished: float | None = None

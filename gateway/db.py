@@ -322,6 +322,22 @@ async def append_blob_chunk(conn: Conn, blob_id: str, seq: int, data: bytes) -> 
     )
 
 
+async def shared_usage(conn: Conn, owner_id: int) -> int:
+    """Bytes ``owner_id`` keeps in the shared directory, as far as the gateway knows: payload
+    files of calls that may still run (as the sdk declared them) and result files not yet
+    fetched (as the nodes reported them; the sdk deletes one once it loaded it)."""
+    value = await conn.fetchval(
+        "SELECT coalesce(sum(CASE WHEN payload_file IS NOT NULL"
+        "  AND state IN ('queued', 'assigned', 'running') THEN payload_size ELSE 0 END), 0)"
+        " + coalesce(sum(CASE WHEN result_file IS NOT NULL AND fetched_at IS NULL"
+        "  THEN result_size ELSE 0 END), 0)"
+        " FROM invocations WHERE owner_id = $1"
+        "  AND (payload_file IS NOT NULL OR result_file IS NOT NULL)",
+        owner_id,
+    )
+    return int(value)
+
+
 async def blob_usage(conn: Conn, owner_id: int, except_blob: str | None = None) -> int:
     """Bytes of the blobs ``owner_id`` owns, complete or still uploading (their chunks so
     far), leaving out ``except_blob``."""
@@ -386,13 +402,13 @@ async def submit(
             " max_retries, timeout_s, payload, payload_blob, payload_file, payload_size,"
             " priority, gpu_model, gpu_memory_mb, expected_s)"
             " SELECT u.id, $1, u.key, u.fn, u.gpus, u.retries, u.timeout, u.payload, u.blob,"
-            "  u.file, coalesce(length(u.payload), b.size, 0), u.priority, u.model, u.memory,"
-            "  u.expected"
+            "  u.file, coalesce(length(u.payload), b.size, CASE WHEN u.file IS NOT NULL"
+            "  THEN u.declared END, 0), u.priority, u.model, u.memory, u.expected"
             " FROM unnest($2::uuid[], $3::text[], $4::text[], $5::int[], $6::int[],"
             "  $7::float8[], $8::bytea[], $9::uuid[], $10::text[], $11::int[], $12::text[],"
-            "  $13::int[], $14::float8[]) WITH ORDINALITY"
+            "  $13::int[], $14::float8[], $15::bigint[]) WITH ORDINALITY"
             "  AS u(id, key, fn, gpus, retries, timeout, payload, blob, file, priority, model,"
-            "  memory, expected, ord)"
+            "  memory, expected, declared, ord)"
             " LEFT JOIN blobs b ON b.id = u.blob"
             # In input order, so that seq (the queue order) follows it.
             " ORDER BY u.ord"
@@ -411,6 +427,7 @@ async def submit(
             [c.gpu_model for c in calls],
             [c.gpu_memory_mb for c in calls],
             [c.expected_s for c in calls],
+            [c.payload_size for c in calls],
         )
         rows = await conn.fetch(
             "SELECT i.id, k.ord FROM unnest($2::text[]) WITH ORDINALITY AS k(key, ord)"
@@ -1346,7 +1363,8 @@ async def complete(
             " result_file = $11, finished_at = clock_timestamp(), lease_expires_at = NULL,"
             " worker_acquired_at = to_timestamp($12), code_started_at = to_timestamp($13),"
             " code_finished_at = to_timestamp($14), warm = $15, result_json = $16,"
-            " result_json_error = $17"
+            " result_json_error = $17, result_size = CASE WHEN $11::text IS NULL THEN 0"
+            "  ELSE $18 END"
             f" WHERE {_FENCE} AND ($10::uuid IS NULL OR EXISTS (SELECT 1 FROM blobs b"
             "  WHERE b.id = $10 AND b.owner_id = i.owner_id AND b.complete))",
             uuid.UUID(invocation_id),
@@ -1366,6 +1384,7 @@ async def complete(
             request.warm,
             request.result_json,
             request.result_json_error,
+            request.result_size,
         )
         if not status.endswith(" 1"):
             return False

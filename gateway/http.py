@@ -279,6 +279,8 @@ class Storage:
     def __init__(self, pool: asyncpg.Pool, owner_id: int, limit: int, retention_s: float) -> None:
         self.pool, self.owner_id, self.limit, self.retention_s = pool, owner_id, limit, retention_s
         self.others = 0
+        #: What they keep in the shared directory (read once, at the first fresh check).
+        self.shared: int | None = None
 
     @classmethod
     def of(cls, request: Request, owner_id: int) -> Storage | None:
@@ -290,7 +292,7 @@ class Storage:
         return cls(request.app.state.pool, owner_id, limit, config.retention_s)
 
     def over(self, size: int) -> bool:
-        return self.others + size > self.limit
+        return self.others + (self.shared or 0) + size > self.limit
 
     async def check(
         self, blob_id: str | None, size: int, *, fresh: bool = False, how: str = "streamed"
@@ -300,6 +302,8 @@ class Storage:
         ``fresh``: re-read their other blobs first."""
         if fresh:
             self.others = await db.blob_usage(self.pool, self.owner_id, blob_id)
+            if self.shared is None:
+                self.shared = await db.shared_usage(self.pool, self.owner_id)
         if self.over(size):
             raise self._exceeded(size, how)
 
@@ -311,8 +315,9 @@ class Storage:
         }.get(how, "no room for another blob")
         days = self.retention_s / 86400
         return InsufficientStorage(
-            f"over your storage limit: {head}: you store {_mib(self.others)} in other blobs, "
-            f"and each user may store {_mib(self.limit)} (the gateway setting "
+            f"over your storage limit: {head}: you store {_mib(self.others)} in other blobs "
+            f"and {_mib(self.shared or 0)} in the shared directory, and each user may store "
+            f"{_mib(self.limit)} (the gateway setting "
             f"user_storage_mb). Payloads and results are purged {days:g} days after their "
             "calls end (--retention-s): fetch results promptly and let old calls age out, "
             "unregister functions you no longer need, send less state, or ask an "
@@ -321,13 +326,15 @@ class Storage:
         )
 
 
-async def room_for_calls(request: Request, owner_id: int) -> None:
-    """507 if ``owner_id`` already stores as much as their storage limit: their new calls'
-    results would take them past it, and results are never refused once a call ran (its
-    result would be lost), so it is the calls that are refused, before they run."""
+async def room_for_calls(request: Request, owner_id: int, adding: int = 0) -> None:
+    """507 if ``owner_id`` already stores as much as their storage limit (blobs, and files
+    in the shared directory), or would with the ``adding`` bytes of the new calls' payload
+    files: their results would take them past it, and results are never refused once a
+    call ran (its result would be lost), so it is the calls that are refused, before they
+    run."""
     storage = Storage.of(request, owner_id)
     if storage is not None:
-        await storage.check(None, 1, fresh=True, how="calls")
+        await storage.check(None, max(1, adding), fresh=True, how="calls")
 
 
 def _how(declared: int | None) -> str:

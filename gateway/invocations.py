@@ -94,7 +94,7 @@ async def submit(request: Request) -> Response:
             code="priority_not_allowed",
         )
     await check_fits(request, caller.group, calls)
-    await room_for_calls(request, owner)
+    await room_for_calls(request, owner, sum(c.payload_size for c in calls if c.payload_file))
     keys = [c.idempotency_key for c in calls]
     if len(set(keys)) != len(keys):
         raise Unprocessable("two calls in one request share an idempotency_key")

@@ -525,6 +525,7 @@ class Attempt:
             finished=outcome.finished,
             result_json=outcome.result_json,
             result_json_error=outcome.result_json_error,
+            result_size=max(0, outcome.result_size),
         )
         return Report(request, outcome.result_path)
 
@@ -568,6 +569,7 @@ class Attempt:
         root = self._facts.shared_dir
         if shared_result and root and path == os.path.join(root, shared_result):
             return msgspec.structs.replace(request, result=None, result_file=shared_result)
+        request = msgspec.structs.replace(request, result_size=0)  # a blob counts its own
         if path != os.path.join(files.out, SPILLED):
             return self._failed(
                 wire.ErrorKind.WORKER_DIED,

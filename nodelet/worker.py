@@ -156,6 +156,7 @@ def call(
     try:
         outcome = remote_call.pack_outcome(value, error)
         result, result_path = _place(outcome.packed, remote_call.header, task)
+        size = outcome.packed.nbytes if result_path is not None else 0
     except remote.ResultError as exc:
         failed = _failure(wire.ErrorKind.USER, wire.RESULT_ERROR, f"{name}: {exc}")
         return msgspec.structs.replace(failed, started=started, finished=finished)
@@ -173,6 +174,7 @@ def call(
             ok=False,
             result=result,
             result_path=result_path,
+            result_size=size,
             error_kind=wire.ErrorKind.USER,
             error_type=wire.RESULT_ERROR,
             error_message=f"{name}: {outcome.problem}",
@@ -187,6 +189,7 @@ def call(
             ok=True,
             result=result,
             result_path=result_path,
+            result_size=size,
             started=started,
             finished=finished,
             result_json=result_json,
@@ -196,6 +199,7 @@ def call(
         ok=False,
         result=result,
         result_path=result_path,
+        result_size=size,
         started=started,
         finished=finished,
         error_kind=wire.ErrorKind.USER,

@@ -216,7 +216,8 @@ class Function(Generic[P, R]):
             return Prepared(_replace(spec, payload=packed.tobytes()), sent.sync)
         if root is not None and (written := client.write_payload_file(packed.pieces())):
             relative, path = written
-            return Prepared(_replace(spec, payload_file=relative), sent.sync, path)
+            spec = _replace(spec, payload_file=relative, payload_size=size)
+            return Prepared(spec, sent.sync, path)
         blob = client.put_blob(packed.pieces, size)
         return Prepared(_replace(spec, payload_blob=blob.id), sent.sync)
 

@@ -280,3 +280,39 @@ def test_the_sweep_keeps_the_payload_of_a_call_that_may_still_run(
         cancelled = user.post("/v1/invocations/cancel", wire.CancelRequest(ids=[invocation_id]))
         assert cancelled.status_code == 200, cancelled.text
         wait_until(lambda: not queued.exists(), 10, "the cancelled call's payload to be swept")
+
+
+def test_what_a_user_keeps_in_the_shared_directory_counts_towards_their_storage_limit(
+    database_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The gateway cannot read a user's 0700 directory, so it counts what it is told: the
+    payload files of the user's calls that may still run (as declared), and result files not
+    yet fetched (as their node reported them). Over the limit, new calls get 507."""
+    kib = 1024
+    cluster = Cluster(database_url, tmp_path)
+    options = {"user-storage-mb": "1"}
+    with running(cluster, request, shared_dir=tmp_path / "nas", options=options):
+        user = Http(cluster.url, cluster.token)
+        node = register(cluster)
+        first = file_call(ALICES, payload_size=800 * kib, gpus=1)
+        [invocation_id] = submit(user, first)
+        over = file_call("bulletin/users/alice/payload-more.bin", payload_size=300 * kib)
+        r = user.post("/v1/invocations", wire.SubmitRequest(calls=[over]))
+        assert r.status_code == 507 and r.json()["code"] == "storage_quota_exceeded", r.text
+        assert "0.8 MiB in the shared directory" in r.json()["detail"]
+        # The call ran; its 2 MiB result is a file of the shared directory, not fetched yet.
+        [work] = poll(node).assignments
+        done = wire.CompleteRequest(
+            epoch=work.epoch,
+            state="succeeded",
+            result_file=shared.result_name("alice", invocation_id, work.epoch),
+            result_size=2 << 20,
+        )
+        r = node.post(f"/v1/node/invocations/{invocation_id}/complete", done)
+        assert r.status_code == 204, r.text
+        small = file_call("bulletin/users/alice/payload-small.bin", payload_size=1)
+        r = user.post("/v1/invocations", wire.SubmitRequest(calls=[small]))
+        assert r.status_code == 507 and "2.0 MiB in the shared directory" in r.json()["detail"]
+        # Fetched (the sdk then deletes the file): it no longer counts.
+        assert status(user, invocation_id).state == wire.State.SUCCEEDED
+        submit(user, small)
