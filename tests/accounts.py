@@ -158,9 +158,15 @@ def traversable_dir(prefix: str) -> Path:
     return path
 
 
+ACCOUNTS = ("bt-alice", "bt-bob")
+
+
 def main() -> None:
-    """``python -m tests.accounts``: prepare the portable Python ahead of a test run."""
-    print(ensure_venv())
+    """``python -m tests.accounts`` (scripts/test, as root): make the accounts and the
+    portable Python before the tests run, so that a failure to install shows as such."""
+    for name in ACCOUNTS:
+        ensure_account(name)
+    print(f"accounts {', '.join(ACCOUNTS)}; portable Python in {ensure_venv()}")
 
 
 if __name__ == "__main__":

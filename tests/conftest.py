@@ -93,7 +93,7 @@ def portable_python() -> Iterator[Portable]:
 def unix_accounts() -> dict[str, int]:
     """Two real, unprivileged Unix accounts, ``bt-alice`` and ``bt-bob`` (their uids)."""
     try:
-        return {name: accounts.ensure_account(name).pw_uid for name in ("bt-alice", "bt-bob")}
+        return {name: accounts.ensure_account(name).pw_uid for name in accounts.ACCOUNTS}
     except accounts.SetupFailed as exc:
         pytest.fail(f"cannot make the test accounts: {exc}")
 
