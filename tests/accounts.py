@@ -22,6 +22,7 @@ import sys
 import tempfile
 import tomllib
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -150,12 +151,17 @@ def ensure_account(name: str) -> pwd.struct_passwd:
     return pwd.getpwnam(name)
 
 
-def traversable_dir(prefix: str) -> Path:
-    """A new directory under /tmp that every account can pass through (pytest's own temporary
-    directories live under /tmp/pytest-of-root, which is 0700)."""
+@contextlib.contextmanager
+def traversable_dir(prefix: str) -> Iterator[Path]:
+    """A new directory under /tmp that every account (a call's, PostgreSQL's system account)
+    can pass through but not list, removed afterwards: pytest's own temporary directories
+    live under /tmp/pytest-of-root, which is 0700, and nothing widens it."""
     path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    path.chmod(0o755)
-    return path
+    try:
+        path.chmod(0o711)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 ACCOUNTS = ("bt-alice", "bt-bob")

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -49,23 +48,11 @@ async def _prepare_template(server_url: str, template_url: str) -> None:
     await admin.migrate(template_url)
 
 
-@contextlib.contextmanager
-def reachable_dir(prefix: str) -> Iterator[Path]:
-    """A fresh directory the PostgreSQL system account (under root) can traverse but not
-    list: pytest's own temporary directories are 0700, and nothing widens them any more."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    try:
-        path.chmod(0o711)
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[EmbeddedPostgres]:
     """One server for the session; tests connect as its superuser (``url()``), which can
     clone the template database quickly."""
-    with reachable_dir("bulletin-pg-") as parent:
+    with accounts.traversable_dir("bulletin-pg-") as parent:
         pg = EmbeddedPostgres(parent / "pgdata")
         server_url = pg.start()
         try:

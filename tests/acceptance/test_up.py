@@ -26,8 +26,8 @@ import psutil
 import pytest
 
 from bulletin.pgserver import SYSTEM_USER, EmbeddedPostgres, binaries
-from tests.accounts import Portable
-from tests.conftest import ROOT, reachable_dir, wait_until
+from tests.accounts import Portable, traversable_dir
+from tests.conftest import ROOT, wait_until
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="PostgreSQL's system account: root only")
 SECRETS = ("pg.password", "bulletin.password", "database.url", "admin.token", "node.token")
@@ -37,7 +37,7 @@ SECRETS = ("pg.password", "bulletin.password", "database.url", "admin.token", "n
 def base() -> Iterator[Path]:
     """Where a test puts its state dir: PostgreSQL's system account may traverse it (pytest's
     tmp_path, under a 0700 directory, it may not)."""
-    with reachable_dir("bulletin-up-") as path:
+    with traversable_dir("bulletin-up-") as path:
         yield path
 
 

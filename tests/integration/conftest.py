@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
+import contextlib
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +44,7 @@ class Tenants:
 def tenants(
     gateway: Cluster, portable_python: Portable, unix_accounts: dict[str, int]
 ) -> Iterator[Tenants]:
-    secrets_dir = traversable_dir("bulletin-node-")
-    try:
+    with traversable_dir("bulletin-node-") as secrets_dir, killed_after(unix_accounts):
         tokens = {name: gateway.add_user(name) for name in unix_accounts}
         gateway.start_nodelet(
             python=portable_python,
@@ -55,11 +54,17 @@ def tenants(
             **{"user-mapping": "same-name", "spare-workers": "2"},
         )
         yield Tenants(gateway, tokens, secrets_dir / "node-a.token")
+
+
+@contextlib.contextmanager
+def killed_after(accounts: Iterable[str]) -> Iterator[None]:
+    """Kill every process of ``accounts`` afterwards: what a call left running (a process
+    that left its group) must not outlive the test."""
+    try:
+        yield
     finally:
-        # What a call left running (a process that left its group) must not outlive the test.
-        for name in unix_accounts:
+        for name in accounts:
             subprocess.run(["pkill", "-KILL", "-u", name], check=False)
-        shutil.rmtree(secrets_dir, ignore_errors=True)
 
 
 def remote(fn: Any, *args: Any, timeout: float = 60) -> Any:

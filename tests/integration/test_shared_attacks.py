@@ -10,8 +10,6 @@ The notebooks are real sdk processes running as the Unix accounts ``bt-alice`` a
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ import pytest
 from bulletin import shared, wire
 from tests.accounts import Portable, traversable_dir
 from tests.conftest import Cluster, running
+from tests.integration.conftest import killed_after
 from tests.integration.test_gateway_api import Http, status
 
 MiB = 1 << 20
@@ -62,16 +61,14 @@ def lab(
     portable_python: Portable,
     unix_accounts: dict[str, int],
 ) -> Iterator[Lab]:
-    nas = traversable_dir("bulletin-nas-")
-    try:
-        with running(Cluster(database_url, tmp_path), request, shared_dir=nas) as cluster:
-            tokens = {name: cluster.add_user(name) for name in unix_accounts}
-            cluster.start_nodelet(python=portable_python, **{"user-mapping": "same-name"})
-            yield Lab(cluster, nas, tokens, portable_python, unix_accounts)
-    finally:
-        for name in unix_accounts:
-            subprocess.run(["pkill", "-KILL", "-u", name], check=False)
-        shutil.rmtree(nas, ignore_errors=True)
+    with (
+        traversable_dir("bulletin-nas-") as nas,
+        killed_after(unix_accounts),
+        running(Cluster(database_url, tmp_path), request, shared_dir=nas) as cluster,
+    ):
+        tokens = {name: cluster.add_user(name) for name in unix_accounts}
+        cluster.start_nodelet(python=portable_python, **{"user-mapping": "same-name"})
+        yield Lab(cluster, nas, tokens, portable_python, unix_accounts)
 
 
 # A call whose argument and result are both over the inline limit (1 MiB): both go as files.
