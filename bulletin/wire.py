@@ -95,16 +95,12 @@ SLUG = "[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 #: Paths inside the cluster's shared directory (the NAS) that calls may name, relative to
 #: its root: payload files written by the owner's sdk and result files written by the
 #: owner's worker, each in its owner's directory (bulletin/shared.py).
-SHARED_FILE = (
-    rf"^bulletin/users/(?P<user>{SLUG})/(?P<kind>payload|result)-(?P<stem>[A-Za-z0-9_-]{{1,100}})"
-    r"\.bin$"
-)
+_STEM = "[A-Za-z0-9_-]{1,100}"
+SHARED_FILE = rf"^bulletin/users/(?P<user>{SLUG})/(?P<kind>payload|result)-(?P<stem>{_STEM})\.bin$"
 SharedPayload = Annotated[
-    str, msgspec.Meta(pattern=rf"^bulletin/users/{SLUG}/payload-[A-Za-z0-9_-]{{1,100}}\.bin$")
+    str, msgspec.Meta(pattern=rf"^bulletin/users/{SLUG}/payload-{_STEM}\.bin$")
 ]
-SharedResult = Annotated[
-    str, msgspec.Meta(pattern=rf"^bulletin/users/{SLUG}/result-[A-Za-z0-9_-]{{1,100}}\.bin$")
-]
+SharedResult = Annotated[str, msgspec.Meta(pattern=rf"^bulletin/users/{SLUG}/result-{_STEM}\.bin$")]
 #: A GPU model name to match, as NVML reports it ("NVIDIA A100-SXM4-80GB" matches "A100").
 GpuModel = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9 _.-]{1,64}$")]
 MAX_RETRIES = 10

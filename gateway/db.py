@@ -322,20 +322,28 @@ async def append_blob_chunk(conn: Conn, blob_id: str, seq: int, data: bytes) -> 
     )
 
 
-async def shared_usage(conn: Conn, owner_id: int) -> int:
-    """Bytes ``owner_id`` keeps in the shared directory, as far as the gateway knows: payload
-    files of calls that may still run (as the sdk declared them) and result files not yet
-    fetched (as the nodes reported them; the sdk deletes one once it loaded it)."""
-    value = await conn.fetchval(
-        "SELECT coalesce(sum(CASE WHEN payload_file IS NOT NULL"
+async def storage_usage(
+    conn: Conn, owner_id: int, except_blob: str | None = None
+) -> tuple[int, int]:
+    """What ``owner_id`` stores, in one round trip: the bytes of their blobs but
+    ``except_blob`` (``blob_usage``), and of what they keep in the shared directory as far
+    as the gateway knows: payload files of calls that may still run (as the sdk declared
+    them) and result files not yet fetched (as the nodes reported them; the sdk deletes
+    one once it loaded it)."""
+    row = await conn.fetchrow(
+        "SELECT (SELECT coalesce(sum(size), 0) FROM blobs WHERE owner_id = $1"
+        "  AND id IS DISTINCT FROM $2) AS blobs,"
+        " (SELECT coalesce(sum(CASE WHEN payload_file IS NOT NULL"
         "  AND state IN ('queued', 'assigned', 'running') THEN payload_size ELSE 0 END), 0)"
-        " + coalesce(sum(CASE WHEN result_file IS NOT NULL AND fetched_at IS NULL"
+        "  + coalesce(sum(CASE WHEN result_file IS NOT NULL AND fetched_at IS NULL"
         "  THEN result_size ELSE 0 END), 0)"
-        " FROM invocations WHERE owner_id = $1"
-        "  AND (payload_file IS NOT NULL OR result_file IS NOT NULL)",
+        "  FROM invocations WHERE owner_id = $1"
+        "  AND (payload_file IS NOT NULL OR result_file IS NOT NULL)) AS shared",
         owner_id,
+        None if except_blob is None else uuid.UUID(except_blob),
     )
-    return int(value)
+    assert row is not None
+    return int(row["blobs"]), int(row["shared"])
 
 
 async def blob_usage(conn: Conn, owner_id: int, except_blob: str | None = None) -> int:
@@ -1178,14 +1186,14 @@ async def deliver(
         " delivered AS (UPDATE invocations i"
         "  SET delivered_at = coalesce(i.delivered_at, clock_timestamp()),"
         " lease_expires_at = clock_timestamp() + make_interval(secs => $5)"
-        " WHERE i.node_id = $1 AND i.state = 'assigned'"
+        " FROM users u"
+        " WHERE u.id = i.owner_id AND i.node_id = $1 AND i.state = 'assigned'"
         "  AND i.id NOT IN (SELECT id FROM old)"
         "  AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
         "   WHERE a.id = i.id AND a.epoch = i.epoch)"
         " RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,"
         "  i.owner_id, i.payload_file, i.arguments, i.function_owner,"
-        "  (SELECT u.name FROM users u WHERE u.id = i.owner_id) AS owner_name,"
-        "  (SELECT u.is_admin FROM users u WHERE u.id = i.owner_id) AS owner_admin,"
+        "  u.name AS owner_name, u.is_admin AS owner_admin,"
         "  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload)"
         # Reading `woken` (always, even when nothing is delivered) sends its notifications.
         " SELECT d.* FROM (SELECT count(*) FROM woken) w LEFT JOIN delivered d ON true",

@@ -300,10 +300,10 @@ class Storage:
         """507 if a blob of ``size`` bytes takes the owner over the limit; ``how`` the size
         is known: "declared" (Content-Length), "streamed" (so far), "unknown" (not yet: 1).
         ``fresh``: re-read their other blobs first."""
-        if fresh:
+        if fresh and self.shared is None:
+            self.others, self.shared = await db.storage_usage(self.pool, self.owner_id, blob_id)
+        elif fresh:
             self.others = await db.blob_usage(self.pool, self.owner_id, blob_id)
-            if self.shared is None:
-                self.shared = await db.shared_usage(self.pool, self.owner_id)
         if self.over(size):
             raise self._exceeded(size, how)
 

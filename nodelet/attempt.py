@@ -286,11 +286,12 @@ class Attempt:
         """The worker's task and the attempt's files, with the payload inline or in a file; a
         failure report when the node must not run the call, or cannot see its payload."""
         assignment, facts = self.assignment, self._facts
+        accounts, owner, admin = facts.accounts, assignment.owner_name, assignment.owner_admin
         try:
-            # Off the event loop: account lookups may go to LDAP and take seconds.
-            run_as = await asyncio.to_thread(
-                facts.accounts.run_as, assignment.owner_name, admin=assignment.owner_admin
-            )
+            if accounts.single_tenant:  # no lookup: nothing to wait for
+                run_as = accounts.run_as(owner, admin=admin)
+            else:  # off the event loop: account lookups may go to LDAP and take seconds
+                run_as = await asyncio.to_thread(accounts.run_as, owner, admin=admin)
         except AccountError as exc:
             return self._failed(
                 wire.ErrorKind.NOT_PERMITTED, f"node {facts.node!r} cannot run the call: {exc}"
