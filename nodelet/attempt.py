@@ -551,6 +551,18 @@ class Attempt:
             request = await self._result_blob(request, self._client.upload_result, request.result)
         try:
             await _retrying(self._client.complete, self.ref.invocation_id, request)
+        except GatewayRejected as exc:
+            if exc.status != 422:
+                raise
+            # The outcome the call's account left is not one the gateway takes (its code
+            # may write it itself: text with NUL, JSON that is none, sizes out of range).
+            # Abandoned, the call would be requeued and its code run again: it fails, once.
+            request = self._failed(
+                wire.ErrorKind.WORKER_DIED,
+                f"the call's outcome was refused by the gateway ({exc.detail}): the worker "
+                "did not write it, or the call's code wrote over it",
+            ).request
+            await _retrying(self._client.complete, self.ref.invocation_id, request)
         except StaleAttempt:
             if request.result_file is not None and self._facts.shared_dir is not None:
                 # Nobody will read a discarded result: do not leave it to the sweeper.

@@ -98,6 +98,23 @@ def deep_tree(depth: int) -> str:
     return here
 
 
+def unacceptable_outcome(ran: str) -> None:
+    """Leave an outcome the gateway refuses (a NUL in its text: the worker escapes those, but
+    the call writes this one itself), and count how often this code ran."""
+    import os
+
+    import msgspec
+
+    from bulletin import wire
+
+    with open(ran, "a") as runs:
+        runs.write("ran\n")
+    outcome = wire.WorkerOutcome(ok=False, error_kind=wire.ErrorKind.USER, error_message="a\x00b")
+    with open("outcome.msgpack", "wb") as file:
+        file.write(msgspec.msgpack.encode(outcome))
+    os._exit(0)
+
+
 def hold(seconds: float) -> str:
     import time
 
@@ -182,3 +199,30 @@ def test_a_tree_too_deep_to_remove_recursively_costs_the_node_nothing(tenants: T
     assert sdk.function()(hold)(0.0) == "alice's result"
     log = (tenants.cluster.dir / "node-a.log").read_text()
     assert "crashed" not in log and "Traceback" not in log
+
+
+def test_an_outcome_the_gateway_refuses_fails_the_call_once_and_never_reruns_it(
+    tenants: Tenants,
+) -> None:
+    # Abandoned, such a call would be requeued when its lease lapsed and its code run again
+    # (at-most-once on the user's failure): it is failed at once instead.
+    import os
+    import pwd
+    from pathlib import Path
+
+    from tests.accounts import traversable_dir
+
+    with traversable_dir("bulletin-runs-") as where:
+        ran = where / "ran"
+        ran.touch()
+        os.chown(ran, pwd.getpwnam("bt-bob").pw_uid, -1)
+        tenants.be("bt-bob")
+        call = sdk.function(max_retries=2)(unacceptable_outcome).spawn(str(ran))
+        with contextlib.suppress(sdk.BulletinError):
+            call.result(timeout=60)
+        done = status(tenants.http("bt-bob"), call.id)
+        assert (done.state, done.error_kind) == (wire.State.FAILED, wire.ErrorKind.WORKER_DIED)
+        assert "refused by the gateway" in (done.error_message or "")
+        time.sleep(4)  # past a lease (3 s here): it would have run again by now
+        again = status(tenants.http("bt-bob"), call.id)
+        assert again.attempts == 1 and Path(ran).read_text() == "ran\n"
