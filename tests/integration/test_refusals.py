@@ -199,6 +199,26 @@ def test_a_flood_on_the_user_routes_does_not_lock_a_nodelet_out_of_the_node_rout
     assert_problem(newcomer.get("/v1/cluster"), 429, "auth_rate_limited")
 
 
+def test_a_client_cannot_claim_another_address_to_refill_its_budget(
+    cluster_with: Callable[..., Cluster],
+) -> None:
+    # The budget is the TCP peer's: X-Forwarded-For and friends are not believed.
+    gateway: Cluster = cluster_with(
+        **{"auth-failure-burst": "3", "auth-failure-rate-per-s": "0.01"}
+    )
+    attacker = httpx.Client(base_url=gateway.url, timeout=5)
+    for _ in range(3):
+        attacker.get("/v1/invocations", headers=bearer(unknown_token()))
+    for n in range(5):
+        forged = {
+            **bearer(unknown_token()),
+            "X-Forwarded-For": f"10.0.{n}.1",
+            "X-Real-IP": f"10.1.{n}.1",
+            "Forwarded": f"for=10.2.{n}.1",
+        }
+        assert_problem(attacker.get("/v1/invocations", headers=forged), 429, "auth_rate_limited")
+
+
 def test_a_bad_token_sent_again_costs_no_lookup_and_gets_the_same_401(
     cluster_with: Callable[..., Cluster],
 ) -> None:
