@@ -114,6 +114,9 @@ class Client:
         self._shared_unusable = False
         self._own_dir = False
         self._swept = False
+        # Threads share a client: what it sets up once is set up under these, by one of them.
+        self._asking = threading.Lock()  # GET /v1/cluster
+        self._setting_up = threading.Lock()  # our directory of the shared directory, the sweep
         self._http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}", "User-Agent": "bulletin-sdk"},
@@ -220,7 +223,9 @@ class Client:
     def cluster(self) -> wire.ClusterInfo:
         """What the gateway says about the cluster (limits, shared directory); asked once."""
         if self._cluster is None:
-            self._cluster = self._request("GET", "/v1/cluster", read=_json(_CLUSTER))
+            with self._asking:
+                if self._cluster is None:
+                    self._cluster = self._request("GET", "/v1/cluster", read=_json(_CLUSTER))
         return self._cluster
 
     def shared_dir(self) -> str | None:
@@ -232,16 +237,17 @@ class Client:
         if not shared.valid_user(info.user) or not shared.sees(info.shared_dir, info.shared_dir_id):
             return None
         assert info.shared_dir is not None  # sees() it
-        if not self._own_dir:
-            # Made now, as this account, so that results can come back through it too (a
-            # worker that runs as another account than ours never makes it for us).
-            try:
-                os.close(shared.open_user_dir(info.shared_dir, info.user, create=True))
-            except OSError as exc:
-                self._unusable(exc)
-                return None
-            self._own_dir = True
-        return info.shared_dir
+        with self._setting_up:  # by one thread; the others wait for it to be there
+            if not self._own_dir and not self._shared_unusable:
+                # Made now, as this account, so that results can come back through it too (a
+                # worker that runs as another account than ours never makes it for us).
+                try:
+                    os.close(shared.open_user_dir(info.shared_dir, info.user, create=True))
+                except OSError as exc:
+                    self._unusable(exc)
+                else:
+                    self._own_dir = True
+        return None if self._shared_unusable else info.shared_dir
 
     def _unusable(self, exc: OSError) -> None:
         self._shared_unusable = True
@@ -252,9 +258,7 @@ class Client:
             stacklevel=5,
         )
 
-    def write_payload_file(
-        self, pieces: Iterable[bytes | memoryview]
-    ) -> tuple[str, str] | None:
+    def write_payload_file(self, pieces: Iterable[bytes | memoryview]) -> tuple[str, str] | None:
         """Write a payload file into our own directory of the shared directory: its name
         (relative to the root) and path; None when the shared directory cannot be used (a
         warning says why, once, and big state goes through the gateway from then on)."""
@@ -277,9 +281,10 @@ class Client:
         ``PAYLOAD_AGE_TTLS`` times that (one of a call still queued must stay; a notebook
         that died before its call ended leaves its payload behind)."""
         ttl = self.cluster().shared_ttl_s
-        if self._swept or ttl is None:
-            return
-        self._swept = True
+        with self._setting_up:
+            if self._swept or ttl is None:
+                return
+            self._swept = True
 
         def sweep() -> None:
             shared.sweep(root, ttl, user=user, kinds=("result",))

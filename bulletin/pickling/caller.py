@@ -13,6 +13,7 @@ import pickle
 import site
 import sys
 import sysconfig
+import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -266,19 +267,25 @@ _APPLY: dict[str, Callable[[Any, Any], None]] = {
 
 _checked: set[str] = set()
 _installed: set[str] | None = None
+#: Held while modules are looked at: a module another thread has not decided on yet must
+#: not be pickled meanwhile (it would go by reference, and the node cannot import it).
+_shipping = threading.Lock()
 
 
 def ship_local_modules() -> None:
     """Have cloudpickle ship by value the modules imported here that are not installed:
-    helper modules next to the notebook, which the nodes cannot import."""
-    for name in list(sys.modules):
-        top = name.partition(".")[0]
-        if top in _checked:
-            continue
-        _checked.add(top)
-        module = sys.modules.get(top)
-        if module is not None and _is_local(top, module):
-            cloudpickle.register_pickle_by_value(module)
+    helper modules next to the notebook, which the nodes cannot import. Thread-safe: when it
+    returns, every module imported before it was called is decided on."""
+    with _shipping:
+        for name in list(sys.modules):
+            top = name.partition(".")[0]
+            if top in _checked:
+                continue
+            module = sys.modules.get(top)
+            if module is not None and _is_local(top, module):
+                cloudpickle.register_pickle_by_value(module)
+            # Only once decided: until then, other threads wait above instead of skipping it.
+            _checked.add(top)
 
 
 def _is_local(name: str, module: types.ModuleType) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +13,7 @@ import cloudpickle
 import pytest
 
 import sdk
-from bulletin.pickling import remote
+from bulletin.pickling import caller, remote
 from sdk.serialize import pack_call
 
 lock = threading.Lock()
@@ -168,3 +169,42 @@ def test_an_unpicklable_attribute_of_a_local_helper_module_is_named(tmp_path: An
     assert message.startswith(
         "lab_helpers_q.LOCK (of local module 'lab_helpers_q') (_thread.lock) cannot be sent"
     )
+
+
+def test_threads_that_pickle_at_once_all_ship_a_new_local_module_by_value(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deciding whether a module is local takes a while (the first time, it reads the
+    installed distributions): a thread that calls meanwhile waits for the decision instead of
+    pickling the module by reference, which the node cannot import (bad_payload)."""
+    (tmp_path / "lab_helpers_t.py").write_text("FACTOR = 3\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import lab_helpers_t  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(tmp_path))
+    decide = caller._is_local
+
+    def slowly(name: str, module: Any) -> bool:
+        if name == "lab_helpers_t":
+            time.sleep(0.2)
+        return decide(name, module)
+
+    monkeypatch.setattr(caller, "_is_local", slowly)
+    registered = cloudpickle.cloudpickle._is_registered_pickle_by_value
+    by_value: list[bool] = []
+
+    def ship() -> None:
+        caller.ship_local_modules()
+        by_value.append(registered(lab_helpers_t))
+
+    threads = [threading.Thread(target=ship) for _ in range(8)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=10)
+    finally:
+        sys.modules.pop("lab_helpers_t", None)
+        cloudpickle.unregister_pickle_by_value(lab_helpers_t)
+    assert by_value == [True] * 8
