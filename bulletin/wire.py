@@ -3,7 +3,8 @@
 This module is the single definition of Bulletin's wire format: the sdk, the gateway, the
 nodelet and the worker process all import it, none redefines a message. It imports nothing
 else of ours. Messages evolve by appending fields with defaults; the nodelet sends
-``PROTOCOL_VERSION`` and the gateway accepts ``MIN_PROTOCOL_VERSION`` and newer.
+``PROTOCOL_VERSION`` and the gateway accepts ``MIN_PROTOCOL_VERSION`` and newer. Requests
+refuse fields they do not have, answers ignore them (``_Request`` and ``_Msg``, below).
 
 Bytes fields (payloads, results, log data) are opaque: the gateway and nodelet never unpickle
 them. In JSON they travel base64-encoded (msgspec's default for ``bytes``).
@@ -83,8 +84,37 @@ class Stream(enum.IntEnum):
     STDERR = 2
 
 
+# Requests are strict, answers tolerant.
+#
+# A _Request is a message a process decodes from a client that asks it to act: the gateway
+# from the sdk, curl and nodelets; a worker from its nodelet; the nodelet from a worker,
+# which ran user code and may have written its outcome itself. A field the message does not
+# have is refused (by the gateway with a 422 `unknown_field` that names it), never ignored:
+# a misspelt option (`gpuz`) or a newer client's field that a gateway dropped would run the
+# call without what was asked, and nobody would know. Versions are agreed, not guessed:
+# nodelets name their PROTOCOL_VERSION, and a field added to a user request must be known to
+# the gateways before any sdk sends it (the sdk sends every field, defaults included:
+# upgrade the gateways first).
+#
+# Everything else is a _Msg, decoded tolerantly: answers above all. The sdk and the nodelet
+# ignore fields of an answer they do not know, so a gateway may add fields to its answers
+# without breaking the sdks installed in notebooks, which name no version. A Struct that a
+# request and an answer both carry is therefore declared twice: FunctionResources (strict,
+# in FunctionRegistration) is a FunctionResourcesInfo (tolerant, in FunctionInfo). One is
+# not: Attempt, the fencing token a nodelet sends and gets back (HeartbeatResponse.revoked),
+# is strict both ways, so a field added to it is a new protocol version, sent only to
+# nodelets of that version. PickleHeader heads envelopes both ways (a call from the sdk, its
+# result back to it) and is tolerant like an answer: a newer worker's result must load in
+# an older sdk. ClientConfig is a file, read tolerantly so that a newer `bulletin up`'s
+# client.toml still loads. (The gateway stores GpuInfo, GpuHealthReport and WarmWorker as
+# JSON and reads them back with these strict Structs: a gateway older than the one that
+# wrote them refuses a field it does not know, so replicas upgrade together.)
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
-    pass
+    """An answer (or a record): fields it does not know are ignored."""
+
+
+class _Request(_Msg, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A request: refused when it has a field it does not know (see above)."""
 
 
 # ---------------------------------------------------------------- user side (sdk <-> gateway)
@@ -111,7 +141,7 @@ Retries = Annotated[int, msgspec.Meta(ge=0, le=MAX_RETRIES)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
 
 
-class CallSpec(_Msg, frozen=True, kw_only=True):
+class CallSpec(_Request, frozen=True, kw_only=True):
     """One call to submit. Exactly one of ``payload`` (inline), ``payload_blob`` (uploaded
     first) and ``payload_file`` (written to the shared directory, relative to its root)
     carries the pickled call (an envelope: ``bulletin/pickling/frame.py``)."""
@@ -139,7 +169,7 @@ class CallSpec(_Msg, frozen=True, kw_only=True):
     payload_size: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
 
 
-class SubmitRequest(_Msg, frozen=True, kw_only=True):
+class SubmitRequest(_Request, frozen=True, kw_only=True):
     calls: list[CallSpec]
 
 
@@ -217,7 +247,7 @@ SLUG_RULE = "use letters, digits, '.', '_' and '-' (at most 64, starting with a 
 GroupName = Slug
 
 
-class GroupQuota(_Msg, frozen=True, kw_only=True):
+class GroupQuota(_Request, frozen=True, kw_only=True):
     """A group's quota: GPUs it can always get back (preempting other groups' borrowed
     work), and how many more it may borrow while they are idle (None: no limit)."""
 
@@ -232,7 +262,7 @@ class Group(_Msg, frozen=True, kw_only=True):
     users: int
 
 
-class UserGroup(_Msg, frozen=True, kw_only=True):
+class UserGroup(_Request, frozen=True, kw_only=True):
     group: GroupName
 
 
@@ -254,8 +284,9 @@ FunctionVersion = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{16}$")]
 Visibility = Literal["private", "group", "cluster"]
 
 
-class FunctionResources(_Msg, frozen=True, kw_only=True):
-    """What every invocation of a registered function asks for (as ``CallSpec``)."""
+class FunctionResourcesInfo(_Msg, frozen=True, kw_only=True):
+    """What every invocation of a registered function asks for (as ``CallSpec``), as the
+    gateway reports it (``FunctionInfo``)."""
 
     gpus: GpuCount = 0
     gpu_model: GpuModel | None = None
@@ -265,7 +296,15 @@ class FunctionResources(_Msg, frozen=True, kw_only=True):
     expected_s: Seconds | None = None
 
 
-class FunctionRegistration(_Msg, frozen=True, kw_only=True):
+class FunctionResources(
+    FunctionResourcesInfo, frozen=True, kw_only=True, forbid_unknown_fields=True
+):
+    """What every invocation of a registered function asks for (as ``CallSpec``), as its
+    registration sends it: the fields of ``FunctionResourcesInfo``, in a request (so a field
+    it does not have is refused)."""
+
+
+class FunctionRegistration(_Request, frozen=True, kw_only=True):
     """Register a function by value: its pickled envelope (``(function, (), {})``, inline or
     uploaded first as a blob) and what its invocations ask for."""
 
@@ -284,7 +323,7 @@ class FunctionInfo(_Msg, frozen=True, kw_only=True):
     owner: str
     visibility: Visibility
     description: str
-    resources: FunctionResources
+    resources: FunctionResourcesInfo
     payload_size: int
     #: When this version was first registered, and last registered again (seconds since the
     #: epoch); the latest version is the one registered last.
@@ -294,19 +333,19 @@ class FunctionInfo(_Msg, frozen=True, kw_only=True):
     latest: bool
 
 
-class InvokeRequest(_Msg, frozen=True, kw_only=True):
+class InvokeRequest(_Request, frozen=True, kw_only=True):
     """Plain JSON arguments of an invocation: ``function(*args, **kwargs)``."""
 
     args: list[Any] = msgspec.field(default_factory=list)
     kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-class WatchItem(_Msg, frozen=True, kw_only=True):
+class WatchItem(_Request, frozen=True, kw_only=True):
     id: Id
     log_after: Int32 = 0  # number of log chunks the caller has already seen
 
 
-class WatchRequest(_Msg, frozen=True, kw_only=True):
+class WatchRequest(_Request, frozen=True, kw_only=True):
     """Long-poll for news on up to ``MAX_WATCH`` invocations.
 
     Returns at once when any item has new log chunks or is terminal, else waits up to
@@ -347,7 +386,7 @@ class LogEnd(_Msg, frozen=True, kw_only=True):
     log_count: int
 
 
-class CancelRequest(_Msg, frozen=True, kw_only=True):
+class CancelRequest(_Request, frozen=True, kw_only=True):
     """Cancel up to ``MAX_WATCH`` invocations at once (e.g. the rest of an interrupted map)."""
 
     ids: list[Id]
@@ -395,7 +434,7 @@ class ClusterInfo(_Msg, frozen=True, kw_only=True):
     shared_ttl_s: float | None = None
 
 
-class GpuInfo(_Msg, frozen=True, kw_only=True):
+class GpuInfo(_Request, frozen=True, kw_only=True):
     index: Int32
     uuid: Name
     name: Name
@@ -406,7 +445,7 @@ class GpuInfo(_Msg, frozen=True, kw_only=True):
     nvlink_group: int | None = None
 
 
-class RegisterRequest(_Msg, frozen=True, kw_only=True):
+class RegisterRequest(_Request, frozen=True, kw_only=True):
     name: Name
     gpus: list[GpuInfo]
     cpu_slots: Int32
@@ -424,7 +463,7 @@ class RegisterResponse(_Msg, frozen=True, kw_only=True):
     shared_dir_id: str | None = None
 
 
-class Attempt(_Msg, frozen=True, kw_only=True):
+class Attempt(_Request, frozen=True, kw_only=True):
     """An invocation attempt the node holds: fenced by ``epoch``."""
 
     invocation_id: Id
@@ -458,7 +497,7 @@ class Assignment(_Msg, frozen=True, kw_only=True):
     arguments: bytes | None = None
 
 
-class GpuHealthReport(_Msg, frozen=True, kw_only=True):
+class GpuHealthReport(_Request, frozen=True, kw_only=True):
     """One GPU's health at a heartbeat (None where the GPU cannot say)."""
 
     index: Int32
@@ -471,7 +510,7 @@ class GpuHealthReport(_Msg, frozen=True, kw_only=True):
     critical: Name | None = None
 
 
-class HeartbeatRequest(_Msg, frozen=True, kw_only=True):
+class HeartbeatRequest(_Request, frozen=True, kw_only=True):
     """Renews the node's liveness and the leases of the attempts it still runs, and
     reports its GPUs' health."""
 
@@ -482,7 +521,7 @@ class HeartbeatRequest(_Msg, frozen=True, kw_only=True):
     warm: list[WarmWorker] = msgspec.field(default_factory=list)
 
 
-class WarmWorker(_Msg, frozen=True, kw_only=True):
+class WarmWorker(_Request, frozen=True, kw_only=True):
     owner: Name
     function: Name
 
@@ -509,7 +548,7 @@ class HeartbeatResponse(_Msg, frozen=True, kw_only=True):
     preempt: list[Preemption] = msgspec.field(default_factory=list)
 
 
-class PollRequest(_Msg, frozen=True, kw_only=True):
+class PollRequest(_Request, frozen=True, kw_only=True):
     running: list[Attempt]
     timeout_s: float = 20.0
     #: Attempts of ``running`` already being preempted: not news, so not answered again.
@@ -522,23 +561,23 @@ class PollResponse(_Msg, frozen=True, kw_only=True):
     preempt: list[Preemption] = msgspec.field(default_factory=list)
 
 
-class StartRequest(_Msg, frozen=True, kw_only=True):
+class StartRequest(_Request, frozen=True, kw_only=True):
     epoch: Int32
 
 
-class ReleaseRequest(_Msg, frozen=True, kw_only=True):
+class ReleaseRequest(_Request, frozen=True, kw_only=True):
     """Hand an attempt back unrun-to-the-end (the nodelet is stopping): the call is queued
     again at once and the attempt does not count against its retries."""
 
     epoch: Int32
 
 
-class NodeLogChunk(_Msg, frozen=True, kw_only=True):
+class NodeLogChunk(_Request, frozen=True, kw_only=True):
     stream: Stream
     data: bytes
 
 
-class LogsRequest(_Msg, frozen=True, kw_only=True):
+class LogsRequest(_Request, frozen=True, kw_only=True):
     """Log chunks of one attempt. ``first_seq`` numbers the first chunk of this batch within
     the attempt (from 0), so a retried request never appends a chunk twice."""
 
@@ -547,7 +586,7 @@ class LogsRequest(_Msg, frozen=True, kw_only=True):
     chunks: list[NodeLogChunk]
 
 
-class CompleteRequest(_Msg, frozen=True, kw_only=True):
+class CompleteRequest(_Request, frozen=True, kw_only=True):
     epoch: Int32
     state: Literal["succeeded", "failed", "timed_out", "cancelled"]
     error_kind: ErrorKind | None = None
@@ -572,7 +611,7 @@ class CompleteRequest(_Msg, frozen=True, kw_only=True):
 # ------------------------------------------------------------- worker process (nodelet <-> worker)
 
 
-class WorkerTask(_Msg, frozen=True, kw_only=True):
+class WorkerTask(_Request, frozen=True, kw_only=True):
     """What the nodelet hands a worker process on its stdin (msgpack, length-prefixed)."""
 
     invocation_id: str
@@ -604,7 +643,7 @@ class WorkerTask(_Msg, frozen=True, kw_only=True):
     end_marker: bytes = b""
 
 
-class RunAs(_Msg, frozen=True, kw_only=True):
+class RunAs(_Request, frozen=True, kw_only=True):
     """The Unix account a worker switches to before it loads a call (it cannot switch back:
     such a worker serves that account only)."""
 
@@ -615,7 +654,7 @@ class RunAs(_Msg, frozen=True, kw_only=True):
     home: str = "/"
 
 
-class WorkerOutcome(_Msg, frozen=True, kw_only=True):
+class WorkerOutcome(_Request, frozen=True, kw_only=True):
     """What the worker leaves at ``result_path`` (msgpack). ``result`` is the pickled return
     value on success and the pickled exception on failure (None when it could not be pickled)."""
 

@@ -117,7 +117,7 @@ async def register(request: Request) -> Response:
     return reply(row.info, 201 if created else 200)
 
 
-def _spec(resources: wire.FunctionResources) -> wire.CallSpec:
+def _spec(resources: wire.FunctionResourcesInfo) -> wire.CallSpec:
     return wire.CallSpec(
         gpus=resources.gpus,
         gpu_model=resources.gpu_model,

@@ -50,8 +50,9 @@ STRING_RULE = (
 async def body(request: Request, type_: type[T]) -> T:
     """Decode a JSON body as ``type_``. A body of another Content-Type gets 415, one over
     ``max_json_body`` 413 (decided before it is all read), one that is not JSON 400
-    (``malformed_json``), and JSON that is not a ``type_`` 422 (``invalid_body``, or
-    ``invalid_string`` for strings PostgreSQL cannot store)."""
+    (``malformed_json``), and JSON that is not a ``type_`` 422 (``invalid_body``;
+    ``unknown_field`` for a field the message does not have, ``invalid_string`` for strings
+    PostgreSQL cannot store)."""
     require_json(request)
     limit = request.app.state.config.max_json_body
     declared = content_length(request)
@@ -67,7 +68,7 @@ async def body(request: Request, type_: type[T]) -> T:
     try:
         result: T = _decoder(type_).decode(data)  # type: ignore[arg-type]
     except msgspec.ValidationError as exc:
-        raise _invalid(exc) from None
+        raise _not_json(data) or _invalid(exc) from None
     except msgspec.DecodeError as exc:
         raise _undecodable(data, exc) from None
     except RecursionError:
@@ -83,14 +84,51 @@ def _json_too_big(limit: int) -> PayloadTooLarge:
     )
 
 
+def _not_json(data: bytearray) -> ApiError | None:
+    """The 400 (or 422 ``invalid_string``) of a body that is not JSON at all, else None.
+    msgspec stops at the first value that is not the message's, before it has read the rest:
+    ``{"calls": [{"gpuz": 1},`` is refused for ``gpuz``, though it is cut short."""
+    try:
+        msgspec.json.decode(data)
+    except msgspec.ValidationError:
+        return None  # JSON, with a number no float can hold: the message's error stands
+    except msgspec.DecodeError as exc:
+        return _undecodable(data, exc)
+    except RecursionError:
+        return BadRequest("malformed JSON body: nested too deeply", code="malformed_json")
+    return None
+
+
+#: msgspec's error for a field a strict message (wire._Request) does not have.
+_UNKNOWN_FIELD = re.compile(
+    r"Object contains unknown field `(?P<field>.*?)`(?: - at `(?P<at>[^`]*)`)?", re.DOTALL
+)
+#: How much of an unknown field's name a problem repeats.
+_FIELD_SHOWN = 100
+
+
 def _invalid(exc: msgspec.ValidationError) -> Unprocessable:
     message = str(exc)
+    if unknown := _UNKNOWN_FIELD.fullmatch(message):
+        return _unknown_field(unknown["field"], unknown["at"] or "$")
     if message.startswith(f"Expected `str` matching regex {_NO_NUL!r}"):
         where = message.partition(" - at ")[2]
         return Unprocessable(
             f"invalid request body: {STRING_RULE} - at {where or '`$`'}", code="invalid_string"
         )
     return Unprocessable(f"invalid request body: {message}", code="invalid_body")
+
+
+def _unknown_field(field: str, at: str) -> Unprocessable:
+    if len(field) > _FIELD_SHOWN:
+        field = field[:_FIELD_SHOWN] + "..."
+    return Unprocessable(
+        f"invalid request body: unknown field `{field}` at `{at}.{field}`: the message has "
+        "no such field, and none is ignored. Remove it or fix its spelling (the fields of "
+        "every message are in the API contract, GET /openapi.yaml); a client newer than this "
+        "gateway needs the gateway upgraded first",
+        code="unknown_field",
+    )
 
 
 def _undecodable(data: bytearray, exc: msgspec.DecodeError) -> ApiError:

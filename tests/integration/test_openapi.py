@@ -69,6 +69,7 @@ HTTP_STRUCTS = [
     wire.UsageEntry,
     wire.WarmWorker,
     wire.FunctionResources,
+    wire.FunctionResourcesInfo,
     wire.FunctionRegistration,
     wire.FunctionInfo,
     wire.InvokeRequest,
@@ -153,13 +154,81 @@ def test_the_message_schemas_are_exactly_the_wire_structs() -> None:
     }
     # A new message must be added to HTTP_STRUCTS (and to the spec) or to NOT_HTTP.
     assert every_struct == set(HTTP_STRUCTS) | NOT_HTTP
+    generated = generated_schemas()
+    documented = load_spec()["components"]["schemas"]
+    regenerate = "regenerate them: .venv/bin/python -m tests.integration.test_openapi"
+    assert sorted(documented) == sorted(generated), regenerate
+    for name, schema in generated.items():
+        assert documented[name] == schema, (
+            f"components/schemas/{name} differs from wire.{name}; {regenerate}"
+        )
+
+
+def test_requests_refuse_unknown_fields_and_answers_ignore_them() -> None:
+    """What the gateway decodes from clients says ``additionalProperties: false`` (it answers
+    422 ``unknown_field``); what clients decode from the gateway does not, so that answers
+    may gain fields without breaking older sdks and nodelets (bulletin/wire.py)."""
+    spec = load_spec()
+    requests: set[str] = set()
+    for op in operations(spec).values():
+        media = op.get("requestBody", {}).get("content", {}).get("application/json")
+        if media is not None:
+            requests.add(media["schema"]["$ref"].rsplit("/", 1)[1])
+    assert requests, "no JSON request bodies found"
+    schemas = spec["components"]["schemas"]
+
+    def reached(name: str, seen: set[str]) -> set[str]:
+        found = {name} if schemas[name].get("type") == "object" else set()
+        seen.add(name)
+        for ref in re.findall(r"'\$ref': '#/components/schemas/(\w+)'", repr(schemas[name])):
+            if ref not in seen:
+                found |= reached(ref, seen)
+        return found
+
+    strict = set().union(*(reached(name, set()) for name in requests))
+    assert {"CallSpec", "GpuInfo", "Attempt", "FunctionResources", "WatchItem"} <= strict
+    for name, schema in schemas.items():
+        if schema.get("type") != "object":
+            continue
+        closed = schema.get("additionalProperties") is False
+        if name in strict:
+            assert closed, f"{name} is (in) a request: it must refuse unknown fields"
+        else:
+            assert not closed, f"{name} is only in answers: it must ignore unknown fields"
+
+
+def generated_schemas() -> dict[str, Any]:
     _, generated = msgspec.json.schema_components(
         HTTP_STRUCTS, ref_template="#/components/schemas/{name}"
     )
-    documented = load_spec()["components"]["schemas"]
-    assert sorted(documented) == sorted(generated)
-    for name, schema in generated.items():
-        assert documented[name] == schema, f"components/schemas/{name} differs from wire.{name}"
+    return generated
+
+
+class _SchemaDumper(yaml.SafeDumper):
+    """Block style for multi-line strings (the Structs' docstrings), as in the file."""
+
+
+_SchemaDumper.add_representer(
+    str,
+    lambda dumper, value: dumper.represent_scalar(
+        "tag:yaml.org,2002:str", value, style="|" if "\n" in value else None
+    ),
+)
+
+
+def regenerate() -> None:
+    """Rewrite openapi.yaml's components/schemas (the rest of it is written by hand) from the
+    wire Structs: ``python -m tests.integration.test_openapi``."""
+    lines = SPEC_PATH.read_text().splitlines(keepends=True)
+    start = lines.index("  schemas:\n") + 1
+    while lines[start].startswith("    #"):  # the note that they are generated
+        start += 1
+    end = start
+    while end < len(lines) and (lines[end].startswith("    ") or not lines[end].strip()):
+        end += 1
+    dumped = yaml.dump(generated_schemas(), Dumper=_SchemaDumper, sort_keys=False, width=100)
+    schemas = [f"    {line}" if line.strip() else line for line in dumped.splitlines(True)]
+    SPEC_PATH.write_text("".join(lines[:start] + schemas + lines[end:]))
 
 
 def test_every_operation_is_secured_and_every_error_is_a_problem() -> None:
@@ -461,3 +530,7 @@ def test_user_routes_answer_only_what_the_spec_documents(unlimited: Cluster) -> 
         ("PUT /v1/blobs (positive)", 201),
     ]:
         assert h.statuses[label][status] > 0, (label, h.statuses[label])
+
+
+if __name__ == "__main__":
+    regenerate()
