@@ -20,8 +20,14 @@ import msgspec
 # 2: the nodelet acts on Preemption orders; 3: JSON arguments; 4: calls run as their owner
 # (single-tenant nodes refuse untrusted users) and shared files live in per-user directories,
 # bound to their invocation. Older nodelets are refused: they ran every mapped call as root.
-PROTOCOL_VERSION = 4
-MIN_PROTOCOL_VERSION = 4
+# 5: node incarnations: every start of a nodelet registers anew and names its incarnation in
+# every later request (INCARNATION_HEADER); an earlier incarnation's requests are refused.
+PROTOCOL_VERSION = 5
+MIN_PROTOCOL_VERSION = 5
+
+#: The header in which a nodelet names its incarnation (RegisterResponse.incarnation) on
+#: every node route after registering.
+INCARNATION_HEADER = "Bulletin-Incarnation"
 
 #: Media type of the raw bodies of blob uploads and downloads.
 OCTET_STREAM = "application/octet-stream"
@@ -454,6 +460,9 @@ class RegisterRequest(_Request, frozen=True, kw_only=True):
 
 class RegisterResponse(_Msg, frozen=True, kw_only=True):
     node_id: int
+    #: This start of the nodelet: send it as INCARNATION_HEADER on every later request.
+    #: Attempts an earlier incarnation held were taken back when it registered.
+    incarnation: int
     lease_s: float
     heartbeat_s: float
     long_poll_s: float

@@ -30,6 +30,7 @@ from gateway import (
 )
 from gateway.config import GatewayConfig
 from gateway.errors import HANDLERS
+from gateway.expiry import Outages
 from gateway.hosts import AllowedHosts
 from gateway.notify import Hub
 
@@ -69,9 +70,10 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
         log.info("applied migrations: %s", ", ".join(applied))
     hub = Hub(config.database_url)
     app.state.pool, app.state.relaxed, app.state.hub = pool, relaxed, hub
+    outages = app.state.outages
     tasks = {
         "notify-hub": asyncio.create_task(hub.run(), name="notify-hub"),
-        "scheduler": asyncio.create_task(scheduling.run(hub, config), name="scheduler"),
+        "scheduler": asyncio.create_task(scheduling.run(hub, config, outages), name="scheduler"),
         "purge": asyncio.create_task(retention.purge_forever(config, pool), name="purge"),
     }
     if config.shared_dir:
@@ -105,4 +107,6 @@ def create_app(config: GatewayConfig) -> Starlette:
         lifespan=lifespan,
     )
     app.state.config = config
+    # When this gateway last found its database unavailable (the scheduler holds expiry).
+    app.state.outages = Outages()
     return app

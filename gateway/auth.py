@@ -13,8 +13,9 @@ import secrets
 
 from starlette.requests import Request
 
+from bulletin import wire
 from gateway import badtokens, db, ratelimit
-from gateway.errors import Forbidden, Unauthorized
+from gateway.errors import Conflict, Forbidden, Unauthorized, Unprocessable
 
 USER_PREFIX = "bu_"
 NODE_PREFIX = "bn_"
@@ -87,9 +88,34 @@ async def user_id(request: Request) -> int:
 
 
 async def node_id(request: Request) -> int:
-    found = await principal(request, "node")
+    """The caller's node, whose current incarnation the request must name (see :func:`node`)."""
+    found = await node(request)
     assert found.node_id is not None
     return found.node_id
+
+
+async def node(request: Request) -> db.Principal:
+    """The caller, a node whose current incarnation the request must name (409 otherwise:
+    an earlier start of the nodelet is still running, and must stop). A request that waits
+    (a long-poll) must check it again where it acts: a new start may register meanwhile."""
+    found = await principal(request, "node")
+    assert found.node_id is not None
+    named = request.headers.get(wire.INCARNATION_HEADER)
+    if named is None:
+        raise Unprocessable(
+            f"send the {wire.INCARNATION_HEADER} header that registration answered: this "
+            f"gateway needs nodelet protocol {wire.MIN_PROTOCOL_VERSION} or newer; upgrade "
+            "the nodelet",
+            code="incarnation_missing",
+        )
+    if named != str(found.incarnation):
+        raise Conflict(
+            f"node {found.name!r} was registered again (incarnation {found.incarnation}) "
+            f"since this nodelet registered (incarnation {named}): another start "
+            "of it replaced this one, which must stop; what it held was taken back",
+            code="superseded",
+        )
+    return found
 
 
 async def admin(request: Request) -> db.Principal:

@@ -29,6 +29,17 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     recheck_s: float = 1.0
     #: The scheduler plans at least this often even without a notification.
     schedule_interval_s: float = 1.0
+    #: When at least this share of the nodes that hold calls stop renewing their leases at
+    #: once (and at least silent_min_nodes of them), the fault is taken to be the network's
+    #: or the control plane's, not every node's: no lease is expired for silent_hold_s.
+    silent_fraction: float = 0.5
+    #: The fewest silent nodes that count as "most nodes went silent at once".
+    silent_min_nodes: int = 2
+    #: How long such a silence holds expiry back before it resumes at the capped rate.
+    silent_hold_s: float = 300.0
+    #: The most expired leases taken back in one scheduling round (requeued, or failed
+    #: node_lost): a burst of expiries is spread over rounds instead of requeued at once.
+    max_expiries_per_round: int = 20
     #: Payloads and results up to this size travel inline; larger ones as streamed blobs.
     inline_limit: int = 1 << 20
     #: Largest JSON request body accepted.
@@ -109,6 +120,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
             "long_poll_s",
             "recheck_s",
             "schedule_interval_s",
+            "silent_hold_s",
             "shared_ttl_s",
             "fair_share_half_life_s",
             "max_wait_s",
@@ -119,6 +131,12 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"gateway setting {name} must be a positive number of seconds")
+        if not 0 < self.silent_fraction <= 1:
+            raise ValueError("silent_fraction must be above 0 and at most 1 (a share of nodes)")
+        if self.silent_min_nodes < 1:
+            raise ValueError("silent_min_nodes must be at least 1 node")
+        if self.max_expiries_per_round < 1:
+            raise ValueError("max_expiries_per_round must be at least 1")
         if self.preemption_grace_s < 0:
             raise ValueError("preemption_grace_s must be 0 or more seconds")
         if self.fair_starve_after_s < 0:

@@ -28,7 +28,8 @@ CHANNEL = "bulletin_events"
 #: The first nodelet protocol that acts on preemption orders.
 PREEMPTING_PROTOCOL = 2
 #: Nodelets older than this are never given work, even if they registered with an older
-#: gateway and still poll: they ran a mapped node's calls as root (wire.MIN_PROTOCOL_VERSION).
+#: gateway and still poll (wire.MIN_PROTOCOL_VERSION): before protocol 4 they ran a mapped
+#: node's calls as root, before 5 they had no incarnation (their node requests are refused).
 SAFE_PROTOCOL = wire.MIN_PROTOCOL_VERSION
 _LEASED = ("assigned", "running")
 
@@ -151,6 +152,8 @@ class Principal:
     is_admin: bool = False
     #: A user's group (the quota unit); "" for a node.
     group: str = ""
+    #: A node's current incarnation (0 for a user).
+    incarnation: int = 0
 
 
 async def create_user(
@@ -260,7 +263,8 @@ async def revoke_token(conn: Conn, token_id: int) -> bool:
 async def lookup_token(conn: Conn, token_hash: bytes) -> Principal | None:
     row = await conn.fetchrow(
         "SELECT t.kind, t.user_id, t.node_id, coalesce(u.name, n.name) AS name,"
-        " coalesce(u.is_admin, false) AS is_admin, coalesce(u.group_name, '') AS group_name"
+        " coalesce(u.is_admin, false) AS is_admin, coalesce(u.group_name, '') AS group_name,"
+        " coalesce(n.incarnation, 0) AS incarnation"
         " FROM tokens t LEFT JOIN users u ON u.id = t.user_id"
         " LEFT JOIN nodes n ON n.id = t.node_id WHERE t.token_hash = $1"
         " AND t.revoked_at IS NULL AND (t.expires_at IS NULL OR t.expires_at > clock_timestamp())",
@@ -269,22 +273,47 @@ async def lookup_token(conn: Conn, token_hash: bytes) -> Principal | None:
     if row is None:
         return None
     return Principal(
-        row["kind"], row["user_id"], row["node_id"], row["name"], row["is_admin"], row["group_name"]
+        row["kind"],
+        row["user_id"],
+        row["node_id"],
+        row["name"],
+        row["is_admin"],
+        row["group_name"],
+        row["incarnation"],
     )
 
 
 async def register_node(
-    conn: Conn, node_id: int, gpus: list[wire.GpuInfo], cpu_slots: int, protocol_version: int
-) -> None:
-    await conn.execute(
-        "UPDATE nodes SET gpus = $2::jsonb, cpu_slots = $3, protocol_version = $4,"
-        " registered_at = clock_timestamp(), last_heartbeat = clock_timestamp() WHERE id = $1",
-        node_id,
-        msgspec.json.encode(gpus).decode(),
-        cpu_slots,
-        protocol_version,
-    )
-    await _notify(conn, "q")
+    conn: asyncpg.Connection,
+    node_id: int,
+    gpus: list[wire.GpuInfo],
+    cpu_slots: int,
+    protocol_version: int,
+) -> tuple[int, list[tuple[str, str]]]:
+    """A new incarnation of the node (a nodelet started): returns its number, and what its
+    earlier incarnations held (``(invocation_id, new_state)``), taken back in the same
+    transaction. Nothing leased to an earlier incarnation is delivered to this one: it went
+    back to the queue with its attempt counted (or failed ``node_lost``), and the next
+    assignment moves its epoch on."""
+    async with conn.transaction():
+        incarnation = await conn.fetchval(
+            "UPDATE nodes SET gpus = $2::jsonb, cpu_slots = $3, protocol_version = $4,"
+            " incarnation = incarnation + 1, registered_at = clock_timestamp(),"
+            " last_heartbeat = clock_timestamp() WHERE id = $1 RETURNING incarnation",
+            node_id,
+            msgspec.json.encode(gpus).decode(),
+            cpu_slots,
+            protocol_version,
+        )
+        taken = await _take_back(
+            conn,
+            "node_id = $1",
+            "the nodelet running this call restarted, and what it ran was lost (node lost)",
+            node_id,
+            skip_locked=False,
+        )
+        await _notify(conn, "q")
+    return int(incarnation), taken
 
 
 async def registered_nodes(conn: Conn) -> list[NodeRow]:
@@ -832,40 +861,141 @@ async def notify_nodes(conn: Conn, node_ids: Iterable[int]) -> None:
 
 
 async def expire_leases(
-    conn: asyncpg.Connection, preempt_overdue_s: float | None = None
+    conn: asyncpg.Connection, preempt_overdue_s: float | None = None, most: int | None = None
 ) -> list[tuple[str, str]]:
-    """Return attempts whose lease ran out to the queue (epoch moves on at the next
-    assignment) while retries remain, else fail them as ``node_lost``. An attempt being
-    preempted is queued again without using a retry, as if handed back; so is one whose
+    """Return at most ``most`` attempts whose lease ran out to the queue (epoch moves on at
+    the next assignment) while retries remain, else fail them as ``node_lost``. An attempt
+    being preempted is queued again without using a retry, as if handed back; so is one whose
     preemption is more than ``preempt_overdue_s`` old (its node never handed it back: it
     sees it revoked). Returns (invocation_id, new_state) pairs."""
     overdue = 1e9 if preempt_overdue_s is None else preempt_overdue_s
     async with conn.transaction():
-        rows = await conn.fetch(
-            "WITH expired AS (SELECT id, preempt_at IS NOT NULL AS preempted FROM invocations"
-            "  WHERE state IN ('assigned', 'running') AND (lease_expires_at < clock_timestamp()"
-            "   OR preempt_at < clock_timestamp() - make_interval(secs => $1))"
-            "  FOR UPDATE SKIP LOCKED),"
-            " e AS (SELECT i.id, e.preempted OR i.attempts <= i.max_retries AS requeue,"
-            "  e.preempted FROM invocations i JOIN expired e ON e.id = i.id)"
-            " UPDATE invocations i SET"
-            "  state = CASE WHEN e.requeue THEN 'queued' ELSE 'failed' END,"
-            "  attempts = i.attempts - e.preempted::int,"
-            "  preemptions = i.preemptions + e.preempted::int,"
-            "  error_kind = CASE WHEN e.requeue THEN NULL ELSE 'node_lost' END,"
-            "  error_message = CASE WHEN e.requeue THEN NULL ELSE"
-            "   'the node running this call stopped renewing its lease (node lost) after '"
-            "   || i.attempts || ' attempt(s); raise max_retries to retry more' END,"
-            "  finished_at = CASE WHEN e.requeue THEN NULL ELSE clock_timestamp() END,"
-            "  scheduled_at = CASE WHEN e.requeue THEN NULL ELSE i.scheduled_at END,"
-            "  node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL,"
-            "  borrowed = false, preempt_at = NULL"
-            " FROM e WHERE i.id = e.id RETURNING i.id, i.state",
+        return await _take_back(
+            conn,
+            "lease_expires_at < clock_timestamp()"
+            " OR preempt_at < clock_timestamp() - make_interval(secs => $1)",
+            "the node running this call stopped renewing its lease (node lost)",
             overdue,
+            most=most,
         )
-        if rows:
-            await _notify(conn, *(f"i:{r['id']}" for r in rows), "q")
+
+
+async def overdue_leases(conn: Conn) -> int:
+    """How many held attempts' leases ran out."""
+    return int(
+        await conn.fetchval(
+            "SELECT count(*) FROM invocations WHERE state IN ('assigned', 'running')"
+            " AND lease_expires_at < clock_timestamp()"
+        )
+    )
+
+
+async def holding_nodes(conn: Conn, silent_s: float) -> tuple[int, int]:
+    """How many nodes hold attempts (assigned or running), and how many of those have not
+    been heard from for ``silent_s`` (or left)."""
+    row = await conn.fetchrow(
+        "SELECT count(DISTINCT i.node_id) AS holding, count(DISTINCT i.node_id) FILTER"
+        "  (WHERE n.last_heartbeat IS NULL"
+        "   OR n.last_heartbeat < clock_timestamp() - make_interval(secs => $1)) AS silent"
+        " FROM invocations i JOIN nodes n ON n.id = i.node_id"
+        " WHERE i.state IN ('assigned', 'running')",
+        silent_s,
+    )
+    assert row is not None
+    return int(row["holding"]), int(row["silent"])
+
+
+async def extend_leases(conn: Conn, lease_s: float) -> int:
+    """Give every held attempt at least a full lease from now: while the database was away
+    no node could renew, and none may lose its work for that. Returns how many."""
+    status = await conn.execute(
+        "UPDATE invocations SET lease_expires_at = clock_timestamp() + make_interval(secs => $1)"
+        " WHERE state IN ('assigned', 'running')"
+        "  AND lease_expires_at < clock_timestamp() + make_interval(secs => $1)",
+        lease_s,
+    )
+    return int(status.split()[-1])
+
+
+async def _take_back(
+    conn: asyncpg.Connection,
+    where: str,
+    lost: str,
+    arg: object,
+    *,
+    most: int | None = None,
+    skip_locked: bool = True,
+) -> list[tuple[str, str]]:
+    """Take back the held attempts matching ``where`` (SQL on ``invocations``, ``$1`` being
+    ``arg``): requeue those being preempted without using a retry, the others while retries
+    remain; fail the rest ``node_lost``, saying ``lost`` (what happened to the node) first.
+    At most ``most``, those expired longest first (a literal LIMIT: see _queued_sql). Each
+    call's log says what happened (:func:`_note`). The caller holds a transaction."""
+    limit = "" if most is None else f" ORDER BY lease_expires_at LIMIT {int(most)}"
+    rows = await conn.fetch(
+        "WITH lost AS (SELECT id, preempt_at IS NOT NULL AS preempted FROM invocations"
+        f"  WHERE state IN ('assigned', 'running') AND ({where}){limit}"
+        f"  FOR UPDATE{' SKIP LOCKED' if skip_locked else ''}),"
+        " e AS (SELECT i.id, e.preempted OR i.attempts <= i.max_retries AS requeue,"
+        "  e.preempted FROM invocations i JOIN lost e ON e.id = i.id)"
+        " UPDATE invocations i SET"
+        "  state = CASE WHEN e.requeue THEN 'queued' ELSE 'failed' END,"
+        "  attempts = i.attempts - e.preempted::int,"
+        "  preemptions = i.preemptions + e.preempted::int,"
+        "  error_kind = CASE WHEN e.requeue THEN NULL ELSE 'node_lost' END,"
+        "  error_message = CASE WHEN e.requeue THEN NULL ELSE $2"
+        "   || ' after ' || i.attempts || ' attempt(s); raise max_retries to retry more' END,"
+        "  finished_at = CASE WHEN e.requeue THEN NULL ELSE clock_timestamp() END,"
+        "  scheduled_at = CASE WHEN e.requeue THEN NULL ELSE i.scheduled_at END,"
+        "  node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL,"
+        "  borrowed = false, preempt_at = NULL"
+        " FROM e WHERE i.id = e.id"
+        " RETURNING i.id, i.state, e.preempted, i.preempt_reason, i.attempts, i.max_retries",
+        arg,
+        lost,
+    )
+    if rows:
+        await _note(conn, [(str(r["id"]), _requeue_note(r, lost)) for r in rows])
+        await _notify(conn, *(f"i:{r['id']}" for r in rows), "q")
     return [(str(r["id"]), r["state"]) for r in rows]
+
+
+def _requeue_note(row: asyncpg.Record, lost: str) -> str:
+    """What a call's log says when its attempt was taken back."""
+    if row["preempted"]:
+        return _preempted_note(row["preempt_reason"])
+    if row["state"] == "queued":
+        return (
+            f"{lost}: queued again to run from the start (attempt {row['attempts'] + 1} of "
+            f"at most {row['max_retries'] + 1})"
+        )
+    return f"{lost}: no retries left (max_retries={row['max_retries']}); the call failed"
+
+
+def _preempted_note(reason: str | None) -> str:
+    why = f" ({reason})" if reason else ""
+    return f"preempted{why}: stopped and queued again; this run does not count as an attempt"
+
+
+#: Bulletin's own lines in a call's log (stderr) start with this.
+NOTE_PREFIX = "[bulletin] "
+
+
+async def _note(conn: asyncpg.Connection, notes: Sequence[tuple[str, str]]) -> None:
+    """Append a line of Bulletin's own to each call's log (``(invocation_id, text)``), after
+    whatever its attempts wrote. The caller holds the calls' rows locked (updated in its
+    transaction), as log appends do."""
+    await conn.execute(
+        "WITH c AS (UPDATE invocations i SET log_count = i.log_count + 1"
+        "  FROM unnest($1::uuid[], $2::text[]) AS n(id, text) WHERE i.id = n.id"
+        "  RETURNING i.id, i.log_count, n.text)"
+        " INSERT INTO invocation_logs (invocation_id, n, stream, data)"
+        " SELECT id, log_count, $3, convert_to($4 || text || chr(10), 'UTF8') FROM c",
+        [uuid.UUID(i) for i, _ in notes],
+        [text for _, text in notes],
+        int(wire.Stream.STDERR),
+        NOTE_PREFIX,
+    )
 
 
 # -------------------------------------------------------------------- groups, quotas, usage
@@ -1165,43 +1295,35 @@ async def stop_orders(conn: Conn, node_id: int, running: Sequence[wire.Attempt])
 
 
 async def deliver(
-    conn: Conn, node_id: int, running: Sequence[wire.Attempt], inline_limit: int, lease_s: float
+    conn: Conn,
+    node_id: int,
+    incarnation: int,
+    running: Sequence[wire.Attempt],
+    inline_limit: int,
+    lease_s: float,
 ) -> list[wire.Assignment]:
-    """Assigned work of this node that it does not already run. Redelivered until the node
-    starts it, so a lost poll answer loses nothing. Delivery renews the lease: the node starts
-    its own lease clock on receipt, and must never believe in more lease than it has."""
+    """Assigned work of this node that it does not already run, if ``incarnation`` is still
+    the node's (a poll that waited while a new start registered gets nothing). Redelivered
+    until the node starts it, so a lost poll answer loses nothing. Delivery renews the lease:
+    the node starts its own lease clock on receipt, and must never believe in more lease than
+    it has."""
     rows = await conn.fetch(
-        # A nodelet older than SAFE_PROTOCOL (registered with an older gateway, still polling)
-        # would run the call as root on a mapped node: what was assigned to it before the
-        # upgrade fails at once, saying why, and it gets nothing more (live_nodes).
-        "WITH old AS (UPDATE invocations i SET state = 'failed', error_kind = 'version_skew',"
-        "  error_type = 'VersionSkew', error_message = 'node ' || n.name || ' runs a nodelet"
-        f" older than protocol {SAFE_PROTOCOL}, which this gateway no longer trusts to run"
-        " calls: upgrade it',"
-        "  finished_at = clock_timestamp(), lease_expires_at = NULL FROM nodes n"
-        f"  WHERE n.id = $1 AND n.protocol_version < {SAFE_PROTOCOL} AND i.node_id = $1"
-        "  AND i.state = 'assigned' RETURNING i.id),"
-        " woken AS (SELECT pg_notify($6, 'i:' || id) FROM old"
-        "  UNION ALL SELECT pg_notify($6, 'q') WHERE EXISTS (SELECT 1 FROM old)),"
-        " delivered AS (UPDATE invocations i"
-        "  SET delivered_at = coalesce(i.delivered_at, clock_timestamp()),"
+        "UPDATE invocations i SET delivered_at = coalesce(i.delivered_at, clock_timestamp()),"
         " lease_expires_at = clock_timestamp() + make_interval(secs => $5)"
         " FROM users u"
         " WHERE u.id = i.owner_id AND i.node_id = $1 AND i.state = 'assigned'"
-        "  AND i.id NOT IN (SELECT id FROM old)"
+        "  AND EXISTS (SELECT 1 FROM nodes n WHERE n.id = $1 AND n.incarnation = $6)"
         "  AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)"
         "   WHERE a.id = i.id AND a.epoch = i.epoch)"
         " RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,"
         "  i.owner_id, i.payload_file, i.arguments, i.function_owner,"
         "  u.name AS owner_name, u.is_admin AS owner_admin,"
-        "  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload)"
-        # Reading `woken` (always, even when nothing is delivered) sends its notifications.
-        " SELECT d.* FROM (SELECT count(*) FROM woken) w LEFT JOIN delivered d ON true",
+        "  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload",
         node_id,
         *_attempt_arrays(running),
         inline_limit,
         lease_s,
-        CHANNEL,
+        incarnation,
     )
     return [
         wire.Assignment(
@@ -1220,7 +1342,6 @@ async def deliver(
             arguments=None if r["arguments"] is None else bytes(r["arguments"]),
         )
         for r in rows
-        if r["id"] is not None
     ]
 
 
@@ -1246,18 +1367,28 @@ async def release(conn: asyncpg.Connection, node_id: int, invocation_id: str, ep
     """Requeue an attempt its node hands back (it is stopping) without counting it against
     the call's retries; the next assignment moves the epoch on. False if stale."""
     async with conn.transaction():
-        status = await conn.execute(
-            "UPDATE invocations i SET state = 'queued', attempts = i.attempts - 1,"
-            " node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL,"
-            " delivered_at = NULL, started_at = NULL, scheduled_at = NULL, borrowed = false,"
-            " preemptions = i.preemptions + (i.preempt_at IS NOT NULL)::int, preempt_at = NULL"
-            f" WHERE {_FENCE}",
+        row = await conn.fetchrow(
+            "SELECT i.preempt_at IS NOT NULL AS preempted, i.preempt_reason"
+            f" FROM invocations i WHERE {_FENCE} FOR UPDATE",
             uuid.UUID(invocation_id),
             node_id,
             epoch,
         )
-        if not status.endswith(" 1"):
+        if row is None:
             return False
+        await conn.execute(
+            "UPDATE invocations i SET state = 'queued', attempts = i.attempts - 1,"
+            " node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL,"
+            " delivered_at = NULL, started_at = NULL, scheduled_at = NULL, borrowed = false,"
+            " preemptions = i.preemptions + (i.preempt_at IS NOT NULL)::int, preempt_at = NULL"
+            " WHERE i.id = $1",
+            uuid.UUID(invocation_id),
+        )
+        if row["preempted"]:
+            note = _preempted_note(row["preempt_reason"])
+        else:
+            note = "its node is stopping: queued again; this run does not count as an attempt"
+        await _note(conn, [(invocation_id, note)])
         await _notify(conn, f"i:{invocation_id}", "q")
     return True
 
@@ -1310,8 +1441,7 @@ async def attempt_owner_name(
     """The user name of the owner of a fenced attempt (its shared files are named after
     them); None if stale."""
     value = await conn.fetchval(
-        "SELECT u.name FROM invocations i JOIN users u ON u.id = i.owner_id"
-        f" WHERE {_FENCE}",
+        f"SELECT u.name FROM invocations i JOIN users u ON u.id = i.owner_id WHERE {_FENCE}",
         uuid.UUID(invocation_id),
         node_id,
         epoch,

@@ -169,6 +169,7 @@ async def on_database_unavailable(request: Request, exc: Exception) -> Response:
     if isinstance(exc, OSError) and not _is_connection_failure(exc):
         return await on_unexpected(request, exc)
     log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
+    request.app.state.outages.note()  # the scheduling leader holds expiry (gateway/expiry.py)
     error = ServiceUnavailable(
         f"the database is unavailable; retry in {DATABASE_RETRY_AFTER_S} s or more",
         retry_after=DATABASE_RETRY_AFTER_S,

@@ -25,6 +25,7 @@ from bulletin import wire
 from gateway import auth, db, idempotency, invocations
 from gateway.errors import NotFound, PayloadTooLarge, Unprocessable
 from gateway.http import JSON, body, checked, reply, room_for_calls
+from gateway.notify import GatewayStopping
 
 FUNCTION_NAME_RULE = f"not a function name: {wire.SLUG_RULE}"
 
@@ -228,7 +229,10 @@ async def answer(
             remaining = deadline - time.monotonic()
             if found.state.terminal or remaining <= 0:
                 break
-            await sub.wait(min(remaining, config.recheck_s))
+            try:
+                await sub.wait(min(remaining, config.recheck_s))
+            except GatewayStopping:
+                break  # 202 with its Location: the invocation exists, poll it there
     location = f"/v1/invocations/{invocation_id}"
     if found.state.terminal:
         [found] = await invocations.fetched(request, owner, [found])

@@ -60,6 +60,7 @@ from gateway import db
 from gateway.errors import BadRequest
 from gateway.http import int_param
 from gateway.invocations import _one, reader
+from gateway.notify import GatewayStopping
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,8 @@ async def _events(
                         quiet_since, quiet = time.monotonic(), 0.0
                     await sub.wait(min(config.recheck_s, keepalive - quiet))
                 known = found[0]
+    except GatewayStopping:
+        return  # the stream just ends: the client resumes from its last event id
     finally:
         log.debug("log stream of %s closed after chunk %d", known.id, sent)
 

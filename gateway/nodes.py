@@ -3,6 +3,7 @@ to its own node; every write is fenced by ``(invocation_id, epoch)`` (409 when s
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -16,6 +17,8 @@ from gateway import auth, db
 from gateway.errors import Conflict, NotFound, Unprocessable
 from gateway.http import body, int_param, reply, store_blob, stream_blob
 from gateway.invocations import valid_id
+
+log = logging.getLogger(__name__)
 
 STALE = (
     "this attempt is not leased to your node at this epoch (cancelled, expired, reassigned, "
@@ -40,13 +43,22 @@ async def register(request: Request) -> Response:
     if req.cpu_slots < 0:
         raise Unprocessable("cpu_slots must be 0 or more")
     assert node.node_id is not None
-    await db.register_node(
-        request.app.state.pool, node.node_id, req.gpus, req.cpu_slots, req.protocol_version
-    )
+    async with request.app.state.pool.acquire() as conn:
+        incarnation, taken = await db.register_node(
+            conn, node.node_id, req.gpus, req.cpu_slots, req.protocol_version
+        )
+    if taken:
+        log.warning(
+            "node %s registered again (incarnation %d): took back what it held before: %s",
+            node.name,
+            incarnation,
+            ", ".join(f"{i}->{state}" for i, state in taken),
+        )
     config = request.app.state.config
     return reply(
         wire.RegisterResponse(
             node_id=node.node_id,
+            incarnation=incarnation,
             lease_s=config.lease_s,
             heartbeat_s=config.heartbeat_s,
             long_poll_s=config.long_poll_s,
@@ -101,7 +113,9 @@ def _preemptions(
 
 async def poll(request: Request) -> Response:
     """Long-poll for new assignments and revocations of this node."""
-    node_id = await auth.node_id(request)
+    node = await auth.node(request)
+    node_id, incarnation = node.node_id, node.incarnation
+    assert node_id is not None
     req = await body(request, wire.PollRequest)
     config, pool = request.app.state.config, request.app.state.pool
     relaxed = request.app.state.relaxed
@@ -111,7 +125,7 @@ async def poll(request: Request) -> Response:
             orders = await db.stop_orders(pool, node_id, req.running)
             preempt = _preemptions(request, orders.preempt, req.preempting)
             work = await db.deliver(
-                relaxed, node_id, req.running, config.inline_limit, config.lease_s
+                relaxed, node_id, incarnation, req.running, config.inline_limit, config.lease_s
             )
             remaining = deadline - time.monotonic()
             if work or orders.revoked or preempt or remaining <= 0:

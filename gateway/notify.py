@@ -14,16 +14,37 @@ from collections.abc import AsyncIterator, Iterable
 import asyncpg
 
 from gateway.db import CHANNEL
+from gateway.errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
 
-class Subscription:
+#: What a client whose long-poll the stopping gateway ended waits before it retries.
+STOPPING_RETRY_AFTER_S = 1
+
+
+class GatewayStopping(ServiceUnavailable):
+    """This gateway is stopping: a long-poll ends with 503 and Retry-After, and the client
+    asks again (another replica, or this one restarted)."""
+
     def __init__(self) -> None:
+        super().__init__(
+            f"this gateway is stopping; retry in {STOPPING_RETRY_AFTER_S} s (nothing was lost)",
+            retry_after=STOPPING_RETRY_AFTER_S,
+            code="gateway_stopping",
+        )
+
+
+class Subscription:
+    def __init__(self, hub: Hub, stoppable: bool) -> None:
         self.event = asyncio.Event()
+        self._hub = hub
+        self._stoppable = stoppable
 
     async def wait(self, timeout: float) -> bool:
-        """Wait for a notification or ``timeout``; True if woken. Clears for the next wait."""
+        """Wait for a notification or ``timeout``; True if woken. Clears for the next wait.
+        Raises GatewayStopping once the gateway stops (a stoppable subscription)."""
+        self._check()
         try:
             await asyncio.wait_for(self.event.wait(), max(timeout, 0))
             return True
@@ -31,6 +52,11 @@ class Subscription:
             return False
         finally:
             self.event.clear()
+            self._check()
+
+    def _check(self) -> None:
+        if self._stoppable and self._hub.stopping:
+            raise GatewayStopping()
 
 
 class Hub:
@@ -40,6 +66,14 @@ class Hub:
         self._url = database_url
         self._waiters: dict[str, set[Subscription]] = defaultdict(set)
         self._conn: asyncpg.Connection | None = None
+        #: The gateway is stopping: waiting requests end (GatewayStopping).
+        self.stopping = False
+
+    def stop_waiters(self) -> None:
+        """End every request's wait now (they answer 503 with Retry-After, or end their
+        stream), so a stopping gateway closes its long-polls instead of having them cut."""
+        self.stopping = True
+        self._wake_all()
 
     async def run(self) -> None:
         """Keep a listening connection up until cancelled; reconnects with backoff."""
@@ -78,9 +112,13 @@ class Hub:
                 sub.event.set()
 
     @contextlib.asynccontextmanager
-    async def subscribe(self, keys: Iterable[str]) -> AsyncIterator[Subscription]:
-        """Register before reading the tables, so a change between read and wait still wakes."""
-        sub = Subscription()
+    async def subscribe(
+        self, keys: Iterable[str], *, stoppable: bool = True
+    ) -> AsyncIterator[Subscription]:
+        """Register before reading the tables, so a change between read and wait still wakes.
+        A request's subscription is ``stoppable`` (see :meth:`stop_waiters`); the gateway's
+        own loops are stopped by cancellation."""
+        sub = Subscription(self, stoppable)
         keys = list(keys)
         for key in keys:
             self._waiters[key].add(sub)

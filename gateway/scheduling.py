@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 import asyncpg
 
-from gateway import db
+from gateway import db, expiry
 from gateway.config import GatewayConfig
+from gateway.expiry import Outages
 from gateway.notify import Hub
 from scheduler import Gpu, NodeCapacity, Pending, Quota, Running, Snapshot, placement
 
@@ -154,19 +155,86 @@ async def plan_round(
     return len(placed) + len(preempted) + (1 if result.more else 0)
 
 
-async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig) -> None:
-    """Plan whenever woken by a notification, and at least every schedule_interval_s."""
-    last_expiry = last_explain = 0.0
+class Expiry:
+    """The leader's lease expiry: held back while the database was away or most nodes went
+    silent at once, capped per round otherwise (gateway/expiry.py)."""
+
+    def __init__(self, config: GatewayConfig, outages: Outages) -> None:
+        self.config = config
+        self.outages = outages
+        self.thresholds = expiry.Thresholds(
+            fraction=config.silent_fraction,
+            min_nodes=config.silent_min_nodes,
+            hold_s=config.silent_hold_s,
+            per_round=config.max_expiries_per_round,
+        )
+        self.storm_since: float | None = None
+        #: Leases get a full term before the next expiry (the database was away).
+        self.extend = True
+        self.last = 0.0
+
+    def due(self) -> bool:
+        """Leases lapse on the clock, not on news: expiring them on every wake-up would put a
+        transaction on the path of each call for nothing."""
+        return time.monotonic() - self.last >= self.config.schedule_interval_s
+
+    async def run(self, conn: asyncpg.Connection) -> None:
+        self.last = time.monotonic()
+        config = self.config
+        if self.outages.within(config.lease_s):
+            self.extend = True  # nodes kept their calls; none could renew
+            return
+        if self.extend:
+            extended = await db.extend_leases(conn, config.lease_s)
+            self.extend = False
+            if extended:
+                log.warning(
+                    "the database was unavailable: gave %d held leases a full %.0f s to be "
+                    "renewed before any expires",
+                    extended,
+                    config.lease_s,
+                )
+            return
+        most = config.max_expiries_per_round
+        if await db.overdue_leases(conn):
+            # Nodes that stopped together did not all stop renewing in the same round: a
+            # node is silent once it has missed renewals for half a lease.
+            holding, silent = await db.holding_nodes(conn, config.lease_s / 2)
+            silence = expiry.Silence(holding=holding, silent=silent)
+            was = self.storm_since
+            most, self.storm_since = expiry.allowance(
+                silence, self.thresholds, was, time.monotonic()
+            )
+            if self.storm_since is not None and was is None:
+                log.warning(
+                    "%d of the %d nodes holding calls stopped renewing at once: holding their "
+                    "leases for up to %.0f s (a network or control-plane fault, not %d node "
+                    "faults)",
+                    silence.silent,
+                    silence.holding,
+                    config.silent_hold_s,
+                    silence.silent,
+                )
+        elif self.storm_since is not None:
+            log.info("every silent node renewed or restarted: lease expiry is back to normal")
+            self.storm_since = None
+        if most:
+            grace = config.preemption_grace_s + config.lease_s
+            expired = await db.expire_leases(conn, preempt_overdue_s=grace, most=most)
+            if expired:
+                log.warning("leases expired: %s", ", ".join(f"{i}->{s}" for i, s in expired))
+
+
+async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig, outages: Outages) -> None:
+    """Plan whenever woken by a notification, and at least every schedule_interval_s.
+    Leases held when it starts leading get a full term before any expires: a leader starts
+    after its predecessor's connection was lost, and the database with it, for all it knows."""
+    leases = Expiry(config, outages)
+    last_explain = 0.0
     while True:
-        async with hub.subscribe(["q"]) as sub:
-            # Leases lapse on the clock, not on news: expiring them on every wake-up would put
-            # a transaction on the path of each call for nothing. Usage accrues likewise.
-            if time.monotonic() - last_expiry >= config.schedule_interval_s:
-                last_expiry = time.monotonic()
-                overdue = config.preemption_grace_s + config.lease_s
-                expired = await db.expire_leases(conn, preempt_overdue_s=overdue)
-                if expired:
-                    log.warning("leases expired: %s", ", ".join(f"{i}->{s}" for i, s in expired))
+        async with hub.subscribe(["q"], stoppable=False) as sub:
+            if leases.due():
+                await leases.run(conn)
                 await db.accrue_usage(conn, config.fair_share_half_life_s)
             # Where each queued call stands is stored at most every EXPLAIN_S: it costs a
             # write per waiting call.
@@ -180,7 +248,7 @@ async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig) -> Non
             await sub.wait(config.schedule_interval_s)
 
 
-async def run(hub: Hub, config: GatewayConfig) -> None:
+async def run(hub: Hub, config: GatewayConfig, outages: Outages) -> None:
     """Run until cancelled, leading whenever this gateway holds the leader lock."""
     while True:
         conn = None
@@ -188,9 +256,13 @@ async def run(hub: Hub, config: GatewayConfig) -> None:
             conn = await asyncpg.connect(config.database_url, server_settings=_KEEPALIVE)
             if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_LOCK):
                 log.info("this gateway now leads scheduling")
-                await lead(conn, hub, config)
+                await lead(conn, hub, config, outages)
         except Exception as exc:  # the loop must outlive any failure: nothing else schedules
-            log.warning("scheduler loop failed (%s); retrying", exc, exc_info=True)
+            # A lost database is expected (a restart, an outage): no traceback for it.
+            lost = isinstance(
+                exc, OSError | asyncpg.PostgresConnectionError | asyncpg.InterfaceError
+            )
+            log.warning("scheduler loop failed (%s); retrying", exc, exc_info=not lost)
         finally:
             if conn is not None:
                 await _close(conn)

@@ -26,16 +26,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from types import FrameType
 
 import h11
 import msgspec
 import uvicorn
+from starlette.applications import Starlette
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from bulletin import wire
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.errors import PROBLEM
+from gateway.notify import Hub
 
 _TIMED_OUT = msgspec.json.encode(
     wire.Problem(
@@ -115,11 +118,28 @@ def protocol(header_timeout_s: float) -> type[HeadTimeoutProtocol]:
     return Configured
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, ending the app's long-polls as soon as it is told to stop: they
+    answer 503 with Retry-After (gateway/notify.py: GatewayStopping) instead of being
+    cancelled after the graceful shutdown timeout, which answered 500."""
+
+    def __init__(self, config: uvicorn.Config, app: Starlette) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        hub: Hub | None = getattr(self._app.state, "hub", None)  # None: still starting
+        if hub is not None:
+            asyncio.get_running_loop().call_soon_threadsafe(hub.stop_waiters)
+        super().handle_exit(sig, frame)
+
+
 def serve(config: GatewayConfig) -> None:
     """Run the gateway until SIGINT/SIGTERM (uvicorn drains in-flight requests)."""
-    server = uvicorn.Server(
+    app = create_app(config)
+    server = _Server(
         uvicorn.Config(
-            create_app(config),
+            app,
             host=config.host,
             port=config.port,
             log_level="warning",
@@ -130,6 +150,7 @@ def serve(config: GatewayConfig) -> None:
             # uvicorn hands it to loop.call_later, which takes any number of seconds.
             timeout_keep_alive=config.idle_timeout_s,  # type: ignore[arg-type]
             proxy_headers=False,
-        )
+        ),
+        app,
     )
     server.run()

@@ -24,7 +24,7 @@ from nodelet.attempt import Attempt, NodeFacts, removals_done
 from nodelet.backoff import Backoff
 from nodelet.client import GatewayClient
 from nodelet.config import NodeletConfig
-from nodelet.errors import AuthRejected, GatewayUnavailable, NodeletError
+from nodelet.errors import AuthRejected, GatewayUnavailable, NodeletError, Superseded
 from nodelet.gpus import GpuProvider, choose_provider, describe
 from nodelet.limits import device_rule
 from nodelet.workers import WorkerPool
@@ -234,6 +234,8 @@ class Node:
         self._health: dict[int, wire.GpuHealthReport] = {}
         self._critical: dict[int, wire.GpuHealthReport] = {}
         self._draining: bool | None = None
+        #: The last heartbeat was answered: the gateway's database is unavailable.
+        self._database_down = False
 
     def running(self) -> list[wire.Attempt]:
         """The attempts this node still runs; killed ones are already given up."""
@@ -274,7 +276,7 @@ class Node:
                     hold_s=self.registration.long_poll_s,
                     preempting=[a.ref for a in self._live() if a.preempting],
                 )
-            except AuthRejected:
+            except (AuthRejected, Superseded):
                 raise
             except NodeletError as exc:
                 log.warning("poll failed (%s); retrying", exc)
@@ -292,7 +294,15 @@ class Node:
             return  # already running: the gateway did not see it in `running` yet
         attempt = Attempt(assignment, client=self._client, pool=self._pool, facts=self._facts)
         self.attempts[key] = attempt
-        attempt.start().add_done_callback(lambda _: self.attempts.pop(key, None))
+        # A GPU is never in two live attempts: one revoked in the same answer that gives its
+        # GPUs to this one is still dying.
+        gpus = set(assignment.gpu_indices)
+        dying = [
+            a.task
+            for a in self.attempts.values()
+            if a.killed and a.task is not None and gpus & set(a.assignment.gpu_indices)
+        ]
+        attempt.start(after=dying).add_done_callback(lambda _: self.attempts.pop(key, None))
         log.info(
             "started %s (%s) on GPUs %s",
             attempt,
@@ -325,18 +335,36 @@ class Node:
             await asyncio.sleep(max(0.01, min(pause, self._until_deadline())))
 
     async def _heartbeat(self, running: list[wire.Attempt], *, timeout_s: float) -> bool:
-        """One heartbeat; True if it renewed the leases of ``running``."""
+        """One heartbeat; True if it renewed the leases of ``running``, or if the gateway
+        answered that its database is unavailable. Then nobody can expire a lease until the
+        database is back, and the scheduling leader gives every lease a full term from then
+        before it expires any (docs/architecture.md, fencing): the node keeps its calls."""
         health = [self._critical.get(i, report) for i, report in sorted(self._health.items())]
         reported = dict(self._critical)
         try:
             response = await self._client.heartbeat(
                 running, gpu_health=health, warm=self._pool.warm_functions(), timeout_s=timeout_s
             )
-        except AuthRejected:
+        except (AuthRejected, Superseded):
             raise
+        except GatewayUnavailable as exc:
+            if exc.database_down:
+                if not self._database_down:
+                    log.warning(
+                        "the gateway's database is unavailable; keeping the %d running "
+                        "attempts (nobody can reassign them meanwhile)",
+                        len(running),
+                    )
+                self._database_down = True
+                return True
+            log.warning("heartbeat failed: %s", exc)
+            return False
         except NodeletError as exc:
             log.warning("heartbeat failed: %s", exc)
             return False
+        if self._database_down:
+            log.info("the gateway's database is back")
+            self._database_down = False
         for index, report in reported.items():
             if self._critical.get(index) is report:
                 del self._critical[index]
@@ -373,8 +401,14 @@ class Node:
             await asyncio.sleep(self.registration.heartbeat_s)
 
     def _heartbeat_timeout(self) -> float:
-        # A heartbeat still in flight at the kill deadline is as good as a failed one.
-        return min(self.config.http_timeout_s, max(self._until_deadline(), 0.05))
+        # A heartbeat still in flight at the kill deadline is as good as a failed one. Past
+        # the deadline (the nodelet was stopped, or starved), one heartbeat is still worth
+        # its answer: what it renews was still this node's (a lease that ran out meanwhile
+        # comes back revoked), so a storm the leader held back does not kill every call.
+        until = self._until_deadline()
+        if until <= 0:
+            return min(self.config.http_timeout_s, self.registration.heartbeat_s)
+        return min(self.config.http_timeout_s, max(until, 0.05))
 
     def _until_deadline(self) -> float:
         """Seconds until the first live attempt must be killed for want of a renewal."""

@@ -26,7 +26,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -208,13 +208,19 @@ class Attempt:
     def __str__(self) -> str:
         return f"invocation {self.ref.invocation_id} epoch {self.ref.epoch}"
 
-    def start(self) -> asyncio.Task[None]:
-        """Run the attempt in a named task, kept on ``self.task``."""
-        self.task = asyncio.create_task(self.run(), name=self.name)
+    def start(self, after: Sequence[asyncio.Task[None]] = ()) -> asyncio.Task[None]:
+        """Run the attempt in a named task, kept on ``self.task``, once the ``after`` tasks
+        (killed attempts on the same GPUs, their processes dying) are done."""
+        self.task = asyncio.create_task(self._run_after(after), name=self.name)
         return self.task
 
+    async def _run_after(self, after: Sequence[asyncio.Task[None]]) -> None:
+        if after:
+            await asyncio.wait(after)
+        await self.run()
+
     def kill(self) -> None:
-        """Kill the worker's process group and abandon the attempt without completing it."""
+        """Kill the worker and all it started, and abandon the attempt without completing it."""
         self.killed = True
         if self._worker is not None:
             self._worker.kill()

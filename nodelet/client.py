@@ -23,6 +23,7 @@ from nodelet.errors import (
     GatewayUnavailable,
     NodeletError,
     StaleAttempt,
+    Superseded,
 )
 
 _T = TypeVar("_T")
@@ -63,7 +64,10 @@ class GatewayClient:
                 status=exc.status,
                 detail=exc.detail,
             ) from exc
-        return _decode(_register_decoder, response)
+        registration = _decode(_register_decoder, response)
+        # Every later request names this incarnation: the gateway refuses an earlier one's.
+        self._http.headers[wire.INCARNATION_HEADER] = str(registration.incarnation)
+        return registration
 
     async def heartbeat(
         self,
@@ -230,7 +234,7 @@ async def _file_chunks(fd: int, size: int) -> AsyncIterator[bytes]:
 def _error_for(method: str, path: str, response: httpx.Response) -> NodeletError:
     """The one place that maps an HTTP error answer to a nodelet exception."""
     status = response.status_code
-    detail = _detail(response)
+    detail, code = _detail(response)
     where = f"{method} {path} answered {status}"
     if status in (401, 403):
         return AuthRejected(
@@ -239,16 +243,19 @@ def _error_for(method: str, path: str, response: httpx.Response) -> NodeletError
             status=status,
             detail=detail,
         )
+    if status == 409 and code == "superseded":
+        return Superseded(f"{where}: {detail}", status=status, detail=detail)
     if status == 409:
         return StaleAttempt(f"{where}: {detail}", status=status, detail=detail)
     if status == 429 or status >= 500:
-        return GatewayUnavailable(f"{where}: {detail}", status=status, detail=detail)
+        return GatewayUnavailable(f"{where}: {detail}", status=status, detail=detail, code=code)
     return GatewayRejected(f"{where}: {detail}", status=status, detail=detail)
 
 
-def _detail(response: httpx.Response) -> str:
+def _detail(response: httpx.Response) -> tuple[str, str]:
+    """The problem's detail (or what the answer says) and its code."""
     try:
         problem = _problem_decoder.decode(response.content)
     except msgspec.DecodeError:
-        return response.text[:200] or response.reason_phrase
-    return problem.detail or problem.title
+        return response.text[:200] or response.reason_phrase, ""
+    return problem.detail or problem.title, problem.code

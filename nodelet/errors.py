@@ -2,6 +2,7 @@
 
 NodeletError
 ├── StaleAttempt        409: the attempt was revoked, requeued or cancelled; drop its result
+│   └── Superseded      409: a later start of this node registered; this one must stop
 ├── GatewayUnavailable  transport error, 429 or 5xx: retry with backoff
 ├── AuthRejected        401/403: the node token is wrong; fatal
 ├── GatewayRejected     any other 4xx: the request itself was refused
@@ -25,8 +26,24 @@ class StaleAttempt(NodeletError):
     """The gateway fenced the attempt off (409): it was revoked, requeued or cancelled."""
 
 
+class Superseded(StaleAttempt):
+    """The node registered again since this nodelet did (409 ``superseded``): another start of
+    it replaced this one, whose attempts were taken back. Fatal: this nodelet must stop."""
+
+
 class GatewayUnavailable(NodeletError):
-    """The gateway could not be reached or failed (5xx); the call may be retried."""
+    """The gateway could not be reached or failed (5xx); the call may be retried.
+    ``code`` is the problem's code when the gateway answered (``db_unavailable``: the
+    gateway is up but its database is not)."""
+
+    def __init__(self, message: str, *, status: int = 0, detail: str = "", code: str = "") -> None:
+        super().__init__(message, status=status, detail=detail)
+        self.code = code
+
+    @property
+    def database_down(self) -> bool:
+        """The gateway said its database is unavailable: no one can expire a lease now."""
+        return self.code == "db_unavailable"
 
 
 class AuthRejected(NodeletError):

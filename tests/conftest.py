@@ -127,6 +127,7 @@ class Cluster:
     shared_dir: Path | None = None
     gateway: subprocess.Popen[bytes] | None = None
     nodelets: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _gateway_args: list[str] = field(default_factory=list)
 
     def _spawn(
         self, name: str, args: list[str], env: dict[str, str], python: str = sys.executable
@@ -141,24 +142,40 @@ class Cluster:
             cwd=self.dir,
         )
 
-    def start_gateway(self, *, shared_dir: Path | None = None, **options: str) -> None:
-        """Start the gateway; with ``shared_dir`` (created if need be) the cluster has that
-        shared directory."""
+    def start_gateway(
+        self, *, shared_dir: Path | None = None, port: int | None = None, **options: str
+    ) -> None:
+        """Start the gateway (on ``port``, else a free one); with ``shared_dir`` (created if
+        need be) the cluster has that shared directory."""
         if shared_dir is not None:
             shared_dir.mkdir(parents=True, exist_ok=True)
             options = {"shared-dir": str(shared_dir), **options}
             self.shared_dir = shared_dir
-        port = free_port()
+        port = port or free_port()
         args = ["-m", "gateway", "--port", str(port)]
         for key, value in {**FAST_GATEWAY, **options}.items():
             args += [f"--{key}", value]
-        gateway = self._spawn("gateway", args, {"BULLETIN_DATABASE_URL": self.database_url})
-        self.gateway, self.url = gateway, f"http://127.0.0.1:{port}"
+        self._gateway_args = args
+        self.url = f"http://127.0.0.1:{port}"
+        self._spawn_gateway()
+        self.token = asyncio.run(admin.add_user(self.database_url, "alice"))
+
+    def _spawn_gateway(self) -> None:
+        env = {"BULLETIN_DATABASE_URL": self.database_url}
+        gateway = self.gateway = self._spawn("gateway", self._gateway_args, env)
         up = lambda: gateway.poll() is not None or _healthy(self.url)  # noqa: E731
         wait_until(up, 30, f"gateway on {self.url} (see gateway.log)")
         if gateway.returncode is not None:
             raise GatewayExited(f"the gateway exited with {gateway.returncode}; see gateway.log")
-        self.token = asyncio.run(admin.add_user(self.database_url, "alice"))
+
+    def restart_gateway(self, sig: int = signal.SIGTERM, down_s: float = 0.0) -> int:
+        """Stop the gateway with ``sig``, wait ``down_s``, start it again on the same port;
+        returns the stopped one's exit status."""
+        assert self.gateway is not None
+        status = stop_process(self.gateway, sig)
+        time.sleep(down_s)
+        self._spawn_gateway()
+        return status
 
     def add_user(self, name: str, *, group: str | None = None, is_admin: bool = False) -> str:
         """Make user ``name`` (in ``group``, which must exist) and return a token of theirs."""

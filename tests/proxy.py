@@ -1,5 +1,6 @@
 """A small TCP proxy on loopback for fault tests: it forwards, or holds everything (a network
-partition without resets), or cuts every connection."""
+partition without resets), or cuts every connection, or refuses connections altogether (a
+server that is down)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class FaultProxy:
         self._loop = asyncio.new_event_loop()
         self._flowing = asyncio.Event()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="fault-proxy")
 
@@ -36,7 +38,7 @@ class FaultProxy:
         self._loop.close()
 
     async def _shutdown(self) -> None:
-        self._close_all()
+        await self._stop_listening()
         current = asyncio.current_task()
         tasks = [t for t in asyncio.all_tasks() if t is not current]
         for task in tasks:
@@ -54,6 +56,29 @@ class FaultProxy:
         """Close every open connection at once."""
         self._loop.call_soon_threadsafe(self._close_all)
 
+    def refuse(self) -> None:
+        """Stop listening and close every open connection: new ones are refused, as by a
+        server that is down, until :meth:`accept`."""
+        asyncio.run_coroutine_threadsafe(self._stop_listening(), self._loop).result(5)
+
+    def accept(self) -> None:
+        """Listen again on the same port (after :meth:`refuse`)."""
+        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(5)
+
+    async def _stop_listening(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        self._close_all()
+        if server is not None:
+            await server.wait_closed()
+
+    async def _listen(self) -> None:
+        if self._server is None:
+            self._server = await asyncio.start_server(
+                self._serve, "127.0.0.1", self.port, reuse_address=True
+            )
+
     def _close_all(self) -> None:
         for writer in list(self._writers):
             writer.close()
@@ -61,7 +86,7 @@ class FaultProxy:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._flowing.set()
-        self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+        self._loop.run_until_complete(self._listen())
         self._ready.set()
         self._loop.run_forever()
 

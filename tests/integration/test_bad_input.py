@@ -321,10 +321,8 @@ def test_a_valid_surrogate_pair_is_fine(gateway: Cluster) -> None:
 
 
 def test_a_nul_in_a_node_message_gets_422(gateway: Cluster) -> None:
-    node = httpx.Client(
-        base_url=gateway.url,
-        headers={"authorization": f"Bearer {gateway.node_token('n1').read_text()}"},
-    )
+    node = node_client(gateway, "n1")
+    register(node, "n1")
     some_id = str(uuid.uuid4())
     body = b'{"epoch": 1, "state": "failed", "error_message": "bad\\u0000byte"}'
     r = node.post(f"/v1/node/invocations/{some_id}/complete", content=body, headers=JSON)
@@ -402,8 +400,8 @@ def test_the_rate_limit_is_per_user_and_says_when_to_retry(
         bob = user_client(cluster, cluster.add_user("bob"))
         for _ in range(3):
             assert bob.get("/v1/invocations").status_code == 200
-        node_token = cluster.node_token("n1").read_text()
-        node = httpx.Client(base_url=cluster.url, headers={"authorization": f"Bearer {node_token}"})
+        node = node_client(cluster, "n1")
+        register(node, "n1")
         for _ in range(10):
             r = node.post("/v1/node/heartbeat", content=b'{"running": []}', headers=JSON)
             assert r.status_code == 200, r.text
@@ -507,6 +505,7 @@ def register(node: httpx.Client, name: str) -> None:
     body = encode(wire.RegisterRequest(name=name, gpus=[gpu], cpu_slots=1))
     r = node.post("/v1/node/register", content=body, headers=JSON)
     assert r.status_code == 200, r.text
+    node.headers[wire.INCARNATION_HEADER] = str(r.json()["incarnation"])
 
 
 def test_each_token_kind_gets_403_on_the_other_kinds_routes(gateway: Cluster) -> None:

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 import sdk
+from bulletin import wire
 from tests.conftest import Cluster, running, wait_until
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -362,10 +363,12 @@ def test_finished_invocations_are_purged_after_their_retention_time(
             assert invoke(client, "big", {"args": [3]}).json()["state"] == "succeeded"
 
 
-def test_a_nodelet_older_than_protocol_4_gets_no_work(gateway: Cluster) -> None:
-    """Older nodelets ran a mapped node's calls as root: they are refused at registration,
-    and one that registered before the gateway was upgraded (and still polls) gets nothing;
-    what was assigned to it fails, saying why."""
+def test_a_nodelet_older_than_protocol_5_gets_no_work(gateway: Cluster) -> None:
+    """Older nodelets ran a mapped node's calls as root (before 4) or have no incarnation
+    (before 5): they are refused at registration, and one that registered before the
+    gateway was upgraded (and still polls) gets nothing; its node requests are refused,
+    saying to upgrade, and what was assigned to it goes back to the queue when its lease
+    lapses."""
     sdk.connect(gateway.url, gateway.token)
 
     @sdk.function()
@@ -375,36 +378,42 @@ def test_a_nodelet_older_than_protocol_4_gets_no_work(gateway: Cluster) -> None:
     add.register("add")
     node = {"Authorization": f"Bearer {gateway.node_token('old-node').read_text()}"}
     with http(gateway) as client:
-        old = {"name": "old-node", "gpus": [], "cpu_slots": 1, "protocol_version": 3}
+        old = {"name": "old-node", "gpus": [], "cpu_slots": 1, "protocol_version": 4}
         refused = client.post("/v1/node/register", json=old, headers=node)
         assert refused.status_code == 422 and "upgrade the nodelet" in refused.json()["detail"]
         registered = client.post(
-            "/v1/node/register", json={**old, "protocol_version": 4}, headers=node
+            "/v1/node/register",
+            json={**old, "protocol_version": wire.PROTOCOL_VERSION},
+            headers=node,
         )
         assert registered.status_code == 200, registered.text
         node_id = registered.json()["node_id"]
         # As if it had registered with the gateway before this one.
-        asyncio.run(_sql(gateway, "UPDATE nodes SET protocol_version = 2 WHERE id = $1", node_id))
+        asyncio.run(_sql(gateway, "UPDATE nodes SET protocol_version = 4 WHERE id = $1", node_id))
         queued = invoke(client, "add", {"args": [1, 2]}, wait=None).json()
         time.sleep(2.5)  # two scheduling rounds
         assert client.get(f"/v1/invocations/{queued['id']}").json()["state"] == "queued"
-        # What an older gateway had assigned to it fails at its next poll.
+        # What an older gateway had assigned to it is not delivered: its poll is refused.
         asyncio.run(
             _sql(
                 gateway,
                 "UPDATE invocations SET state = 'assigned', node_id = $1, epoch = epoch + 1,"
-                " lease_expires_at = now() + interval '1 minute' WHERE id = $2::uuid",
+                " attempts = attempts + 1, lease_expires_at = now() + interval '1 second'"
+                " WHERE id = $2::uuid",
                 node_id,
                 queued["id"],
             )
         )
-        polled = client.post(
-            "/v1/node/poll", json={"running": [], "timeout_s": 0.1}, headers=node
-        ).json()
-        assert polled["assignments"] == []
-        failed = client.get(f"/v1/invocations/{queued['id']}").json()
-        assert failed["state"] == "failed" and failed["error_kind"] == "version_skew"
-        assert "old-node" in failed["error_message"] and "protocol 4" in failed["error_message"]
+        polled = client.post("/v1/node/poll", json={"running": [], "timeout_s": 0.1}, headers=node)
+        assert polled.status_code == 422, polled.text
+        assert polled.json()["code"] == "incarnation_missing"
+        assert "upgrade the nodelet" in polled.json()["detail"]
+        # Its lease lapses and the call is queued again (a retry: max_retries allows it).
+        wait_until(
+            lambda: client.get(f"/v1/invocations/{queued['id']}").json()["state"] == "queued",
+            10,
+            "the lapsed lease to be expired",
+        )
 
 
 async def _sql(cluster: Cluster, statement: str, *args: Any) -> None:

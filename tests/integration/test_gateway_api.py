@@ -39,6 +39,7 @@ def register(cluster: Cluster, name: str = "n1", gpus: int = 1) -> Http:
     ]
     r = node.post("/v1/node/register", wire.RegisterRequest(name=name, gpus=info, cpu_slots=1))
     assert r.status_code == 200, r.text
+    node.client.headers[wire.INCARNATION_HEADER] = str(r.json()["incarnation"])
     return node
 
 

@@ -399,7 +399,9 @@ def test_a_users_blobs_are_bounded_but_a_nodes_result_never_is(
         base_url=gateway.url, headers=bearer(gateway.node_token("n1").read_text()), timeout=30
     )
     register = wire.RegisterRequest(name="n1", gpus=[], cpu_slots=1)
-    assert node.post("/v1/node/register", content=msgspec.json.encode(register)).is_success
+    registered = node.post("/v1/node/register", content=msgspec.json.encode(register))
+    assert registered.is_success, registered.text
+    node.headers[wire.INCARNATION_HEADER] = str(registered.json()["incarnation"])
     call = wire.CallSpec(idempotency_key=uuid.uuid4().hex, payload=b"opaque")
     [call_id] = alice.post(
         "/v1/invocations", content=msgspec.json.encode(wire.SubmitRequest(calls=[call]))

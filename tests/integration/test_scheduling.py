@@ -78,6 +78,14 @@ def test_a_group_gets_its_guarantee_back_by_preempting_borrowed_work(
     assert first.result(timeout=60) == "first done"
     assert second.result(timeout=60) == "second done", "the preempted call ran again"
     assert second.info().attempts == 1, "a preemption does not use up a retry"
+    # Its log says so, between what the two runs printed.
+    logs = httpx.get(
+        f"{fair.url}/v1/invocations/{second.id}/logs",
+        headers={"Authorization": f"Bearer {alice}"},
+        timeout=30,
+    ).text
+    assert "[bulletin] preempted (" in logs and "nlp" in logs
+    assert "this run does not count as an attempt" in logs
     gateway_log = (fair.dir / "gateway.log").read_text()
     assert f"preempting {second.id}" in gateway_log
 
