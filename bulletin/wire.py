@@ -173,6 +173,11 @@ class CallSpec(_Request, frozen=True, kw_only=True):
     #: With ``payload_file``: its size in bytes, which counts towards the owner's storage
     #: limit while the call may run (the gateway cannot read the owner's directory).
     payload_size: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
+    #: The caller session waiting for this call (an sdk's blocking call or ``map`` item): it
+    #: keeps it alive (``POST /v1/sessions/{id}/keepalive``), and when it has not for the
+    #: gateway's ``caller_timeout_s`` the call is cancelled, freeing its GPU. None: detached
+    #: (``spawn``, plain HTTP): the call runs whether anyone waits for it or not.
+    caller_session: Id | None = None
 
 
 class SubmitRequest(_Request, frozen=True, kw_only=True):
@@ -181,6 +186,9 @@ class SubmitRequest(_Request, frozen=True, kw_only=True):
 
 class SubmitResponse(_Msg, frozen=True, kw_only=True):
     ids: list[str]
+    #: How often a caller session must keep its calls alive (seconds); None when the
+    #: gateway cancels no call for want of its caller.
+    keepalive_s: float | None = None
 
 
 class Timeline(_Msg, frozen=True, kw_only=True):

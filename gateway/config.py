@@ -40,6 +40,11 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: The most expired leases taken back in one scheduling round (requeued, or failed
     #: node_lost): a burst of expiries is spread over rounds instead of requeued at once.
     max_expiries_per_round: int = 20
+    #: A call an sdk waits for (a blocking call, a map item) whose caller has not kept it
+    #: alive for this long (the process ended, or lost the gateway) is cancelled, freeing its
+    #: GPU; one whose caller is half that late is not started meanwhile. Detached calls
+    #: (spawn, plain HTTP) are never. 0: never cancel a call for want of its caller.
+    caller_timeout_s: float = 60.0
     #: Payloads and results up to this size travel inline; larger ones as streamed blobs.
     inline_limit: int = 1 << 20
     #: Largest JSON request body accepted.
@@ -135,6 +140,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("silent_fraction must be above 0 and at most 1 (a share of nodes)")
         if self.silent_min_nodes < 1:
             raise ValueError("silent_min_nodes must be at least 1 node")
+        if not 0 <= self.caller_timeout_s < math.inf:
+            raise ValueError("caller_timeout_s must be 0 (never) or more seconds")
         if self.max_expiries_per_round < 1:
             raise ValueError("max_expiries_per_round must be at least 1")
         if self.preemption_grace_s < 0:
@@ -183,6 +190,16 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.scheduler_policy == "fair" and self.fair_starve_after_s > 0:
             return policies.get("fair", starve_after_s=self.fair_starve_after_s)
         return policies.get(self.scheduler_policy)
+
+    @property
+    def caller_keepalive_s(self) -> float | None:
+        """How often a caller session keeps its calls alive; None: it need not."""
+        return self.caller_timeout_s / 6 if self.caller_timeout_s else None
+
+    @property
+    def caller_late_s(self) -> float:
+        """A caller session this late gets its queued calls held back (not started)."""
+        return self.caller_timeout_s / 2 if self.caller_timeout_s else 1e9
 
     @property
     def hosts(self) -> list[str]:

@@ -437,15 +437,15 @@ async def submit(
         await conn.execute(
             "INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,"
             " max_retries, timeout_s, payload, payload_blob, payload_file, payload_size,"
-            " priority, gpu_model, gpu_memory_mb, expected_s)"
+            " priority, gpu_model, gpu_memory_mb, expected_s, caller_session)"
             " SELECT u.id, $1, u.key, u.fn, u.gpus, u.retries, u.timeout, u.payload, u.blob,"
             "  u.file, coalesce(length(u.payload), b.size, CASE WHEN u.file IS NOT NULL"
-            "  THEN u.declared END, 0), u.priority, u.model, u.memory, u.expected"
+            "  THEN u.declared END, 0), u.priority, u.model, u.memory, u.expected, u.session"
             " FROM unnest($2::uuid[], $3::text[], $4::text[], $5::int[], $6::int[],"
             "  $7::float8[], $8::bytea[], $9::uuid[], $10::text[], $11::int[], $12::text[],"
-            "  $13::int[], $14::float8[], $15::bigint[]) WITH ORDINALITY"
+            "  $13::int[], $14::float8[], $15::bigint[], $16::uuid[]) WITH ORDINALITY"
             "  AS u(id, key, fn, gpus, retries, timeout, payload, blob, file, priority, model,"
-            "  memory, expected, declared, ord)"
+            "  memory, expected, declared, session, ord)"
             " LEFT JOIN blobs b ON b.id = u.blob"
             # In input order, so that seq (the queue order) follows it.
             " ORDER BY u.ord"
@@ -465,7 +465,11 @@ async def submit(
             [c.gpu_memory_mb for c in calls],
             [c.expected_s for c in calls],
             [c.payload_size for c in calls],
+            [None if c.caller_session is None else uuid.UUID(c.caller_session) for c in calls],
         )
+        sessions = {c.caller_session for c in calls if c.caller_session is not None}
+        if sessions:
+            await keep_alive(conn, owner_id, sorted(sessions))
         rows = await conn.fetch(
             "SELECT i.id, k.ord FROM unnest($2::text[]) WITH ORDINALITY AS k(key, ord)"
             " JOIN invocations i ON i.owner_id = $1 AND i.idempotency_key = k.key",
@@ -496,6 +500,66 @@ async def live_payload_files(conn: Conn) -> set[str]:
         " WHERE payload_file IS NOT NULL AND state IN ('queued', 'assigned', 'running')"
     )
     return {r["payload_file"] for r in rows}
+
+
+async def keep_alive(conn: Conn, owner_id: int, sessions: Sequence[str]) -> None:
+    """The owner's caller sessions are alive now: their calls are still awaited."""
+    await conn.execute(
+        "INSERT INTO caller_sessions (owner_id, id) SELECT $1, s FROM unnest($2::uuid[]) AS s"
+        " ON CONFLICT (owner_id, id) DO UPDATE SET seen_at = clock_timestamp()",
+        owner_id,
+        [uuid.UUID(s) for s in sessions],
+    )
+
+
+#: What a call cancelled for want of its caller says (around the seconds since its session
+#: last kept it alive).
+ABANDONED = (
+    "cancelled: its caller stopped waiting for it (its session last kept it alive ",
+    " s ago: the process ended, or lost the gateway); use spawn() for calls that should "
+    "outlive their caller",
+)
+
+
+async def abandon_callers(
+    conn: asyncpg.Connection, timeout_s: float, late_s: float
+) -> list[str]:
+    """Cancel the unfinished calls whose caller session has not kept alive for ``timeout_s``
+    (their GPUs are free at once; nodes kill what runs); say of queued calls whose session
+    is ``late_s`` late that they wait for their caller (they are not started meanwhile:
+    :func:`queued`). Returns the ids cancelled."""
+    async with conn.transaction():
+        rows = await conn.fetch(
+            "WITH gone AS (SELECT owner_id, id, extract(epoch FROM clock_timestamp() - seen_at)"
+            "  AS silent FROM caller_sessions"
+            "  WHERE seen_at < clock_timestamp() - make_interval(secs => $1)),"
+            " doomed AS (SELECT i.id, i.node_id, g.silent FROM invocations i"
+            "  JOIN gone g ON g.owner_id = i.owner_id AND g.id = i.caller_session"
+            "  WHERE i.caller_session IS NOT NULL"
+            "   AND i.state IN ('queued', 'assigned', 'running') FOR UPDATE OF i)"
+            " UPDATE invocations i SET state = 'cancelled', finished_at = clock_timestamp(),"
+            "  lease_expires_at = NULL, error_message = $2 || round(doomed.silent) || $3"
+            " FROM doomed WHERE i.id = doomed.id RETURNING i.id, doomed.node_id",
+            timeout_s,
+            *ABANDONED,
+        )
+        if rows:
+            nodes = {f"n:{r['node_id']}" for r in rows if r["node_id"] is not None}
+            await _notify(conn, *(f"i:{r['id']}" for r in rows), "q", *sorted(nodes))
+        await conn.execute(
+            "UPDATE invocations i SET wait_reason = 'its caller has not kept it alive for '"
+            "  || round(extract(epoch FROM clock_timestamp() - s.seen_at)) || ' s: it starts"
+            " once its caller is back, and is cancelled if it is not'"
+            " FROM caller_sessions s WHERE s.owner_id = i.owner_id AND s.id = i.caller_session"
+            "  AND i.caller_session IS NOT NULL AND i.state = 'queued'"
+            "  AND s.seen_at < clock_timestamp() - make_interval(secs => $1)",
+            late_s,
+        )
+        # Sessions nobody has kept alive for a day wait for nothing any more.
+        await conn.execute(
+            "DELETE FROM caller_sessions WHERE seen_at < clock_timestamp() - interval '1 day'"
+        )
+    return [str(r["id"]) for r in rows]
 
 
 # ------------------------------------------------------------------------------ user reads
@@ -762,7 +826,7 @@ async def leases(conn: Conn) -> list[Running]:
     return [Running(**{**r, "gpu_indices": tuple(r["gpu_indices"])}) for r in rows]
 
 
-def _queued_sql(per_user: int, most: int) -> str:
+def _queued_sql(per_user: int, most: int, late_s: float) -> str:
     # The LIMITs are literals on purpose: as prepared-statement parameters PostgreSQL
     # switched to a generic plan that ran for minutes on a 120k-row backlog. Per user, through
     # the (owner_id, seq) index: a long backlog of one user must not hide everyone else's
@@ -777,19 +841,25 @@ def _queued_sql(per_user: int, most: int) -> str:
         "  coalesce(q.expected_s, q.timeout_s) AS expected_s, q.seq, q.turn"
         "  FROM users u CROSS JOIN LATERAL (SELECT id, gpus, function_name, priority,"
         "   gpu_model, gpu_memory_mb, seq, submitted_at, expected_s, timeout_s,"
-        "   row_number() OVER (ORDER BY seq) AS turn FROM invocations"
-        f"   WHERE owner_id = u.id AND state = 'queued' ORDER BY seq LIMIT {int(per_user)}) q"
+        "   row_number() OVER (ORDER BY seq) AS turn FROM invocations i"
+        "   WHERE owner_id = u.id AND state = 'queued' AND (caller_session IS NULL"
+        # A call whose caller is late is not started: it is cancelled if the caller is gone.
+        "    OR EXISTS (SELECT 1 FROM caller_sessions s WHERE s.owner_id = u.id"
+        "     AND s.id = i.caller_session"
+        f"     AND s.seen_at > clock_timestamp() - make_interval(secs => {float(late_s)!r})))"
+        f"   ORDER BY seq LIMIT {int(per_user)}) q"
         f"  ORDER BY q.turn, q.seq LIMIT {int(most)}) heads"
         " ORDER BY seq"
     )
 
 
-async def queued(conn: Conn, per_user: int, most: int) -> list[Pending]:
+async def queued(conn: Conn, per_user: int, most: int, late_s: float = 1e9) -> list[Pending]:
     """The first ``per_user`` queued calls of every user, at most ``most`` in all (the
-    users' heads in turns), in queue (submission) order, as the scheduler sees them."""
+    users' heads in turns), in queue (submission) order, as the scheduler sees them; not
+    those whose caller session has not kept alive for ``late_s``."""
     if per_user <= 0 or most <= 0:
         return []
-    return [Pending(**r) for r in await conn.fetch(_queued_sql(per_user, most))]
+    return [Pending(**r) for r in await conn.fetch(_queued_sql(per_user, most, late_s))]
 
 
 async def assign(

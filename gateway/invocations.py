@@ -81,7 +81,7 @@ async def submit(request: Request) -> Response:
     key = idempotency.key_of(request)
     request_hash = idempotency.fingerprint(request, msgspec.json.encode(req))
     if key is not None and (ids := await idempotency.earlier(request, owner, key, request_hash)):
-        return _submitted(ids, replayed=True)
+        return _submitted(request, ids, replayed=True)
     if not 1 <= len(req.calls) <= wire.MAX_SUBMIT:
         raise Unprocessable(f"submit between 1 and {wire.MAX_SUBMIT} calls per request")
     config = request.app.state.config
@@ -112,12 +112,13 @@ async def submit(request: Request) -> Response:
         assert key is not None
         earlier = await idempotency.earlier(request, owner, key, request_hash)
         assert earlier is not None
-        return _submitted(earlier, replayed=True)
-    return _submitted(ids)
+        return _submitted(request, earlier, replayed=True)
+    return _submitted(request, ids)
 
 
-def _submitted(ids: list[str], *, replayed: bool = False) -> Response:
-    response = reply(wire.SubmitResponse(ids=ids), 201)
+def _submitted(request: Request, ids: list[str], *, replayed: bool = False) -> Response:
+    keepalive_s = request.app.state.config.caller_keepalive_s
+    response = reply(wire.SubmitResponse(ids=ids, keepalive_s=keepalive_s), 201)
     if replayed:
         response.headers.update(idempotency.REPLAYED)
     return response
@@ -356,6 +357,14 @@ def _within_answer_size(found: list[wire.Invocation]) -> list[wire.Invocation]:
     return kept
 
 
+async def keep_alive(request: Request) -> Response:
+    """The caller session is still waiting for its calls (CallSpec.caller_session)."""
+    owner = await auth.user_id(request)
+    session = valid_id(request.path_params["id"])
+    await db.keep_alive(request.app.state.relaxed, owner, [session])
+    return Response(status_code=204)
+
+
 async def put_blob(request: Request) -> Response:
     owner = await auth.user_id(request)
     return reply(await store_blob(request, owner, by_user=True), 201)
@@ -380,6 +389,7 @@ ROUTES = [
     Route("/v1/invocations/{id:invocation}", get_invocation, methods=["GET"]),
     Route("/v1/invocations/{id}/result", get_result, methods=["GET"]),
     Route("/v1/invocations/{id}/cancel", cancel, methods=["POST"]),
+    Route("/v1/sessions/{id}/keepalive", keep_alive, methods=["POST"]),
     Route("/v1/blobs", put_blob, methods=["PUT"]),
     Route("/v1/blobs/{id}", get_blob, methods=["GET"]),
 ]

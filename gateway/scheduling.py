@@ -117,7 +117,9 @@ async def plan_round(
             return 0
         leases = await db.leases(conn)
         free = capacity(nodes, leases)
-        queued = await db.queued(conn, look_ahead(free, config.plan_batch), config.plan_batch)
+        queued = await db.queued(
+            conn, look_ahead(free, config.plan_batch), config.plan_batch, config.caller_late_s
+        )
         if not queued:
             return 0
         # A call runs on one node: one bigger than every live node waits, reserving nothing,
@@ -172,6 +174,10 @@ class Expiry:
         #: Leases get a full term before the next expiry (the database was away).
         self.extend = True
         self.last = 0.0
+        #: When this leader started leading: callers get a full caller_timeout_s from then
+        #: (and from the database's return) to keep their calls alive before any is
+        #: cancelled for want of them; none could while the control plane was away.
+        self.since = time.monotonic()
 
     def due(self) -> bool:
         """Leases lapse on the clock, not on news: expiring them on every wake-up would put a
@@ -180,6 +186,7 @@ class Expiry:
 
     async def run(self, conn: asyncpg.Connection) -> None:
         self.last = time.monotonic()
+        await self._abandoned(conn)
         config = self.config
         if self.outages.within(config.lease_s):
             self.extend = True  # nodes kept their calls; none could renew
@@ -225,7 +232,26 @@ class Expiry:
                 log.warning("leases expired: %s", ", ".join(f"{i}->{s}" for i, s in expired))
 
 
-async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig, outages: Outages) -> None:
+    async def _abandoned(self, conn: asyncpg.Connection) -> None:
+        """Cancel the calls whose caller stopped waiting (CallSpec.caller_session)."""
+        timeout = self.config.caller_timeout_s
+        if not timeout or self.outages.within(timeout):
+            return
+        if time.monotonic() - self.since < timeout:
+            return
+        cancelled = await db.abandon_callers(conn, timeout, self.config.caller_late_s)
+        if cancelled:
+            log.warning(
+                "cancelled %d calls whose caller stopped waiting (no keepalive for %.0f s): %s",
+                len(cancelled),
+                timeout,
+                ", ".join(cancelled),
+            )
+
+
+async def lead(
+    conn: asyncpg.Connection, hub: Hub, config: GatewayConfig, outages: Outages
+) -> None:
     """Plan whenever woken by a notification, and at least every schedule_interval_s.
     Leases held when it starts leading get a full term before any expires: a leader starts
     after its predecessor's connection was lost, and the database with it, for all it knows."""

@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast
@@ -33,6 +34,7 @@ from sdk.errors import (
     NotFoundError,
     RateLimited,
 )
+from sdk.liveness import Liveness
 
 T = TypeVar("T")
 Body = bytes | Callable[[], Iterable[bytes]] | None
@@ -122,6 +124,9 @@ class Client:
             headers={"Authorization": f"Bearer {token}", "User-Agent": "bulletin-sdk"},
             timeout=httpx.Timeout(timeout),
         )
+        #: The caller session of the calls this client waits for (sdk/liveness.py).
+        self.session = str(uuid.uuid4())
+        self.liveness = Liveness(self.keep_alive)
 
     def __repr__(self) -> str:
         return f"<sdk.Client {self.url}>"
@@ -153,7 +158,14 @@ class Client:
         )
         if len(answer.ids) != len(calls):
             raise GatewayError(f"The gateway returned {len(answer.ids)} ids for {len(calls)} calls")
+        if any(c.caller_session is not None for c in calls):
+            self.liveness.set_interval(answer.keepalive_s)
         return answer.ids
+
+    def keep_alive(self) -> None:
+        """Tell the gateway this client still waits for its session's calls."""
+        path = f"/v1/sessions/{quote(self.session, safe='')}/keepalive"
+        self._request("POST", path, read=lambda r: None, deadline_s=self.liveness.interval_s)
 
     def get(self, invocation_id: str) -> wire.Invocation:
         """The current state of one invocation."""

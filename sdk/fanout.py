@@ -29,11 +29,14 @@ WINDOW = 2 * SUBMIT_BATCH
 def run(client: Client, calls: Iterator[Prepared], *, return_exceptions: bool) -> Iterator[Any]:
     """Submit ``calls`` and yield their results in order. See ``Function.map``."""
     fanout = _Fanout(client, calls)
-    try:
-        yield from fanout.results(return_exceptions)
-    finally:
-        # Ctrl-C, an item's exception or an abandoned generator: nobody will read the rest.
-        fanout.cancel_unfinished()
+    # While the map is collected (even when the caller pauses between items), its session
+    # keeps its calls alive; once this process is gone, the gateway cancels them.
+    with client.liveness.held():
+        try:
+            yield from fanout.results(return_exceptions)
+        finally:
+            # Ctrl-C, an item's exception or an abandoned generator: nobody will read the rest.
+            fanout.cancel_unfinished()
 
 
 class _Fanout:

@@ -91,10 +91,13 @@ class Function(Generic[P, R]):
         return self._options
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run remotely and return the result; Ctrl-C cancels the remote call. The call is
+        """Run remotely and return the result; Ctrl-C cancels the remote call, and so does
+        the gateway when this process stops waiting (it dies: sdk/liveness.py). The call is
         kept as ``last_call`` (see ``Call.timings``)."""
-        call = self.last_call = self.spawn(*args, **kwargs)
-        return call.result()
+        client = default_client()
+        with client.liveness.held():
+            call = self.last_call = self._start(client, args, kwargs, attached=True)
+            return call.result()
 
     def local(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call the original function in this process."""
@@ -103,8 +106,16 @@ class Function(Generic[P, R]):
     def spawn(self, *args: P.args, **kwargs: P.kwargs) -> Call[R]:
         """Start a remote call and return at once; ``Call.result()`` waits for it and applies
         the globals the call changed (when ``result()`` is first called, not before)."""
-        client = default_client()
-        prepared = self._prepare(client, args, kwargs, sync=self._options.sync_globals)
+        return self._start(default_client(), args, kwargs, attached=False)
+
+    def _start(
+        self, client: Client, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, attached: bool
+    ) -> Call[R]:
+        """Submit one call; ``attached``: this process waits for it (its session keeps it
+        alive), else it is detached and outlives its caller."""
+        prepared = self._prepare(
+            client, args, kwargs, sync=self._options.sync_globals, attached=attached
+        )
         try:
             [invocation_id] = submit(client, [prepared.spec])
         except BaseException:
@@ -126,7 +137,8 @@ class Function(Generic[P, R]):
             raise TypeError("map() needs at least one iterable")
         client = default_client()
         calls = (
-            self._prepare(client, items, {}, sync=False) for items in zip(*iterables, strict=False)
+            self._prepare(client, items, {}, sync=False, attached=True)
+            for items in zip(*iterables, strict=False)
         )
         return fanout.run(client, calls, return_exceptions=return_exceptions)
 
@@ -184,7 +196,13 @@ class Function(Generic[P, R]):
         return client.register_function(name, registration)
 
     def _prepare(
-        self, client: Client, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, sync: bool
+        self,
+        client: Client,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        *,
+        sync: bool,
+        attached: bool = False,
     ) -> Prepared:
         info = client.cluster()
         root = client.shared_dir()
@@ -209,6 +227,7 @@ class Function(Generic[P, R]):
             gpu_model=options.gpu,
             gpu_memory_mb=_mib(options.gpu_memory_gb),
             expected_s=options.expected_duration,
+            caller_session=client.session if attached else None,
         )
         packed = sent.packed
         size = packed.nbytes

@@ -61,7 +61,10 @@ def resolve(
     another user's code is unpickled only when ``trust`` is True or names that user."""
     state, iid = invocation.state, invocation.id
     if state == wire.State.CANCELLED:
-        return Resolved(error=CallCancelled(f"Call {iid} was cancelled.", invocation_id=iid))
+        # The gateway says why when it was not its owner who cancelled it.
+        detail = f" ({invocation.error_message})" if invocation.error_message else ""
+        error = CallCancelled(f"Call {iid} was cancelled{detail}.", invocation_id=iid)
+        return Resolved(error=error)
     if state == wire.State.TIMED_OUT:
         detail = f": {invocation.error_message}" if invocation.error_message else ""
         error = CallTimedOut(f"Call {iid} ran past its timeout{detail}.", invocation_id=iid)

@@ -37,6 +37,17 @@ def work(directory: str, key: str, seconds: float) -> str:
     return nonce
 
 
+def hold(directory: str, key: str) -> str:
+    """Note this process's pid in ``directory/key.pid``, then run for ever (until killed)."""
+    import os
+    import time
+
+    with open(os.path.join(directory, key + ".pid"), "w") as file:
+        file.write(str(os.getpid()))
+    time.sleep(3600)
+    return "never"
+
+
 @dataclass
 class History:
     directory: Path

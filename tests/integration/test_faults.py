@@ -11,6 +11,8 @@ Timeouts are small (tests/conftest.py FAST_GATEWAY: 3 s leases, 0.5 s heartbeats
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ import httpx
 import pytest
 
 import sdk
-from tests.conftest import Cluster, running, wait_until
+from tests.conftest import ROOT, Cluster, running, wait_until
 from tests.faults import History, work
 from tests.proxy import FaultProxy
 
@@ -239,3 +241,85 @@ def test_a_gateway_restart_during_a_blocking_call_and_long_polls_loses_nothing(
     gateway_log = _log(gateway, "gateway")
     assert "Traceback" not in gateway_log and "unhandled error" not in gateway_log
     assert "answered 500" not in _log(gateway, "node-a")
+
+
+CALLER = """
+import sys
+import sdk
+from tests.faults import hold, work
+
+url, token, directory = sys.argv[1:4]
+sdk.connect(url, token)
+spawned = sdk.function()(work).spawn(directory, "spawned", 4)
+print(spawned.id, flush=True)
+sdk.function(gpus=1)(hold)(directory, "blocking")
+"""
+
+
+@pytest.fixture
+def short_callers(
+    database_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
+    """Callers that stop waiting are given up after 3 s (keepalives every 0.5 s)."""
+    options = {"caller-timeout-s": "3"}
+    with running(Cluster(database_url, tmp_path), request, options=options) as cluster:
+        cluster.start_nodelet()
+        yield cluster
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_blocking_call_whose_caller_dies_is_cancelled_and_its_gpu_freed(
+    short_callers: Cluster, history: History
+) -> None:
+    """kill -9 of a script blocked in a call: its keepalives stop, and the gateway cancels
+    the call (the worker is killed, the GPU free) with the reason; what the script spawned
+    is detached and runs to its end."""
+    cluster = short_callers
+    caller = subprocess.Popen(
+        [sys.executable, "-c", CALLER, cluster.url, cluster.token, str(history.directory)],
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    try:
+        assert caller.stdout is not None
+        spawned_id = caller.stdout.readline().decode().strip()
+        pid_file = history.directory / "blocking.pid"
+        wait_until(pid_file.exists, 30, "the blocking call to start")
+        time.sleep(4)  # longer than the caller timeout: a live caller's call is kept
+        client = sdk.connect(cluster.url, cluster.token)
+        [blocking] = [i for i in client.invocations() if i.function_name == "hold"]
+        assert client.get(blocking.id).state == "running"
+        caller.send_signal(signal.SIGKILL)
+    finally:
+        caller.kill()
+        caller.wait()
+    worker = int(pid_file.read_text())
+    wait_until(lambda: client.get(blocking.id).state == "cancelled", 15, "the call cancelled")
+    assert "its caller stopped waiting" in (client.get(blocking.id).error_message or "")
+    wait_until(lambda: _gone(worker), 10, "the abandoned call's worker to be killed")
+    # Its GPU is free again: a call for both GPUs runs.
+    assert sdk.function(gpus=2)(work)(str(history.directory), "both", 0) == (
+        history.executions("both")[-1]
+    )
+    spawned = sdk.Call.from_id(spawned_id, client=client)
+    assert spawned.result(timeout=30) == history.executions("spawned")[-1]
+    assert "cancelled 1 calls whose caller stopped waiting" in _log(cluster, "gateway")
+
+
+def test_a_map_whose_caller_pauses_between_items_is_not_given_up(
+    short_callers: Cluster, history: History
+) -> None:
+    """The session is kept alive while the map is collected, however slowly."""
+    sdk.connect(short_callers.url, short_callers.token)
+    fn = sdk.function()(work)
+    results = fn.map([str(history.directory)] * 3, ["a", "b", "c"], [0, 6, 6])
+    first = next(results)
+    time.sleep(4.5)  # longer than the caller timeout, while b and c still run
+    assert [first, *results] == [history.executions(k)[-1] for k in ("a", "b", "c")]

@@ -411,7 +411,7 @@ def test_user_routes_answer_only_what_the_spec_documents(unlimited: Cluster) -> 
 
     user_routes = [result.ok() for result in h.schema.get_all_operations()]
     user_routes = [op for op in user_routes if not op.path.startswith("/v1/node/")]
-    assert len(user_routes) == 23
+    assert len(user_routes) == 24
     # Admin routes as an administrator (the plain user's token gets 403 there, checked below).
     root = {"authorization": f"Bearer {gateway.add_user('root', is_admin=True)}"}
     for op in user_routes:
