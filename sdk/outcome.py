@@ -63,8 +63,9 @@ def resolve(
     if state == wire.State.CANCELLED:
         # The gateway says why when it was not its owner who cancelled it.
         detail = f" ({invocation.error_message})" if invocation.error_message else ""
-        error = CallCancelled(f"Call {iid} was cancelled{detail}.", invocation_id=iid)
-        return Resolved(error=error)
+        return Resolved(
+            error=CallCancelled(f"Call {iid} was cancelled{detail}.", invocation_id=iid)
+        )
     if state == wire.State.TIMED_OUT:
         detail = f": {invocation.error_message}" if invocation.error_message else ""
         error = CallTimedOut(f"Call {iid} ran past its timeout{detail}.", invocation_id=iid)

@@ -323,3 +323,85 @@ def test_a_map_whose_caller_pauses_between_items_is_not_given_up(
     first = next(results)
     time.sleep(4.5)  # longer than the caller timeout, while b and c still run
     assert [first, *results] == [history.executions(k)[-1] for k in ("a", "b", "c")]
+
+
+def test_a_nodelet_stopped_past_its_lease_loses_its_call_to_another_node(
+    two_nodes: Cluster, history: History
+) -> None:
+    """One node of two frozen (SIGSTOP) past its lease is a node fault: its call runs again
+    on the other node, and when the frozen one thaws its attempt is revoked and its result
+    refused; the committed result is the second run's."""
+    call = history.spawn("call", 4, max_retries=1)
+    history.wait_started("call")
+    frozen = dict(zip(("node-a", "node-b"), two_nodes.nodelets, strict=True))
+    node = call.info().node
+    assert node in frozen
+    frozen[node].send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: len(history.executions("call")) == 2, 30, "the call to run again")
+        assert call.info().node != node
+    finally:
+        frozen[node].send_signal(signal.SIGCONT)
+    info = history.check("call")
+    assert info.state == "succeeded" and info.attempts == 2
+    wait_until(
+        lambda: "revoked by the gateway" in _log(two_nodes, node)
+        or "is no longer ours" in _log(two_nodes, node),
+        15,
+        "the thawed nodelet to drop its attempt",
+    )
+
+
+def test_a_shared_directory_that_fills_up_loses_nothing(
+    database_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A full NAS (a 2 MiB tmpfs): the sdk sends a big payload through the gateway instead,
+    the worker its big result; the call succeeds with the right value, and no partial
+    file is left behind."""
+    nas = tmp_path / "nas"
+    nas.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(nas)])
+    if mounted.returncode != 0:
+        pytest.fail("cannot mount a small tmpfs for the full shared directory (needs root)")
+    try:
+        with running(Cluster(database_url, tmp_path), request, shared_dir=nas) as cluster:
+            cluster.start_nodelet()
+            sdk.connect(cluster.url, cluster.token)
+            big = b"x" * (3 << 20)  # over the inline limit, and more than the NAS holds
+            with pytest.warns(UserWarning, match="shared directory cannot be used"):
+                echoed = sdk.function()(_reversed)(big)
+            assert echoed == big[::-1]
+            left = [p for p in nas.rglob("*.bin*") if p.is_file()]
+            assert left == [], f"partial files left in the full NAS: {left}"
+    finally:
+        subprocess.run(["umount", "-l", str(nas)], check=False)
+
+
+def _reversed(data: bytes) -> bytes:
+    return data[::-1]
+
+
+def test_many_clients_while_a_nodelet_is_killed_and_restarted_lose_nothing(
+    two_nodes: Cluster, history: History
+) -> None:
+    """Three clients submit 30 short calls each while one of the two nodelets is SIGKILLed
+    and restarted: every call ends once, within its retries, with its last run's result."""
+    keys = [f"c{client}-{n}" for client in range(3) for n in range(30)]
+
+    def submit(client: int) -> None:
+        for n in range(30):
+            history.spawn(f"c{client}-{n}", 0.2, max_retries=3)
+
+    clients = [threading.Thread(target=submit, args=(c,)) for c in range(3)]
+    for thread in clients:
+        thread.start()
+    time.sleep(2)
+    victim = two_nodes.nodelets[0]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    time.sleep(1)
+    two_nodes.start_nodelet("node-a", fake_gpus=0, cpu_slots=1)
+    for thread in clients:
+        thread.join(60)
+    states = {key: history.check(key, timeout=90).state for key in keys}
+    assert set(states.values()) == {"succeeded"}, states
