@@ -94,6 +94,7 @@ class Client:
     ``inline_limit`` (bytes; larger payloads are uploaded as blobs first),
     ``watch_timeout_s`` (long-poll hold asked of the gateway), ``retry_deadline_s``,
     ``backoff_initial_s`` and ``backoff_max_s`` (retrying transient failures),
+    ``outage_patience_s`` (how long waiting for calls rides through an unreachable gateway),
     ``use_shared_dir`` (pass big state through the cluster's shared directory when this
     machine sees it; False: always through the gateway).
     """
@@ -101,6 +102,9 @@ class Client:
     inline_limit: int = 1024 * 1024
     watch_timeout_s: float = 10.0
     retry_deadline_s: float = 30.0
+    #: How long a wait for calls keeps waiting through an unreachable gateway (one being
+    #: restarted) before it raises GatewayUnreachable.
+    outage_patience_s: float = 300.0
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 2.0
     use_shared_dir: bool = True

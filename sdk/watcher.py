@@ -9,11 +9,16 @@ invocation counts as finished only once it is terminal *and* its log is drained
 from __future__ import annotations
 
 import codecs
+import logging
 import sys
+import time
 from collections.abc import Iterable, Sequence
 
 from bulletin import wire
 from sdk.client import Client
+from sdk.errors import GatewayUnreachable
+
+_log = logging.getLogger("sdk")
 
 
 class LogPrinter:
@@ -75,9 +80,40 @@ class Watcher:
         # had one round to deliver it.
         self._terminal: dict[str, wire.Invocation] = {}
         self._waited: set[str] = set()
+        #: Since when (monotonic) the gateway has been unreachable; None while it answers.
+        self._outage_since: float | None = None
 
     def poll(self, ids: Sequence[str], timeout_s: float) -> dict[str, wire.Invocation]:
-        """One round of long-polls over ``ids``; returns those that finished, by id."""
+        """One round of long-polls over ``ids``; returns those that finished, by id (none
+        while the gateway is unreachable, for up to the client's ``outage_patience_s``: it
+        may be restarting; the wait re-attaches once it is back)."""
+        try:
+            found = self._poll(ids, timeout_s)
+        except GatewayUnreachable as exc:
+            self._unreachable(ids, exc)
+            return {}
+        if self._outage_since is not None:
+            _log.warning("The gateway is back; still waiting for %d call(s).", len(ids))
+            self._outage_since = None
+        return found
+
+    def _unreachable(self, ids: Sequence[str], exc: GatewayUnreachable) -> None:
+        now = time.monotonic()
+        if self._outage_since is None:
+            # The client already retried for its retry deadline before giving up.
+            self._outage_since = now - self._client.retry_deadline_s
+            _log.warning(
+                "The gateway is unreachable (%s); still waiting for %d call(s) for up to "
+                "%.0f s, as it may be restarting (Ctrl-C stops waiting and cancels them).",
+                exc,
+                len(ids),
+                self._client.outage_patience_s,
+            )
+        if now - self._outage_since >= self._client.outage_patience_s:
+            raise exc
+        time.sleep(min(1.0, self._client.backoff_max_s))
+
+    def _poll(self, ids: Sequence[str], timeout_s: float) -> dict[str, wire.Invocation]:
         batches = [ids[i : i + wire.MAX_WATCH] for i in range(0, len(ids), wire.MAX_WATCH)]
         fresh: set[str] = set()
         for batch in batches:
