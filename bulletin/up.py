@@ -264,6 +264,9 @@ def _run(
         node_name,
         "--cpu-slots",
         str(settings.cpu_slots),
+        # Given, not inherited: our own BULLETIN_STATE_DIR is not the nodelet's.
+        "--state-dir",
+        str(state / "nodelet"),
     ]
     if settings.fake_gpus is not None:
         nodelet += ["--fake-gpus", str(settings.fake_gpus)]

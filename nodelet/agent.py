@@ -26,6 +26,7 @@ from nodelet.client import GatewayClient
 from nodelet.config import NodeletConfig
 from nodelet.errors import AuthRejected, GatewayUnavailable, NodeletError, Superseded
 from nodelet.gpus import GpuProvider, choose_provider, describe
+from nodelet.leftovers import sweep
 from nodelet.limits import device_rule
 from nodelet.workers import WorkerPool
 
@@ -75,6 +76,8 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
             "(read every secret, change the node); run it with --user-mapping instead unless "
             "they are its administrators"
         )
+    # Before the node registers: kill whatever an earlier nodelet of this node left running.
+    await asyncio.to_thread(sweep, config)
     work_dir = config.work_dir or tempfile.mkdtemp(prefix="bulletin-nodelet-")
     if not accounts.single_tenant:
         os.chmod(work_dir, 0o711)  # workers switched to users' accounts pass through it

@@ -51,8 +51,7 @@ from nodelet.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
-#: How long output may keep flowing after the worker and its process group are gone
-#: (only a grandchild that left the group can hold the pipes open that long).
+#: How long output may keep flowing after the worker and all it started are gone.
 EOF_GRACE_S = 2.0
 #: The worker's files in the attempt's ``out`` directory, and the payload the nodelet
 #: downloaded into the attempt's own.
@@ -411,6 +410,8 @@ class Attempt:
         oom_kills = worker.oom_kills()  # a warm worker's cgroup counts earlier calls' too
         try:
             ending = await self._supervise(worker, task, tasks[1:])
+            if ending is _Ending.FINISHED:
+                await worker.end_call()  # before the result: nothing of the call outlives it
             await _drain(tasks[1:])
             shipper.close()
             await tasks[0]
@@ -451,8 +452,8 @@ class Attempt:
         self, worker: Worker, task: wire.WorkerTask, pumps: list[asyncio.Task[Any]]
     ) -> _Ending:
         """Hand over the task and wait until the call's output ends (the worker stays, warm)
-        or the worker exits. At the time limit, the worker's process group gets SIGTERM,
-        then SIGKILL after the pool's ``kill_grace_s``."""
+        or the worker exits. At the time limit, the worker and everything it started get
+        SIGTERM, then SIGKILL after the pool's ``kill_grace_s``."""
         if not await worker.send(task):
             # Not the call's fault: abandoned, it is requeued when its lease lapses.
             raise NodeletError("the worker died before it received the call")

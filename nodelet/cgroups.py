@@ -1,5 +1,7 @@
-"""Cgroup plumbing for the nodelet's limits (:mod:`nodelet.limits`): where this process's
-cgroups are, making a directory of our own below them, and one worker's cgroups.
+"""Cgroup plumbing for the nodelet's limits and process tracking (:mod:`nodelet.limits`):
+where this process's cgroups are, making a directory of our own below them, one worker's
+cgroups (killing all that is in them, or all but the worker, frozen first where the machine
+can), and removing what a nodelet left.
 
 A controller lives on one hierarchy: cgroup v2 (one tree for every controller enabled there)
 or cgroup v1 (a tree per mounted controller, or per group of co-mounted ones). Machines mix
@@ -13,8 +15,15 @@ import contextlib
 import errno
 import os
 import signal
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from nodelet import procs
+
+#: How long a freeze may take before the kill goes on without it (a process in an
+#: uninterruptible sleep delays it).
+_FREEZE_WAIT_S = 0.5
 
 
 class LimitUnavailable(Exception):
@@ -147,16 +156,20 @@ def enable_below(here: str, pid: int, controller: str) -> None:
         ) from None
 
 
-def make_base(here: str, pid: int, version: int, controllers: Iterable[str]) -> str:
-    """This nodelet's directory ``bulletin-<pid>`` below ``here`` (the workers' cgroups go
-    in it), with ``controllers`` handed down to them on v2."""
+def make_base(here: str, name: str, version: int, controllers: Iterable[str]) -> str:
+    """This nodelet's directory ``name`` below ``here`` (the workers' cgroups go in it), with
+    ``controllers`` handed down to them on v2. What an earlier nodelet of the same name left
+    in it is killed and removed first."""
     sweep(here)
-    base = os.path.join(here, f"bulletin-{pid}")
+    base = os.path.join(here, name)
     try:
+        if os.path.isdir(base):
+            remove_tree(base, keep_top=True)
         with contextlib.suppress(FileExistsError):
             os.mkdir(base)
-        if version == 2:
-            write(base, "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
+        wanted = " ".join(f"+{c}" for c in controllers)
+        if version == 2 and wanted:
+            write(base, "cgroup.subtree_control", wanted)
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.rmdir(base)
@@ -165,7 +178,9 @@ def make_base(here: str, pid: int, version: int, controllers: Iterable[str]) -> 
 
 
 def sweep(here: str) -> None:
-    """Remove the empty cgroups that nodelets which are gone left behind (killed ones)."""
+    """Kill what is left in the cgroups of nodelets which are gone (killed ones) that were
+    named for their pid, ``bulletin-<pid>`` (nodelets named for their node are swept by
+    :mod:`nodelet.leftovers`), and remove them."""
     with contextlib.suppress(OSError):
         for name in os.listdir(here):
             prefix, _, owner = name.rpartition("-")
@@ -173,12 +188,27 @@ def sweep(here: str) -> None:
                 continue
             if os.path.exists(f"/proc/{owner}"):
                 continue
-            directory = os.path.join(here, name)
             with contextlib.suppress(OSError):
-                for child in os.listdir(directory):
-                    if os.path.isdir(os.path.join(directory, child)):
-                        os.rmdir(os.path.join(directory, child))
-                os.rmdir(directory)
+                remove_tree(os.path.join(here, name))
+
+
+def remove_tree(directory: str, *, keep_top: bool = False, timeout_s: float = 5.0) -> int:
+    """Kill every process in cgroup ``directory`` and below, and remove those cgroups,
+    deepest first (``directory`` too, unless ``keep_top``); how many processes were
+    killed. OSError if one is still busy after ``timeout_s``."""
+    killed = 0
+    for path, _, _ in os.walk(directory, topdown=False):
+        cgroup = Cgroup.at(path)
+        killed += len(cgroup.members())
+        if keep_top and path == directory:
+            cgroup.kill()
+            continue
+        deadline = time.monotonic() + timeout_s
+        while not cgroup.try_remove():
+            if time.monotonic() >= deadline:
+                raise OSError(errno.EBUSY, f"cgroup {path} is still busy", path)
+            time.sleep(0.01)
+    return killed
 
 
 class Cgroup:
@@ -233,16 +263,73 @@ class Cgroup:
             for rule in self.gpu_devices.get(index, ()):
                 write(devices, "devices.allow", f"{rule} rwm")
 
-    def kill(self) -> None:
-        """SIGKILL every process in the cgroups, those that left the worker's group too."""
-        for controller, directory in self.dirs.items():
-            if self.versions[controller] == 2:  # Linux >= 5.14; the loop below covers older
+    @classmethod
+    def at(cls, directory: str) -> Cgroup:
+        """The cgroup at ``directory``, found on disk (to sweep what a nodelet left)."""
+        version = 2 if os.path.exists(os.path.join(directory, "cgroup.controllers")) else 1
+        return cls({"": directory}, {"": version})
+
+    def kill(self, *, spare: int | None = None) -> None:
+        """SIGKILL every process in the cgroups (but ``spare``), those that left the worker's
+        process group or session too. Frozen first where the machine can (cgroup v2, the v1
+        freezer), else stopped with SIGSTOP first: nothing forks away during the kill."""
+        if spare is None:
+            for directory in self.dirs.values():  # cgroup v2, Linux >= 5.14: all at once
                 with contextlib.suppress(OSError):
                     write(directory, "cgroup.kill", "1")
-                break
+                    return
+
+        def others() -> procs.Identities:
+            return {p: s for p, s in self.members().items() if p != spare}
+
+        freezer = self._freezer()
+        if freezer is None:
+            procs.stop_and_kill(others)
+            return
+        self._freeze(freezer, frozen=True)
+        try:
+            procs.send(others(), signal.SIGKILL)
+        finally:
+            self._freeze(freezer, frozen=False)  # a v1-frozen process dies once thawed
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to every process in the cgroups."""
+        procs.send(self.members(), sig)
+
+    def _freezer(self) -> tuple[str, bool] | None:
+        """A directory that freezes every process of the worker, and whether it is v2's."""
+        for directory in self.dirs.values():
+            if os.path.exists(os.path.join(directory, "cgroup.freeze")):
+                return directory, True
+        for directory in self.dirs.values():
+            if os.path.exists(os.path.join(directory, "freezer.state")):
+                return directory, False
+        return None
+
+    @staticmethod
+    def _freeze(freezer: tuple[str, bool], *, frozen: bool) -> None:
+        directory, v2 = freezer
+        if v2:
+            write(directory, "cgroup.freeze", "1" if frozen else "0")
+        else:
+            write(directory, "freezer.state", "FROZEN" if frozen else "THAWED")
+        deadline = time.monotonic() + _FREEZE_WAIT_S
+        while frozen and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                if v2 and keyed(read(directory, "cgroup.events")).get("frozen") == 1:
+                    return
+                if not v2 and read(directory, "freezer.state").strip() == "FROZEN":
+                    return
+            time.sleep(0.001)
+
+    def members(self) -> procs.Identities:
+        """The live processes in the cgroups (identities)."""
+        found = {}
         for pid in self.pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            stat = procs.read_stat(pid)
+            if stat is not None and stat.alive:
+                found[pid] = stat.start
+        return found
 
     def pids(self) -> list[int]:
         found: set[int] = set()

@@ -8,6 +8,8 @@ import socket
 
 import msgspec
 
+from nodelet.limits import TRACKING
+
 
 class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How one nodelet runs. Validated on construction; errors name the bad setting."""
@@ -37,6 +39,19 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
     gpu_spare_shapes: str = "1"
     #: Where attempts keep their files; empty means a fresh temporary directory.
     work_dir: str = ""
+    #: Where the nodelet keeps what must outlive it: the record of its workers and their
+    #: cgroups, which its next start reads to kill whatever it left running (after a crash,
+    #: a SIGKILL). Empty: /var/lib/bulletin-nodelet/NAME as root, else a per-user state
+    #: directory. Made 0700 where missing; refused if it is reached through a symbolic
+    #: link, or belongs to another account. One per nodelet of a machine.
+    state_dir: str = ""
+    #: How the processes a call starts are tracked, so that all of them (setsid children,
+    #: double-forked daemons) are killed when it ends, and after a nodelet crash: "cgroup2"
+    #: or "cgroup1" (a cgroup per worker; needs a writable cgroup v2 directory, or a v1
+    #: freezer or pids hierarchy), "cgroup" (either), "subreaper" (each worker adopts the
+    #: orphans of what it started; no cgroup), or "auto" (a cgroup where one is usable,
+    #: else the subreaper). See docs/limits.md.
+    process_tracking: str = "auto"
     #: HTTP timeout in seconds, on top of the long-poll hold for poll requests.
     http_timeout_s: float = 10.0
     #: How often a running call's output is sent to the gateway, in seconds.
@@ -118,6 +133,15 @@ def _problems(config: NodeletConfig) -> list[str]:
         (config.http_timeout_s > 0, f"http_timeout_s must be > 0, got {config.http_timeout_s}"),
         (config.log_flush_s > 0, f"log_flush_s must be > 0, got {config.log_flush_s}"),
         (config.kill_grace_s >= 0, f"kill_grace_s must be >= 0, got {config.kill_grace_s}"),
+        (
+            config.process_tracking in TRACKING,
+            f"process_tracking must be one of {', '.join(TRACKING)}, got "
+            f"{config.process_tracking!r}",
+        ),
+        (
+            not config.state_dir or os.path.isabs(config.state_dir),
+            f"state_dir must be an absolute path, got {config.state_dir!r}",
+        ),
         (
             config.worker_max_calls >= 0,
             f"worker_max_calls must be >= 0 (0: never), got {config.worker_max_calls}",

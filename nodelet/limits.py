@@ -3,7 +3,16 @@ machine can enforce, and enforce it (the cgroup plumbing is :mod:`nodelet.cgroup
 
 :meth:`Limiter.detect` picks a mechanism per limit at nodelet start and logs it, with the
 reason each better one is not usable. Each worker gets a cgroup of its own per hierarchy,
-``bulletin-<nodelet pid>/worker-<pid>``, before it runs anything of a call.
+``<base>/worker-<pid>``, before it runs anything of a call; a nodelet's base is named for its
+node (``bulletin-node-...``, so that its next start finds and sweeps it: :mod:`nodelet.leftovers`),
+else ``bulletin-<nodelet pid>``.
+
+Process tracking (``tracking``): every process a call starts is killed when the call ends.
+``cgroup2`` or ``cgroup1`` give every worker a cgroup even without a limit (v2 where this
+process's own v2 cgroup is writable, else the v1 freezer or pids hierarchy): membership is
+inherited and cannot be left without root. ``subreaper``: no cgroup; the worker adopts the
+orphans of what it starts (:func:`nodelet.procs.become_subreaper`), so its process tree holds
+them all.
 
 Memory (``memory_limit_mb``):
 
@@ -42,6 +51,7 @@ import os
 import resource
 import stat
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from nodelet.cgroups import (
     Cgroup,
@@ -80,6 +90,8 @@ class Limiter:
         bases: Mapping[str, tuple[int, str]] | None = None,
         gpu_devices: Mapping[int, tuple[str, ...]] | None = None,
         unusable: str = "",
+        tracking: str = "subreaper",
+        tracking_hierarchy: str = "",
     ) -> None:
         self.limit_mb = memory_mb
         #: How memory is limited: "none", "cgroup2", "cgroup1" or "rlimit".
@@ -89,6 +101,10 @@ class Limiter:
         self.gpu_devices = dict(gpu_devices or {})
         #: Why cgroups could not limit memory ("" when they do, or there is no limit).
         self.unusable = unusable
+        #: How the processes a call starts are tracked: "cgroup2" or "cgroup1" (a cgroup
+        #: per worker, ``bases["tracking"]``, in ``tracking_hierarchy``), or "subreaper".
+        self.tracking = tracking
+        self.tracking_hierarchy = tracking_hierarchy
 
     @classmethod
     def rlimit(cls, memory_mb: int) -> Limiter:
@@ -112,7 +128,8 @@ class Limiter:
         if version == 2 and "devices" in wanted:
             raise LimitUnavailable(_V2_ONLY_DEVICES)
         here = own_cgroup_dir(2, pid) if version == 2 else ""
-        bases = {c: (version, _base(version, c, pid, here)) for c in wanted}
+        name = f"bulletin-{pid}"
+        bases = {c: (version, _base(version, c, pid, here, name)) for c in wanted}
         memory = f"cgroup{version}" if "memory" in bases else "none"
         return cls(memory_mb, memory=memory, cpus=cpus, bases=bases, gpu_devices=gpu_devices)
 
@@ -123,35 +140,43 @@ class Limiter:
         *,
         cpus: float = 0.0,
         gpu_devices: Mapping[int, tuple[str, ...]] | None = None,
+        tracking: str = "subreaper",
+        name: str | None = None,
         pid: int | None = None,
     ) -> Limiter:
         """The best mechanism for each limit this machine offers: ``memory_mb`` MiB and
-        ``cpus`` cores per call (0: none), and the GPUs' device files (``gpu_devices``, GPU
-        index to device rules), logged with the reason each better one was not usable."""
+        ``cpus`` cores per call (0: none), the GPUs' device files (``gpu_devices``, GPU
+        index to device rules), and how the processes of a call are tracked (``tracking``,
+        one of :data:`TRACKING`), logged with the reason each better one was not usable.
+        The cgroups go into a directory ``name`` (default ``bulletin-<pid>``) below this
+        process's own; LimitUnavailable if the ``tracking`` asked for is not usable."""
         pid = pid or os.getpid()
+        name = name or f"bulletin-{pid}"
         bases: dict[str, tuple[int, str]] = {}
         problems: dict[str, list[str]] = {}
-        v2_here: str | LimitUnavailable | None = None
+        # Read once: enabling a controller may move the nodelet into a leaf.
+        v2_here: str | LimitUnavailable
+        try:
+            v2_here = own_cgroup_dir(2, pid)
+        except LimitUnavailable as exc:
+            v2_here = exc
         for controller in _wanted(memory_mb, cpus, gpu_devices):
             problems[controller] = []
             for version in (1,) if controller == "devices" else (2, 1):
                 try:
-                    if version == 2:
-                        # Read once: enabling a controller may move the nodelet into a leaf.
-                        if v2_here is None:
-                            try:
-                                v2_here = own_cgroup_dir(2, pid)
-                            except LimitUnavailable as exc:
-                                v2_here = exc
-                        if isinstance(v2_here, LimitUnavailable):
-                            raise v2_here
+                    if isinstance(v2_here, LimitUnavailable) and version == 2:
+                        raise v2_here
                     here = v2_here if isinstance(v2_here, str) and version == 2 else ""
-                    bases[controller] = (version, _base(version, controller, pid, here))
+                    bases[controller] = (version, _base(version, controller, pid, here, name))
                     break
                 except LimitUnavailable as exc:
                     problems[controller].append(str(exc))
         if "devices" in problems and "devices" not in bases:
             problems["devices"].append(_V2_ONLY_DEVICES)
+        tracked = _tracking(tracking, pid, name, v2_here)
+        problems["tracking"] = tracked.problems
+        if tracked.base is not None:
+            bases["tracking"] = tracked.base
         memory = "none"
         if memory_mb > 0:
             memory = f"cgroup{bases['memory'][0]}" if "memory" in bases else "rlimit"
@@ -162,11 +187,21 @@ class Limiter:
             bases=bases,
             gpu_devices=gpu_devices,
             unusable="; ".join(problems.get("memory", [])) if memory == "rlimit" else "",
+            tracking=tracked.mechanism,
+            tracking_hierarchy=tracked.hierarchy,
         )
         limiter._log(problems)
         return limiter
 
     def _log(self, problems: Mapping[str, list[str]]) -> None:
+        if self.tracking == "subreaper" and problems.get("tracking"):
+            log.warning(
+                "process tracking: %s; no cgroup is usable for it: %s",
+                self.describe_tracking(),
+                "; ".join(problems["tracking"]),
+            )
+        else:
+            log.info("process tracking: %s", self.describe_tracking())
         if self.mechanism == "none":
             log.info("no memory limit per call (memory_limit_mb = 0)")
         elif self.mechanism == "rlimit":
@@ -223,6 +258,25 @@ class Limiter:
             return f"{self.limit_mb} MiB per call (cgroup v{self.version} {knob})"
         return "none"
 
+    def describe_tracking(self) -> str:
+        """How the processes of a call are tracked, to kill them all when it ends."""
+        if self.tracking == "subreaper":
+            also = sorted({f"cgroup v{v}" for v, _ in self.bases.values()})
+            return (
+                "subreaper (each worker, and the nodelet, adopts the orphans of what it "
+                "started; a worker's process tree is killed)"
+                + (f"; the limits' {', '.join(also)} cgroups catch it too" if also else "")
+            )
+        version, base = self.bases["tracking"]
+        return (
+            f"{self.tracking} (a cgroup per worker in the cgroup v{version} "
+            f"{self.tracking_hierarchy} hierarchy, under {base}; frozen, then killed)"
+        )
+
+    def cgroup_bases(self) -> list[str]:
+        """The directories this limiter made its workers' cgroups in."""
+        return sorted({base for _, base in self.bases.values()})
+
     def describe_cpu(self) -> str:
         if "cpu" not in self.bases:
             return "none"
@@ -253,7 +307,11 @@ class Limiter:
         try:
             for base, controllers in by_base.items():
                 path = os.path.join(base, f"worker-{pid}")
-                os.mkdir(path)
+                try:
+                    os.mkdir(path)
+                except FileNotFoundError:  # removed by an earlier nodelet of this node, stopping
+                    self._remake(base, controllers)
+                    os.mkdir(path)
                 made.append(path)
                 for controller in controllers:
                     self._configure(controller, path, own)
@@ -267,6 +325,13 @@ class Limiter:
         versions = {c: v for c, (v, _) in self.bases.items()}
         devices = self.gpu_devices if "devices" in self.bases else None
         return Cgroup(dirs, versions, gpu_devices=devices)
+
+    def _remake(self, base: str, controllers: list[str]) -> None:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(base)
+        handed_down = " ".join(f"+{c}" for c in controllers if c != "tracking")
+        if self.bases[controllers[0]][0] == 2 and handed_down:
+            write(base, "cgroup.subtree_control", handed_down)
 
     def _configure(self, controller: str, path: str, gpus: set[int]) -> None:
         version = self.bases[controller][0]
@@ -306,14 +371,55 @@ def _wanted(
     return [controller for controller, needed in wanted if needed]
 
 
-def _base(version: int, controller: str, pid: int, v2_here: str) -> str:
+def _base(version: int, controller: str, pid: int, v2_here: str, name: str) -> str:
     """This nodelet's directory for ``controller`` in cgroup v``version``."""
     if version == 2:
         here = v2_here or own_cgroup_dir(2, pid)
         enable_below(here, pid, controller)
     else:
         here = own_cgroup_dir(1, pid, controller)
-    return make_base(here, pid, version, [controller])
+    return make_base(here, name, version, [controller])
+
+
+#: The settings of process tracking (``NodeletConfig.process_tracking``).
+TRACKING = ("auto", "cgroup", "cgroup2", "cgroup1", "subreaper")
+#: The cgroup v1 hierarchies tried for tracking, best first: the freezer stops every process
+#: of a cgroup before the kill, so that none forks away meanwhile.
+TRACKING_V1 = ("freezer", "pids")
+
+
+@dataclass(frozen=True, slots=True)
+class _Tracked:
+    mechanism: str
+    base: tuple[int, str] | None = None
+    hierarchy: str = ""
+    problems: list[str] = field(default_factory=list)
+
+
+def _tracking(choice: str, pid: int, name: str, v2_here: str | LimitUnavailable) -> _Tracked:
+    """How to track a call's processes, as ``choice`` asks, best first: a cgroup v2 where
+    this process's own v2 cgroup is writable, else a v1 freezer or pids hierarchy; else the
+    subreaper (unless a cgroup was asked for)."""
+    if choice not in TRACKING:
+        raise ValueError(f"process_tracking must be one of {', '.join(TRACKING)}: {choice!r}")
+    versions = {"cgroup2": (2,), "cgroup1": (1,), "subreaper": ()}.get(choice, (2, 1))
+    problems: list[str] = []
+    for version in versions:
+        for hierarchy in ("unified",) if version == 2 else TRACKING_V1:
+            try:
+                if version == 1:
+                    here = own_cgroup_dir(1, pid, hierarchy)
+                elif isinstance(v2_here, LimitUnavailable):
+                    raise v2_here
+                else:
+                    here = v2_here
+                base = make_base(here, name, version, [])
+                return _Tracked(f"cgroup{version}", (version, base), hierarchy, problems)
+            except LimitUnavailable as exc:
+                problems.append(str(exc))
+    if choice in ("auto", "subreaper"):
+        return _Tracked("subreaper", problems=problems if choice == "auto" else [])
+    raise LimitUnavailable(f"process tracking {choice!r} is not usable: {'; '.join(problems)}")
 
 
 def device_rule(path: str) -> str | None:

@@ -9,6 +9,12 @@ value (or exception) and the globals the call changed, inline or in a file. Afte
 what the call spawned, restores its environment, working directory and ``sys.path``, and
 writes the task's end marker to both pipes; a task without an end marker is its last.
 
+The worker is a child subreaper (:func:`nodelet.procs.become_subreaper`): the orphans of what
+a call starts (a double-forked daemon, the children of a setsid child that exited) are
+re-parented to it, so everything a call started descends from it, and is killed after the
+call. A thread watches its *lifeline*, a pipe whose write end only the nodelet holds: when
+the nodelet dies, the worker kills everything it started and exits.
+
 When the task asks for it (:data:`nodelet.limits.RLIMIT_ENV`), the worker limits its own
 address space before it unpickles the call, and reports a ``MemoryError`` as out of memory.
 
@@ -19,11 +25,11 @@ must start fast.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from types import TracebackType
@@ -35,12 +41,12 @@ from bulletin import shared, wire
 from bulletin.pickling import frame as envelope
 from bulletin.pickling import remote
 from bulletin.pickling.pickler import type_name
-from nodelet import jsoncall, limits
+from nodelet import jsoncall, limits, procs
 
 #: Longest error message or traceback kept (the middle of a longer one is cut).
 MAX_ERROR_TEXT = 64 * 1024
-_PR_SET_PDEATHSIG = 1
-_SIGKILL = 9
+#: The environment variable naming the worker's lifeline descriptor (nodelet.workers).
+LIFELINE_ENV = "BULLETIN_LIFELINE_FD"
 _task_decoder = msgspec.msgpack.Decoder(wire.WorkerTask)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -60,15 +66,33 @@ def read_task(stream: IO[bytes]) -> wire.WorkerTask | None:
     return _task_decoder.decode(body)
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the nodelet dies, so no worker outlives it."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
-    # The parent may have died before prctl took effect: then no signal will ever come.
-    if os.getppid() != parent:
-        os._exit(1)
+def watch_lifeline() -> None:
+    """Die with the nodelet, and take everything the calls started along: a thread waits for
+    EOF on the lifeline (the nodelet's death closes its write end, whenever it happens), then
+    kills this worker's descendants and exits. What it may not kill (a process that became
+    root through a setuid program) keeps it alive, as their subreaper, so that the nodelet's
+    next start finds it in its record and kills it with them. Without a lifeline (a worker
+    started by hand), nothing is watched."""
+    fd = os.environ.pop(LIFELINE_ENV, "")
+    if fd.isdigit():
+        os.set_inheritable(int(fd), False)  # not passed on to what calls run
+        threading.Thread(
+            target=_outlive_nothing, args=(int(fd),), name="bulletin-lifeline", daemon=True
+        ).start()
+
+
+def _outlive_nothing(fd: int) -> None:
+    while True:
+        try:
+            if not os.read(fd, 4096):
+                break
+        except InterruptedError:
+            continue
+        except OSError:
+            break  # the call closed it: a lost lifeline, as good as EOF
+    while kill_leftovers():
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def run_task(task: wire.WorkerTask) -> wire.WorkerOutcome:
@@ -266,7 +290,6 @@ def become(account: wire.RunAs, workdir: str) -> None:
         os.setgroups(account.groups)
         os.setgid(account.gid)
         os.setuid(account.uid)  # as root: real, effective and saved ids alike
-        die_with_parent()  # changing credentials clears the parent-death signal
     if os.getresuid() != (account.uid,) * 3 or os.getresgid() != (account.gid,) * 3:
         # A worker that served another account, or a switch that did not take: never run.
         raise PermissionError(
@@ -408,42 +431,28 @@ def release_cuda_cache() -> None:
 KILL_WAIT_S = 2.0
 
 
-def kill_group_members() -> None:
-    """SIGKILL every other process of this worker's process group (what the call spawned),
-    and wait (briefly) until they are dead: the next call must not meet them, nor the GPU
-    memory they held. Only when the worker leads its group, as the nodelet starts it: never
-    anyone else's."""
-    me, group = os.getpid(), os.getpgid(0)
-    if group != me:
-        return
-    killed = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        with contextlib.suppress(OSError):
-            if os.getpgid(int(entry)) == group:
-                os.kill(int(entry), signal.SIGKILL)
-                killed.append(int(entry))
+def kill_leftovers() -> procs.Identities:
+    """SIGKILL every descendant of this worker (what the call spawned: as a subreaper it
+    adopted the orphans among them), stopped first so that none forks away, and wait
+    (briefly) until they are dead and reaped: the next call must not meet them, nor the GPU
+    memory they held. Those still running: processes it may not signal."""
+    me = os.getpid()
+    start = procs.start_time(me)
+    if start is None:
+        return {}
+    procs.stop_and_kill(lambda: procs.tree({me: start}, spare=me))
     deadline = time.monotonic() + KILL_WAIT_S
-    while killed and time.monotonic() < deadline:
-        killed = [pid for pid in killed if _alive(pid)]
-        if killed:
-            time.sleep(0.005)
-
-
-def _alive(pid: int) -> bool:
-    """Running, not yet a zombie (a killed child of ours stays one until reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
+    procs.reap()
+    while (left := procs.tree({me: start}, spare=me)) and time.monotonic() < deadline:
+        time.sleep(0.005)
+        procs.reap()
+    return left
 
 
 def finish(task: wire.WorkerTask, outcome: wire.WorkerOutcome) -> None:
     write_outcome(task.result_path, outcome)
     _flush(sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
-    kill_group_members()
+    kill_leftovers()
     for fd in (1, 2):
         os.write(fd, task.end_marker)
 
@@ -479,7 +488,8 @@ def warm_torch() -> None:
 
 
 def main() -> None:
-    die_with_parent()
+    procs.become_subreaper()
+    watch_lifeline()
     tasks = private_task_pipe()
     if os.environ.get("BULLETIN_WARM_TORCH") == "1":
         warm_torch()

@@ -2,10 +2,18 @@
 after a call for the next call of the same owner on the same GPUs (never across owners).
 
 Workers are always exec'd (``python -m nodelet.worker``), never forked: forking a process that
-has imported torch or created a CUDA context is unsafe. Each worker leads its own session, so
-killing its process group also kills whatever the user's code spawned. With a cgroup memory
-limit (:mod:`nodelet.limits`) each worker also has a cgroup of its own, which catches what
-left the process group too.
+has imported torch or created a CUDA context is unsafe. Each worker leads its own session.
+
+Nothing a call starts outlives it. Where the machine has a usable cgroup
+(:attr:`Limiter.tracking <nodelet.limits.Limiter.tracking>`), each worker has one of its own,
+which everything it starts stays in, setsid or double-forked daemons alike; else the worker is
+a child subreaper that adopts its descendants' orphans, so its process tree holds them (and
+the nodelet adopts the orphans of a worker that died). When a call ends the worker kills what
+it can itself; then the nodelet kills whatever is left but the worker (:meth:`Worker.end_call`).
+Stopped or discarded, the whole cgroup or tree is killed. Each worker holds the read end of a
+pipe whose write end only the nodelet has (its *lifeline*): when the nodelet dies, the worker
+kills its tree and exits (:mod:`nodelet.worker`). The pool records its workers and cgroups in
+the node's state directory, for the next nodelet to sweep (:mod:`nodelet.leftovers`).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import importlib.util
 import logging
 import os
@@ -23,9 +32,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from bulletin import wire
+from nodelet import procs
 from nodelet.config import worker_env_names
-from nodelet.limits import Cgroup, Limiter
-from nodelet.worker import frame
+from nodelet.leftovers import NodeState, base_name, open_state
+from nodelet.limits import Cgroup, Limiter, LimitUnavailable
+from nodelet.worker import KILL_WAIT_S, LIFELINE_ENV, frame
 
 if TYPE_CHECKING:
     from nodelet.config import NodeletConfig
@@ -38,19 +49,42 @@ WARM_TORCH = "BULLETIN_WARM_TORCH"
 #: How often the pool checks that its idle workers are still alive.
 _CHECK_S = 1.0
 _RESPAWN_BACKOFF_MAX_S = 5.0
-#: How often a terminated worker's process group is checked for survivors.
+#: How often a terminated worker's processes are checked for survivors.
 _STOP_POLL_S = 0.05
+#: How often the processes a finished call left are checked while they die.
+_END_POLL_S = 0.005
 #: How long a dead worker's cgroup may stay busy (its processes dying) before it is left.
 _CGROUP_REMOVE_S = 2.0
+#: How long a dead worker's pipes may stay open once what it started was killed.
+_PIPES_CLOSE_S = 2.0
 
 
 class Worker:
-    """A handle on one worker process."""
+    """A handle on one worker process, and on everything it starts: its cgroup (``cgroup``)
+    where it has one, else its process tree (``tree``)."""
 
-    def __init__(self, process: asyncio.subprocess.Process, cgroup: Cgroup | None = None) -> None:
+    def __init__(
+        self,
+        process: asyncio.subprocess.Process,
+        cgroup: Cgroup | None = None,
+        *,
+        start: int | None = None,
+        exited: asyncio.Future[None] | None = None,
+    ) -> None:
         self.process = process
-        #: The worker's own cgroup, under a cgroup memory limit; removed once it has exited.
+        # Done when the process exits (Process.wait() also waits for its pipes to close,
+        # which what a call left running may hold open).
+        self._exited = exited
+        #: The worker's own cgroup; removed once it has exited.
         self.cgroup = cgroup
+        #: Its start time (``/proc/PID/stat``): with the pid, who it is (nodelet.procs).
+        self.start = start
+        #: What it started, found by descent, where it has no cgroup.
+        self.tree = procs.Tree(process.pid, start)
+        #: Being stopped with a grace (SIGTERM, then SIGKILL): what it leaves is not swept.
+        self.stopping = False
+        self._not_stopping = asyncio.Event()
+        self._not_stopping.set()
         #: Whether the worker was already running when a call got it (a spare, or warm from
         #: an earlier call); False when it was started for the call.
         self.warm = False
@@ -60,7 +94,7 @@ class Worker:
         self.last_function: str | None = None
         #: The user name of the owner of its last call (reported with its function).
         self.last_owner: str | None = None
-        self._cgroup_removed: asyncio.Future[None] | None = None
+        self._finished: asyncio.Future[int] | None = None
 
     @property
     def pid(self) -> int:
@@ -97,61 +131,91 @@ class Worker:
             return False
         return True
 
+    def members(self) -> procs.Identities:
+        """The live processes of the worker: itself (while it runs) and all it started."""
+        return self.cgroup.members() if self.cgroup is not None else self.tree.members()
+
     def kill(self) -> None:
-        """SIGKILL the worker's whole process group: the worker and anything it spawned
-        (and, in its cgroup, what left the group)."""
-        with contextlib.suppress(ProcessLookupError):  # already gone, children and all
-            os.killpg(self.process.pid, signal.SIGKILL)
+        """SIGKILL the worker and everything it started: its whole cgroup, or process tree."""
         if self.cgroup is not None:
             self.cgroup.kill()
+        else:
+            self.tree.kill()
+
+    async def end_call(self) -> None:
+        """Kill what the finished call left running, all but the worker (kept warm for the
+        next call), and wait (briefly) until it is gone. The worker killed what it could
+        itself before it ended the call; this takes what it may not signal (a process that
+        became root through a setuid program) or missed."""
+        if not self._others():
+            return
+        tracked = self.cgroup if self.cgroup is not None else self.tree
+        await asyncio.to_thread(tracked.kill, spare=self.pid)
+        deadline = time.monotonic() + KILL_WAIT_S
+        while (left := self._others()) and time.monotonic() < deadline:
+            await asyncio.sleep(_END_POLL_S)
+        log.info(
+            "worker %d: killed what its call left running%s",
+            self.pid,
+            f"; {sorted(left)} still running" if left else "",
+        )
+
+    def _others(self) -> procs.Identities:
+        return {p: s for p, s in self.members().items() if p != self.pid}
 
     async def stop(self, grace_s: float, *, call_ended: Callable[[], bool] | None = None) -> bool:
-        """SIGTERM the worker's process group, then SIGKILL it if anything of it is still
-        running after ``grace_s``. True if it had to be killed. A call that handles SIGTERM
-        may end (``call_ended()``) with its worker alive: then the group is killed at once."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while self.returncode is None or group_members(self.pid):
-            if call_ended is not None and call_ended():
-                self.kill()
-                return False
-            if time.monotonic() >= deadline:
-                self.kill()
-                return True
-            await asyncio.sleep(_STOP_POLL_S)
-        return False
+        """SIGTERM the worker and all it started, then SIGKILL them if any is still running
+        after ``grace_s``. True if they had to be killed. A call that handles SIGTERM may end
+        (``call_ended()``) with its worker alive: then they are killed at once."""
+        self.stopping = True
+        self._not_stopping.clear()
+        try:
+            (self.cgroup if self.cgroup is not None else self.tree).signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self.returncode is None or self.members():
+                if call_ended is not None and call_ended():
+                    self.kill()
+                    return False
+                if time.monotonic() >= deadline:
+                    self.kill()
+                    return True
+                await asyncio.sleep(_STOP_POLL_S)
+            return False
+        finally:
+            self.stopping = False
+            self._not_stopping.set()
+
+    async def exited(self) -> int:
+        """Wait for the worker process to exit (only that); its exit status."""
+        if self._exited is not None:
+            await asyncio.shield(self._exited)
+        else:
+            await self.process.wait()
+        assert self.returncode is not None  # set before the protocol hears of the exit
+        return self.returncode
 
     async def wait(self) -> int:
-        """Wait for the worker to exit; then remove its cgroup, killing what is left in it."""
-        returncode = await self.process.wait()
+        """Wait for the worker to exit; then kill whatever is left of what it started (once
+        a stop's grace is over) and remove its cgroup. Its exit status."""
+        if self._finished is None:
+            self._finished = asyncio.ensure_future(self._finish())
+        return await asyncio.shield(self._finished)
+
+    async def _finish(self) -> int:
+        returncode = await self.exited()
+        await self._not_stopping.wait()
         if self.cgroup is not None:
-            if self._cgroup_removed is None:
-                self._cgroup_removed = asyncio.ensure_future(_remove(self.cgroup))
-            await asyncio.shield(self._cgroup_removed)
+            await _remove(self.cgroup)
+        else:
+            self.tree.kill()
+        with contextlib.suppress(TimeoutError):  # its pipes close as what held them dies
+            await asyncio.wait_for(self.process.wait(), _PIPES_CLOSE_S)
         return returncode
 
     def oom_kills(self) -> int:
         """How many of the worker's processes the kernel killed at its cgroup's memory
         limit so far (0 without a cgroup)."""
         return self.cgroup.oom_kills() if self.cgroup is not None else 0
-
-
-def group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group ``pgid``."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as file:
-                # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-                fields = file.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if fields[0] != b"Z" and int(fields[2]) == pgid:
-            members.append(int(entry))
-    return members
 
 
 async def _remove(cgroup: Cgroup) -> None:
@@ -170,6 +234,19 @@ async def _remove(cgroup: Cgroup) -> None:
 WORKER_COMMAND = (sys.executable, "-m", "nodelet.worker")
 
 
+class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's protocol of a process with pipes, which also tells when the process exits."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=2**16, loop=loop)
+        self.exited: asyncio.Future[None] = loop.create_future()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+
 async def spawn_worker(
     *,
     cwd: str | None = None,
@@ -178,24 +255,36 @@ async def spawn_worker(
     limiter: Limiter | None = None,
     gpus: Sequence[int] = (),
     passed_env: Sequence[tuple[str, str | None]] = (),
+    lifeline: int | None = None,
 ) -> Worker:
     """Start one worker process (``command``, which speaks the protocol of
     :mod:`nodelet.worker`), confined by ``limiter`` (allowed ``gpus``' device files), with
-    the environment of :func:`worker_env`; it waits for its task on stdin."""
-    process = await asyncio.create_subprocess_exec(
+    the environment of :func:`worker_env`; it waits for its task on stdin. ``lifeline`` is
+    the read end of a pipe the worker watches: it ends when the write end is closed."""
+    extra = dict(env or {})
+    if lifeline is not None:
+        extra[LIFELINE_ENV] = str(lifeline)
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.subprocess_exec(
+        lambda: _Protocol(loop),
         *command,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         cwd=cwd,
-        env=worker_env(env, passed_env),
+        env=worker_env(extra, passed_env),
         start_new_session=True,
+        pass_fds=() if lifeline is None else (lifeline,),
     )
+    process = asyncio.subprocess.Process(transport, protocol, loop)
+    # Ours until reaped: its pid cannot name another process yet.
+    start = procs.start_time(process.pid)
     if limiter is None:
-        return Worker(process)
+        return Worker(process, start=start, exited=protocol.exited)
     try:
         # The worker runs nothing of a call before it is confined: it waits for its task.
-        return Worker(process, limiter.apply(process.pid, gpus))
+        cgroup = limiter.apply(process.pid, gpus)
+        return Worker(process, cgroup, start=start, exited=protocol.exited)
     except OSError:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
@@ -239,7 +328,10 @@ class WorkerPool:
     """Keeps ``spares`` fresh idle workers started (:meth:`maintain` refills it in the
     background) and up to ``max_warm`` warm ones, each reserved for its :data:`WarmKey`.
     Every worker is confined by ``limiter``; ``kill_grace_s`` is how long a worker stopped
-    at a call's time limit has between SIGTERM and SIGKILL."""
+    at a call's time limit has between SIGTERM and SIGKILL. With ``state``, the workers and
+    their cgroups are recorded in the node's state directory as they come and go; with
+    ``adopt_orphans`` (this process is a child subreaper), the orphans a dead worker's tree
+    leaves with this process are killed and reaped."""
 
     def __init__(
         self,
@@ -255,6 +347,8 @@ class WorkerPool:
         max_calls: int = 0,
         max_rss_mb: int = 0,
         passed_env: Sequence[tuple[str, str | None]] = (),
+        state: NodeState | None = None,
+        adopt_orphans: bool = False,
     ) -> None:
         self.spares = spares
         self.passed_env = tuple(passed_env)
@@ -279,6 +373,15 @@ class WorkerPool:
         self._wanted = asyncio.Event()
         self._closed = False
         self._reapers: set[asyncio.Task[int]] = set()
+        # Every worker started and not yet reaped (or still being stopped), wherever it is.
+        self._started: dict[int, Worker] = {}
+        self._watchers: set[asyncio.Task[int]] = set()
+        self._spawning = 0
+        self._state = state
+        self._adopt_orphans = adopt_orphans
+        # Its write end is the nodelet's alone: a worker sees EOF when the nodelet is gone.
+        self._lifeline_read, self._lifeline_write = os.pipe()
+        self._record()
 
     @classmethod
     def from_config(
@@ -289,11 +392,26 @@ class WorkerPool:
         gpu_devices: Mapping[int, tuple[str, ...]] | None = None,
     ) -> WorkerPool:
         """The pool a nodelet runs with ``config``, given its GPUs' device rules: detects
-        (and logs) how each limit is enforced."""
+        (and logs) how each limit is enforced and how the processes of calls are tracked
+        (with the subreaper, this process becomes one), and records its workers in the
+        node's state directory. ValueError if the tracking asked for is not usable here, or
+        the state directory is not safe to use."""
         warm = config.warm_torch and importlib.util.find_spec("torch") is not None
-        limiter = Limiter.detect(
-            config.memory_limit_mb, cpus=config.cpu_limit, gpu_devices=gpu_devices
-        )
+        state = open_state(config)
+        try:
+            limiter = Limiter.detect(
+                config.memory_limit_mb,
+                cpus=config.cpu_limit,
+                gpu_devices=gpu_devices,
+                tracking=config.process_tracking,
+                name=base_name(config.name, state.path),
+            )
+        except LimitUnavailable as exc:
+            state.close()
+            raise ValueError(str(exc)) from None
+        subreaper = limiter.tracking == "subreaper"
+        if subreaper:
+            procs.become_subreaper()  # the orphans of a worker that dies come here
         return cls(
             config.spare_workers,
             cwd=cwd,
@@ -303,6 +421,8 @@ class WorkerPool:
             max_calls=config.worker_max_calls,
             max_rss_mb=config.worker_max_rss_mb,
             passed_env=worker_env_names(config.worker_env),
+            state=state,
+            adopt_orphans=subreaper,
         )
 
     async def acquire(self, key: WarmKey | None = None, function: str | None = None) -> Worker:
@@ -432,6 +552,7 @@ class WorkerPool:
                 backoff = min(backoff * 2, _RESPAWN_BACKOFF_MAX_S)
                 continue
             self._wanted.clear()
+            self._kill_orphans()
             with contextlib.suppress(TimeoutError):  # time for the periodic liveness check
                 await asyncio.wait_for(self._wanted.wait(), _CHECK_S)
 
@@ -451,7 +572,17 @@ class WorkerPool:
         for worker in idle:
             await worker.wait()
         await asyncio.gather(*self._reapers)
+        for watcher in list(self._watchers):  # of workers that attempts still hold
+            watcher.cancel()
         self.limiter.close()
+        self._record()
+        if self._state is not None:
+            self._state.close()
+            self._state = None
+        # Whatever worker is left (its attempt did not kill it) ends itself now.
+        os.close(self._lifeline_write)
+        os.close(self._lifeline_read)
+        self._lifeline_read = -1
 
     async def _refill(self) -> None:
         self._expire_warm()
@@ -483,14 +614,63 @@ class WorkerPool:
         if gpus is not None:
             visible = ",".join(map(str, gpus))
             env = {**env, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible}
-        return await spawn_worker(
-            cwd=self._cwd,
-            env=env,
-            command=self.command,
-            limiter=self.limiter,
-            gpus=gpus or (),
-            passed_env=self.passed_env,
-        )
+        self._spawning += 1  # a worker not yet known must not be taken for an orphan
+        try:
+            worker = await spawn_worker(
+                cwd=self._cwd,
+                env=env,
+                command=self.command,
+                limiter=self.limiter,
+                gpus=gpus or (),
+                passed_env=self.passed_env,
+                lifeline=self._lifeline_read if self._lifeline_read >= 0 else None,
+            )
+        finally:
+            self._spawning -= 1
+        self._started[worker.pid] = worker
+        self._record()
+        watcher = asyncio.create_task(worker.exited(), name=f"watch-worker-{worker.pid}")
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._exited)
+        return worker
+
+    def _exited(self, watcher: asyncio.Task[int]) -> None:
+        self._watchers.discard(watcher)
+        self._record()
+        self._kill_orphans()
+
+    def _record(self) -> None:
+        """Record the live workers and the cgroup directories in the state directory."""
+        if self._state is None:
+            return
+        workers = {
+            w.pid: w.start
+            for w in self._started.values()
+            if w.returncode is None and w.start is not None
+        }
+        try:
+            self._state.record(self.limiter.cgroup_bases(), workers)
+        except OSError as exc:
+            log.error("cannot record the workers in %s: %s", self._state.path, exc)
+
+    def _kill_orphans(self) -> None:
+        """Kill (and reap) the processes a dead worker's tree left with this process, its
+        subreaper: with no cgroup, nothing else would find them. Not while a worker starts
+        (it is in a session of its own before it is known), nor what a worker being stopped
+        still has of its grace."""
+        self._started = {
+            p: w for p, w in self._started.items() if w.returncode is None or w.stopping
+        }
+        if not self._adopt_orphans or self._spawning:
+            return
+        graced = {p for w in self._started.values() if w.stopping for p in w.tree.members()}
+        for pid, stat in procs.adopted(self._started.keys()).items():
+            if stat.alive and pid not in graced:
+                log.warning("killing process %d, left running by a worker that died", pid)
+                procs.stop_and_kill(functools.partial(procs.tree, {pid: stat.start}))
+            elif not stat.alive:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
 
     async def _discard(self, worker: Worker) -> None:
         # An idle worker that died on its own usually failed to start; its stderr says why.

@@ -225,6 +225,9 @@ class Cluster:
         # tests' users trust each other unless a test says otherwise (a single-tenant node
         # runs only administrators' calls by default; tests/integration/test_tenancy.py).
         defaults = {"warm-torch": "false", "gpu-spare-workers": "0"}
+        # Its own state directory, the same at a restart: a nodelet sweeps what one of the
+        # same state directory left running (nodelet/leftovers.py), never another test's.
+        defaults["state-dir"] = str(self.state_dir(name))
         if "user-mapping" not in options:
             defaults["trusted-users"] = "*"
         options = {**defaults, **options}
@@ -236,6 +239,10 @@ class Cluster:
             proc = self._spawn(name, args, {**(env or {}), **python.env()}, python.python)
         self.nodelets.append(proc)
         return proc
+
+    def state_dir(self, name: str = "node-a") -> Path:
+        """The state directory of this cluster's nodelet ``name``."""
+        return self.dir / f"state-{name}"
 
     def logs(self) -> str:
         return "\n".join(

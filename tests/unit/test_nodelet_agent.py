@@ -30,7 +30,12 @@ def _stop_after(delay_s: float, config: NodeletConfig) -> float:
 
 def _config(url: str, tmp_path: Path) -> NodeletConfig:
     return NodeletConfig(
-        gateway_url=url, token="bn_test", fake_gpus=1, spare_workers=1, work_dir=str(tmp_path)
+        gateway_url=url,
+        token="bn_test",
+        fake_gpus=1,
+        spare_workers=1,
+        work_dir=str(tmp_path),
+        state_dir=str(tmp_path / "state"),
     )
 
 

@@ -49,6 +49,12 @@ def test_explicit_cpu_slots_are_kept() -> None:
         ({"cpu_limit": -1.0}, "cpu_limit must be >= 0 (0 = no cap), got -1.0"),
         ({"gpu_spare_shapes": "1,x"}, "gpu_spare_shapes must be GPU counts separated by commas"),
         ({"gpu_spare_shapes": "0"}, "gpu_spare_shapes must be GPU counts"),
+        (
+            {"process_tracking": "cgroups"},
+            "process_tracking must be one of auto, cgroup, cgroup2, cgroup1, subreaper, got "
+            "'cgroups'",
+        ),
+        ({"state_dir": "state"}, "state_dir must be an absolute path, got 'state'"),
     ],
 )
 def test_invalid_settings_are_named(override: dict[str, Any], message: str) -> None:

@@ -17,7 +17,7 @@ from bulletin import wire
 from bulletin.pickling import caller, pickler
 from bulletin.pickling import frame as envelope
 from nodelet.limits import RLIMIT_ENV
-from nodelet.worker import frame
+from nodelet.worker import LIFELINE_ENV, frame
 
 # The worker cannot import this test module, so functions defined here travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -260,36 +260,48 @@ def test_closed_stdin_without_a_task_exits_quietly(tmp_path: Path) -> None:
     assert done.stderr == b""
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
-def test_worker_dies_with_its_parent(tmp_path: Path) -> None:
-    # A stand-in nodelet hands a worker a long call, prints the worker's pid and dies.
+def sleep_with_a_setsid_child(seconds: float) -> None:
+    import subprocess
+    import time
+
+    child = subprocess.Popen(["setsid", "sleep", "600"])
+    print(child.pid, flush=True)
+    time.sleep(seconds)
+
+
+def test_worker_dies_with_its_parent_and_takes_what_its_call_started(tmp_path: Path) -> None:
+    # A stand-in nodelet starts a worker as the pool does (with the read end of its lifeline),
+    # hands it a long call that starts a setsid child, prints both pids and dies.
     task = wire.WorkerTask(
         invocation_id="inv-1",
-        payload=call(time.sleep, 60),
+        payload=call(sleep_with_a_setsid_child, 60),
         result_path=str(tmp_path / "outcome.msgpack"),
     )
     (tmp_path / "task.bin").write_bytes(b"".join(frame(task)))
     parent = textwrap.dedent(
         f"""
-        import subprocess, sys, time
+        import os, subprocess, sys
+        read, write = os.pipe()
         worker = subprocess.Popen(
             [sys.executable, "-m", "nodelet.worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env={{**os.environ, {LIFELINE_ENV!r}: str(read)}}, pass_fds=(read,),
+            start_new_session=True,
         )
         worker.stdin.write(open({str(tmp_path / "task.bin")!r}, "rb").read())
         worker.stdin.close()
-        time.sleep(1.0)  # the worker is now inside time.sleep(60)
-        print(worker.pid, flush=True)
+        child = worker.stdout.readline().decode().strip()  # the call is running
+        print(worker.pid, child, flush=True)
         """
     )
     done = subprocess.run(
         [sys.executable, "-c", parent], capture_output=True, timeout=60, check=True
     )
-    worker_pid = int(done.stdout)
+    pids = [int(pid) for pid in done.stdout.split()]
     deadline = time.monotonic() + 10
-    while _alive(worker_pid) and time.monotonic() < deadline:
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(worker_pid), "the worker outlived its parent"
+    assert not any(map(_alive, pids)), "the worker or its call's setsid child outlived it"
 
 
 def _alive(pid: int) -> bool:

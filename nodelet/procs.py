@@ -1,0 +1,243 @@
+"""Processes as ``/proc`` shows them: who descends from whom, and killing a set of them
+without ever signalling a process that is not the one meant.
+
+A process is named by its *identity*, its pid and its start time (clock ticks after boot,
+``/proc/PID/stat`` field 22): a pid is reused once its process is gone, a pid and start time
+are not. Signals go through a pidfd (Linux >= 5.3): the pidfd is opened first, then the
+process is checked to still have the identity meant, then signalled through the pidfd, so a
+pid reused in between gets nothing.
+
+:func:`stop_and_kill` is the freezer of machines without a cgroup: SIGSTOP to everything
+found, again until nothing new is found (a stopped process cannot fork), then SIGKILL.
+
+Only the standard library is imported here: the worker uses this module too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
+
+#: pid -> start time.
+Identities = dict[int, int]
+
+_PR_SET_CHILD_SUBREAPER = 36
+#: How often stop_and_kill looks for processes that appeared while it stopped the others.
+_STOP_ROUNDS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    """The fields of ``/proc/PID/stat`` used here."""
+
+    pid: int
+    state: str
+    ppid: int
+    pgrp: int
+    session: int
+    start: int
+
+    @property
+    def alive(self) -> bool:
+        """Running (or stopped), not a zombie waiting to be reaped."""
+        return self.state not in ("Z", "X", "x")
+
+
+def parse_stat(text: bytes) -> Stat:
+    """``/proc/PID/stat`` text. The command name (field 2) may hold anything, spaces and
+    parentheses included (a process names itself): the fields after it are found from the
+    *last* closing parenthesis."""
+    head, _, tail = text.rpartition(b")")
+    fields = tail.split()
+    return Stat(
+        pid=int(head.split(b"(", 1)[0]),
+        state=fields[0].decode("ascii", "replace"),
+        ppid=int(fields[1]),
+        pgrp=int(fields[2]),
+        session=int(fields[3]),
+        start=int(fields[19]),
+    )
+
+
+def read_stat(pid: int) -> Stat | None:
+    """Process ``pid``'s stat, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            return parse_stat(file.read())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def snapshot() -> dict[int, Stat]:
+    """Every process on the machine (as this process's pid namespace shows them)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := read_stat(int(entry))) is not None:
+            table[stat.pid] = stat
+    return table
+
+
+def descendants(roots: Iterable[int], table: Mapping[int, Stat]) -> set[int]:
+    """The pids below ``roots`` in ``table`` (children, their children...), roots excluded."""
+    children: dict[int, list[int]] = {}
+    for stat in table.values():
+        children.setdefault(stat.ppid, []).append(stat.pid)
+    found: set[int] = set()
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def tree(roots: Mapping[int, int], *, spare: int | None = None) -> Identities:
+    """The live processes of ``roots`` (identities; those no longer running are left out) and
+    of everything that descends from them, but ``spare``."""
+    table = snapshot()
+    living = [p for p, start in roots.items() if _is(table.get(p), start)]
+    found = {p: table[p].start for p in [*living, *descendants(living, table)] if table[p].alive}
+    if spare is not None:
+        found.pop(spare, None)
+    return found
+
+
+def _is(stat: Stat | None, start: int) -> bool:
+    return stat is not None and stat.alive and stat.start == start
+
+
+def start_time(pid: int) -> int | None:
+    stat = read_stat(pid)
+    return stat.start if stat is not None else None
+
+
+def send(targets: Mapping[int, int], sig: int) -> set[int]:
+    """Send ``sig`` to each process of ``targets`` (identities) that still has that identity
+    once a pidfd holds it; the pids signalled. Processes this one may not signal are skipped."""
+    opened: dict[int, int] = {}
+    try:
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                opened[pid] = _pidfd(pid)
+        sent = set()
+        for pid, fd in opened.items():
+            if not _is(read_stat(pid), targets[pid]):
+                continue  # gone (or the pid reused) before the pidfd was opened
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if fd >= 0:
+                    signal.pidfd_send_signal(fd, sig)
+                else:  # no pidfds (Linux < 5.3): the check above narrows the race only
+                    os.kill(pid, sig)
+                sent.add(pid)
+        return sent
+    finally:
+        for fd in opened.values():
+            if fd >= 0:
+                os.close(fd)
+
+
+def _pidfd(pid: int) -> int:
+    """A pidfd of ``pid``, or -1 where the kernel has none; ProcessLookupError if gone."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise
+    except OSError:  # ENOSYS: an older kernel
+        return -1
+
+
+def stop_and_kill(find: Callable[[], Identities]) -> Identities:
+    """SIGSTOP every process ``find()`` names, again until it names none that was not
+    stopped yet (stopped processes cannot fork, so this ends), then SIGKILL them all (a
+    stopped process dies of SIGKILL). The identities signalled."""
+    stopped: Identities = {}
+    for _ in range(_STOP_ROUNDS):
+        new = {p: s for p, s in find().items() if stopped.get(p) != s}
+        if not new:
+            break
+        send(new, signal.SIGSTOP)
+        stopped.update(new)  # also those it may not signal: they would be found forever
+    send(stopped, signal.SIGKILL)
+    return stopped
+
+
+def alive(identities: Mapping[int, int]) -> Identities:
+    """Those of ``identities`` that still run (zombies do not)."""
+    return {p: s for p, s in identities.items() if _is(read_stat(p), s)}
+
+
+def wait_gone(identities: Mapping[int, int], timeout_s: float) -> Identities:
+    """Wait (at most ``timeout_s``) until none of ``identities`` runs; those that still do."""
+    deadline = time.monotonic() + timeout_s
+    left = alive(identities)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.005)
+        left = alive(left)
+    return left
+
+
+def reap() -> None:
+    """Reap every child of this process that has exited (a subreaper's adopted orphans)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def adopted(keep: Collection[int]) -> dict[int, Stat]:
+    """Children of this process (a subreaper) that it did not start: not in ``keep`` and in
+    another session than its own, which a process it started itself keeps unless it was
+    started in a session of its own (workers: in ``keep``). Orphans of a worker's tree that
+    were re-parented here are in the worker's session, or in one they made with setsid."""
+    me, session = os.getpid(), os.getsid(0)
+    return {
+        s.pid: s
+        for s in snapshot().values()
+        if s.ppid == me and s.pid not in keep and s.session != session
+    }
+
+
+def become_subreaper() -> None:
+    """Adopt the orphans of this process's descendants (instead of init), so that none
+    leaves its tree (PR_SET_CHILD_SUBREAPER; kept across setuid and exec)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(error)}")
+
+
+class Tree:
+    """A worker's processes where it has no cgroup: the worker while it runs, what descends
+    from it, and what was seen of them before (a child that ignores SIGTERM outlives the
+    worker; the orphans of a worker that died re-parent to the nodelet, a subreaper)."""
+
+    def __init__(self, root: int, start: int | None) -> None:
+        self.root = root
+        self._seen: Identities = {root: start} if start is not None else {}
+
+    def members(self) -> Identities:
+        """The live processes of the tree (the worker too, while it runs)."""
+        self._seen = tree(self._seen)
+        return dict(self._seen)
+
+    def signal(self, sig: int) -> None:
+        send(self.members(), sig)
+
+    def kill(self, *, spare: int | None = None) -> Identities:
+        """Stop, then SIGKILL, every process of the tree but ``spare``."""
+        return stop_and_kill(lambda: {p: s for p, s in self.members().items() if p != spare})
+
+
+def boot_id() -> str:
+    """This boot's random id: start times count from boot, so they name a process only
+    within one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            return file.read().strip()
+    except OSError:
+        return ""

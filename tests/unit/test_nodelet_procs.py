@@ -1,0 +1,127 @@
+"""Processes by identity (nodelet/procs.py): /proc parsing that a process cannot fool by its
+name, descent, signals that never reach a reused pid, and stop-then-kill of a tree that
+keeps forking. Real processes, killed afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from nodelet import procs
+
+# Renames itself to look, to a naive parser, like a zombie child of init; then waits.
+DISGUISED = (
+    "import time; open('/proc/self/comm', 'w').write(') Z 1 1 1'); "
+    "print('ready', flush=True); time.sleep(60)"
+)
+# Forks a child every millisecond (each child sleeps), up to 300 of them.
+FORKING = (
+    "import os, time\n"
+    "for _ in range(300):\n"
+    "    if os.fork() == 0:\n"
+    "        time.sleep(60); os._exit(0)\n"
+    "    time.sleep(0.001)\n"
+    "time.sleep(60)\n"
+)
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts; killed (with their process groups) afterwards."""
+    processes: list[subprocess.Popen[bytes]] = []
+    yield processes
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _start(started: list[subprocess.Popen[bytes]], code: str) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True
+    )
+    started.append(process)
+    return process
+
+
+def test_a_process_cannot_fake_its_fields_through_its_name(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    process = _start(started, DISGUISED)
+    assert process.stdout is not None and process.stdout.readline() == b"ready\n"
+    stat = procs.read_stat(process.pid)
+    assert stat is not None
+    assert (stat.pid, stat.ppid, stat.session) == (process.pid, os.getpid(), process.pid)
+    assert stat.alive and stat.start > 0
+
+
+def test_parse_stat_takes_the_fields_after_the_last_parenthesis() -> None:
+    text = b"42 (a) b (c) Z 1 1 1) S 7 42 42 0 -1 4194560" + b" 0" * 12 + b" 987654 0"
+    stat = procs.parse_stat(text)
+    assert (stat.pid, stat.state, stat.ppid, stat.pgrp, stat.session) == (42, "S", 7, 42, 42)
+    assert stat.start == 987654
+
+
+def _stat(pid: int, ppid: int, state: str = "S") -> procs.Stat:
+    return procs.Stat(pid=pid, state=state, ppid=ppid, pgrp=pid, session=pid, start=pid)
+
+
+def test_descendants_are_found_through_every_generation() -> None:
+    table = {s.pid: s for s in [_stat(1, 0), _stat(10, 1), _stat(11, 10), _stat(12, 11)]}
+    table |= {s.pid: s for s in [_stat(20, 1), _stat(13, 10, "Z")]}
+    assert procs.descendants([10], table) == {11, 12, 13}
+    assert procs.descendants([12], table) == set()
+    assert procs.descendants([1], table) == {10, 11, 12, 13, 20}
+
+
+def test_a_signal_for_another_start_time_is_not_sent(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    process = _start(started, "import time; time.sleep(60)")
+    start = procs.start_time(process.pid)
+    assert start is not None
+    # A reused pid: the same number, another process (another start time).
+    assert procs.send({process.pid: start + 1}, signal.SIGKILL) == set()
+    time.sleep(0.1)
+    assert process.poll() is None
+    assert procs.send({process.pid: start}, signal.SIGKILL) == {process.pid}
+    assert process.wait(10) == -signal.SIGKILL
+
+
+def test_stop_and_kill_takes_a_tree_that_keeps_forking(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    process = _start(started, FORKING)
+    start = procs.start_time(process.pid)
+    assert start is not None
+    time.sleep(0.05)  # forking by now
+    killed = procs.stop_and_kill(lambda: procs.tree({process.pid: start}))
+    assert process.pid in killed and len(killed) > 1
+    assert process.wait(10) == -signal.SIGKILL
+    # Its children were re-parented (to init, or a subreaper) and die there.
+    assert procs.wait_gone(killed, 10) == {}
+
+
+def test_a_tree_spares_the_process_asked_to(started: list[subprocess.Popen[bytes]]) -> None:
+    parent = _start(
+        started,
+        "import subprocess, time; c = subprocess.Popen(['sleep', '60']); "
+        "print(c.pid, flush=True); time.sleep(60)",
+    )
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    start = procs.start_time(parent.pid)
+    assert start is not None
+    tree = procs.Tree(parent.pid, start)
+    assert set(tree.members()) == {parent.pid, child}
+    assert set(tree.kill(spare=parent.pid)) == {child}
+    assert procs.wait_gone({child: procs.start_time(child) or 0}, 10) == {}
+    assert parent.poll() is None
+    assert set(tree.members()) == {parent.pid}
