@@ -133,8 +133,7 @@ def test_a_flood_of_unknown_tokens_is_refused_without_the_database_while_valid_t
     }
     gateway: Cluster = cluster_with(**options)
     user = httpx.Client(base_url=gateway.url, headers=bearer(gateway.token), timeout=30)
-    node_token = gateway.node_token("n1").read_text()
-    node = httpx.Client(base_url=gateway.url, headers=bearer(node_token), timeout=30)
+    node = registered_node(gateway, "n1")
     assert user.get("/v1/cluster").status_code == 200  # a token that works
     assert node.post("/v1/node/leave").status_code == 204
 
@@ -174,6 +173,18 @@ def test_a_flood_of_unknown_tokens_is_refused_without_the_database_while_valid_t
         assert legit.result(10).status_code == 200
 
 
+def registered_node(gateway: Cluster, name: str) -> httpx.Client:
+    """A client of node ``name``, registered (its requests name its incarnation)."""
+    node = httpx.Client(
+        base_url=gateway.url, headers=bearer(gateway.node_token(name).read_text()), timeout=30
+    )
+    register = wire.RegisterRequest(name=name, gpus=[], cpu_slots=1)
+    registered = node.post("/v1/node/register", content=msgspec.json.encode(register))
+    assert registered.is_success, registered.text
+    node.headers[wire.INCARNATION_HEADER] = str(registered.json()["incarnation"])
+    return node
+
+
 def test_a_flood_on_the_user_routes_does_not_lock_a_nodelet_out_of_the_node_routes(
     cluster_with: Callable[..., Cluster],
 ) -> None:
@@ -193,7 +204,9 @@ def test_a_flood_on_the_user_routes_does_not_lock_a_nodelet_out_of_the_node_rout
     fresh_node = httpx.Client(
         base_url=gateway.url, headers=bearer(gateway.node_token("n1").read_text()), timeout=5
     )
-    assert fresh_node.post("/v1/node/leave").status_code == 204
+    register = wire.RegisterRequest(name="n1", gpus=[], cpu_slots=1)
+    # A restarted nodelet's first request.
+    assert fresh_node.post("/v1/node/register", content=msgspec.json.encode(register)).is_success
     # ... while a user whose token has not worked yet waits for the flood to end.
     newcomer = httpx.Client(base_url=gateway.url, headers=bearer(gateway.add_user("bob")))
     assert_problem(newcomer.get("/v1/cluster"), 429, "auth_rate_limited")
@@ -395,13 +408,7 @@ def test_a_users_blobs_are_bounded_but_a_nodes_result_never_is(
     assert bob.put("/v1/blobs", content=b"e" * 900 * kib).status_code == 201  # bob's own limit
 
     # A node's result of alice's call, twice her limit, is stored and reaches her.
-    node = httpx.Client(
-        base_url=gateway.url, headers=bearer(gateway.node_token("n1").read_text()), timeout=30
-    )
-    register = wire.RegisterRequest(name="n1", gpus=[], cpu_slots=1)
-    registered = node.post("/v1/node/register", content=msgspec.json.encode(register))
-    assert registered.is_success, registered.text
-    node.headers[wire.INCARNATION_HEADER] = str(registered.json()["incarnation"])
+    node = registered_node(gateway, "n1")
     call = wire.CallSpec(idempotency_key=uuid.uuid4().hex, payload=b"opaque")
     [call_id] = alice.post(
         "/v1/invocations", content=msgspec.json.encode(wire.SubmitRequest(calls=[call]))
