@@ -35,6 +35,9 @@ from gateway.hosts import AllowedHosts
 from gateway.notify import Hub
 
 log = logging.getLogger(__name__)
+#: How long opening a database connection may take before the request answers 503
+#: db_unavailable (asyncpg's default is 60 s: a node's heartbeat gives up long before).
+CONNECT_TIMEOUT_S = 5.0
 
 
 async def healthz(request: Request) -> Response:
@@ -52,7 +55,9 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
     config: GatewayConfig = app.state.config
     # First, so that a shared directory that is not there stops the gateway at once.
     app.state.shared_dir_id = await cluster.prepare(config)
-    pool = await asyncpg.create_pool(config.database_url, min_size=2, max_size=config.pool_size)
+    pool = await asyncpg.create_pool(
+        config.database_url, min_size=2, max_size=config.pool_size, timeout=CONNECT_TIMEOUT_S
+    )
     # Commits on this pool do not wait for their WAL flush (a few ms of fsync per commit, on
     # the path of every call). Only for node writes a database crash may lose without harm:
     # delivery and start stamps (a call still completes from 'assigned'), lease renewals (the
@@ -63,6 +68,7 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
         min_size=1,
         max_size=config.pool_size,
         server_settings={"synchronous_commit": "off"},
+        timeout=CONNECT_TIMEOUT_S,
     )
     async with pool.acquire() as conn:
         applied = await db.migrate(conn)

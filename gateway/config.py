@@ -173,8 +173,16 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"scheduler_policy {self.scheduler_policy!r} is not one of {sorted(POLICIES)}"
             )
-        if self.heartbeat_s >= self.lease_s:
-            raise ValueError("heartbeat_s must be shorter than lease_s, or every lease expires")
+        if self.heartbeat_s > self.lease_s / 2:
+            raise ValueError(
+                "heartbeat_s must be at most half of lease_s: a node must be able to miss a "
+                "heartbeat without losing its leases (and without looking silent)"
+            )
+        if self.node_timeout_s > self.lease_s:
+            raise ValueError(
+                "node_timeout_s must be at most lease_s: a node whose leases lapsed must not "
+                "be given new work before it heartbeats again"
+            )
         if self.inline_limit < 1024:
             raise ValueError("inline_limit must be at least 1024 bytes")
         if self.max_state_bytes < self.inline_limit:

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, TypeAlias
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import asyncpg
 import msgspec
@@ -34,6 +34,7 @@ SAFE_PROTOCOL = wire.MIN_PROTOCOL_VERSION
 _LEASED = ("assigned", "running")
 
 Conn: TypeAlias = asyncpg.Connection | asyncpg.Pool
+_S = TypeVar("_S", bound=msgspec.Struct)
 
 
 # ------------------------------------------------------------------------------ migrations
@@ -324,9 +325,14 @@ async def registered_nodes(conn: Conn) -> list[NodeRow]:
     return [_node_row(r) for r in rows]
 
 
-async def leave(conn: Conn, node_id: int) -> None:
-    """The node is stopping: no more work goes to it until it registers again."""
-    await conn.execute("UPDATE nodes SET last_heartbeat = NULL WHERE id = $1", node_id)
+async def leave(conn: Conn, node_id: int, incarnation: int) -> None:
+    """The node's ``incarnation`` is stopping: no more work goes to it until it registers
+    again (not if a later incarnation registered meanwhile)."""
+    await conn.execute(
+        "UPDATE nodes SET last_heartbeat = NULL WHERE id = $1 AND incarnation = $2",
+        node_id,
+        incarnation,
+    )
 
 
 # ------------------------------------------------------------------------------ blobs
@@ -467,9 +473,6 @@ async def submit(
             [c.payload_size for c in calls],
             [None if c.caller_session is None else uuid.UUID(c.caller_session) for c in calls],
         )
-        sessions = {c.caller_session for c in calls if c.caller_session is not None}
-        if sessions:
-            await keep_alive(conn, owner_id, sorted(sessions))
         rows = await conn.fetch(
             "SELECT i.id, k.ord FROM unnest($2::text[]) WITH ORDINALITY AS k(key, ord)"
             " JOIN invocations i ON i.owner_id = $1 AND i.idempotency_key = k.key",
@@ -502,14 +505,27 @@ async def live_payload_files(conn: Conn) -> set[str]:
     return {r["payload_file"] for r in rows}
 
 
-async def keep_alive(conn: Conn, owner_id: int, sessions: Sequence[str]) -> None:
-    """The owner's caller sessions are alive now: their calls are still awaited."""
+async def start_sessions(conn: Conn, owner_id: int, sessions: Sequence[str]) -> None:
+    """The owner's caller sessions submit calls: alive now (made if new). Not written again
+    within a second (concurrent submits of one session do not queue on its row)."""
     await conn.execute(
         "INSERT INTO caller_sessions (owner_id, id) SELECT $1, s FROM unnest($2::uuid[]) AS s"
-        " ON CONFLICT (owner_id, id) DO UPDATE SET seen_at = clock_timestamp()",
+        " ON CONFLICT (owner_id, id) DO UPDATE SET seen_at = clock_timestamp()"
+        "  WHERE caller_sessions.seen_at < clock_timestamp() - interval '1 second'",
         owner_id,
-        [uuid.UUID(s) for s in sessions],
+        [uuid.UUID(s) for s in sorted(sessions)],
     )
+
+
+async def keep_alive(conn: Conn, owner_id: int, session: str) -> bool:
+    """The owner's caller session is still waiting; False if it has no such session (it
+    submitted nothing, or all its calls ended long ago): only a submission makes one."""
+    status = await conn.execute(
+        "UPDATE caller_sessions SET seen_at = clock_timestamp() WHERE owner_id = $1 AND id = $2",
+        owner_id,
+        uuid.UUID(session),
+    )
+    return status.endswith(" 1")
 
 
 #: What a call cancelled for want of its caller says (around the seconds since its session
@@ -518,6 +534,13 @@ ABANDONED = (
     "cancelled: its caller stopped waiting for it (its session last kept it alive ",
     " s ago: the process ended, or lost the gateway); use spawn() for calls that should "
     "outlive their caller",
+)
+
+
+#: Why a queued call whose caller is late waits.
+CALLER_LATE = (
+    "its caller has stopped keeping it alive: it starts once the caller is back, and is "
+    "cancelled if the caller does not come back within caller_timeout_s"
 )
 
 
@@ -536,7 +559,7 @@ async def abandon_callers(
             " doomed AS (SELECT i.id, i.node_id, g.silent FROM invocations i"
             "  JOIN gone g ON g.owner_id = i.owner_id AND g.id = i.caller_session"
             "  WHERE i.caller_session IS NOT NULL"
-            "   AND i.state IN ('queued', 'assigned', 'running') FOR UPDATE OF i)"
+            "   AND i.state IN ('queued', 'assigned', 'running') ORDER BY i.id FOR UPDATE OF i)"
             " UPDATE invocations i SET state = 'cancelled', finished_at = clock_timestamp(),"
             "  lease_expires_at = NULL, error_message = $2 || round(doomed.silent) || $3"
             " FROM doomed WHERE i.id = doomed.id RETURNING i.id, doomed.node_id",
@@ -547,17 +570,19 @@ async def abandon_callers(
             nodes = {f"n:{r['node_id']}" for r in rows if r["node_id"] is not None}
             await _notify(conn, *(f"i:{r['id']}" for r in rows), "q", *sorted(nodes))
         await conn.execute(
-            "UPDATE invocations i SET wait_reason = 'its caller has not kept it alive for '"
-            "  || round(extract(epoch FROM clock_timestamp() - s.seen_at)) || ' s: it starts"
-            " once its caller is back, and is cancelled if it is not'"
+            "UPDATE invocations i SET wait_reason = $2"
             " FROM caller_sessions s WHERE s.owner_id = i.owner_id AND s.id = i.caller_session"
             "  AND i.caller_session IS NOT NULL AND i.state = 'queued'"
-            "  AND s.seen_at < clock_timestamp() - make_interval(secs => $1)",
+            "  AND s.seen_at < clock_timestamp() - make_interval(secs => $1)"
+            "  AND i.wait_reason IS DISTINCT FROM $2",
             late_s,
+            CALLER_LATE,
         )
-        # Sessions nobody has kept alive for a day wait for nothing any more.
+        # A session silent for a day with no unfinished call waits for nothing any more.
         await conn.execute(
-            "DELETE FROM caller_sessions WHERE seen_at < clock_timestamp() - interval '1 day'"
+            "DELETE FROM caller_sessions s WHERE seen_at < clock_timestamp() - interval '1 day'"
+            " AND NOT EXISTS (SELECT 1 FROM invocations i WHERE i.owner_id = s.owner_id"
+            "  AND i.caller_session = s.id AND i.state IN ('queued', 'assigned', 'running'))"
         )
     return [str(r["id"]) for r in rows]
 
@@ -776,8 +801,26 @@ class NodeRow:
     warm: list[wire.WarmWorker] = dataclasses.field(default_factory=list)
 
 
-_GPU_LIST = msgspec.json.Decoder(list[wire.GpuInfo])
-_WARM_LIST = msgspec.json.Decoder(list[wire.WarmWorker])
+class _Stored(Generic[_S]):
+    """Reads a list of ``kind`` that this gateway or another stored as JSON, ignoring the
+    fields this version does not know: the wire types refuse unknown fields in requests,
+    but a newer replica or nodelet may have stored more (a rolling upgrade), and one such
+    row must not stop scheduling."""
+
+    def __init__(self, kind: type[_S]) -> None:
+        self._kind = kind
+        self._fields = frozenset(f.encode_name for f in msgspec.structs.fields(kind))
+        self._rows = msgspec.json.Decoder(list[dict[str, Any]])
+
+    def decode(self, text: str) -> list[_S]:
+        return [
+            msgspec.convert({k: v for k, v in row.items() if k in self._fields}, self._kind)
+            for row in self._rows.decode(text)
+        ]
+
+
+_GPU_LIST = _Stored(wire.GpuInfo)
+_WARM_LIST = _Stored(wire.WarmWorker)
 
 
 async def live_nodes(
@@ -844,9 +887,11 @@ def _queued_sql(per_user: int, most: int, late_s: float) -> str:
         "   row_number() OVER (ORDER BY seq) AS turn FROM invocations i"
         "   WHERE owner_id = u.id AND state = 'queued' AND (caller_session IS NULL"
         # A call whose caller is late is not started: it is cancelled if the caller is gone.
-        "    OR EXISTS (SELECT 1 FROM caller_sessions s WHERE s.owner_id = u.id"
+        # (A session row a database crash lost, written without waiting for the WAL, leaves
+        # its calls as if detached.)
+        "    OR NOT EXISTS (SELECT 1 FROM caller_sessions s WHERE s.owner_id = u.id"
         "     AND s.id = i.caller_session"
-        f"     AND s.seen_at > clock_timestamp() - make_interval(secs => {float(late_s)!r})))"
+        f"     AND s.seen_at < clock_timestamp() - make_interval(secs => {float(late_s)!r})))"
         f"   ORDER BY seq LIMIT {int(per_user)}) q"
         f"  ORDER BY q.turn, q.seq LIMIT {int(most)}) heads"
         " ORDER BY seq"
@@ -979,9 +1024,12 @@ async def extend_leases(conn: Conn, lease_s: float) -> int:
     """Give every held attempt at least a full lease from now: while the database was away
     no node could renew, and none may lose its work for that. Returns how many."""
     status = await conn.execute(
-        "UPDATE invocations SET lease_expires_at = clock_timestamp() + make_interval(secs => $1)"
-        " WHERE state IN ('assigned', 'running')"
-        "  AND lease_expires_at < clock_timestamp() + make_interval(secs => $1)",
+        "WITH held AS (SELECT id FROM invocations WHERE state IN ('assigned', 'running')"
+        "  AND lease_expires_at < clock_timestamp() + make_interval(secs => $1)"
+        "  ORDER BY id FOR UPDATE SKIP LOCKED)"
+        " UPDATE invocations i SET"
+        "  lease_expires_at = clock_timestamp() + make_interval(secs => $1)"
+        " FROM held WHERE i.id = held.id",
         lease_s,
     )
     return int(status.split()[-1])
@@ -999,18 +1047,23 @@ async def _take_back(
     """Take back the held attempts matching ``where`` (SQL on ``invocations``, ``$1`` being
     ``arg``): requeue those being preempted without using a retry, the others while retries
     remain; fail the rest ``node_lost``, saying ``lost`` (what happened to the node) first.
-    At most ``most``, those expired longest first (a literal LIMIT: see _queued_sql). Each
-    call's log says what happened (:func:`_note`). The caller holds a transaction."""
-    limit = "" if most is None else f" ORDER BY lease_expires_at LIMIT {int(most)}"
+    An attempt its node never got (assigned, not delivered) never ran: it is requeued
+    uncounted too. At most ``most``, those expired longest first (a literal LIMIT: see
+    _queued_sql). Each call's log says what happened (:func:`_note`). The caller holds a
+    transaction."""
+    # In id order (and expired longest first when capped): concurrent takers lock alike.
+    order = " ORDER BY id" if most is None else f" ORDER BY lease_expires_at, id LIMIT {int(most)}"
     rows = await conn.fetch(
-        "WITH lost AS (SELECT id, preempt_at IS NOT NULL AS preempted FROM invocations"
-        f"  WHERE state IN ('assigned', 'running') AND ({where}){limit}"
+        # An attempt never delivered never ran: like a preempted one, it is not counted.
+        "WITH lost AS (SELECT id, preempt_at IS NOT NULL AS preempted,"
+        "  preempt_at IS NOT NULL OR (state = 'assigned' AND delivered_at IS NULL) AS uncounted"
+        f"  FROM invocations WHERE state IN ('assigned', 'running') AND ({where}){order}"
         f"  FOR UPDATE{' SKIP LOCKED' if skip_locked else ''}),"
-        " e AS (SELECT i.id, e.preempted OR i.attempts <= i.max_retries AS requeue,"
-        "  e.preempted FROM invocations i JOIN lost e ON e.id = i.id)"
+        " e AS (SELECT i.id, e.uncounted OR i.attempts <= i.max_retries AS requeue,"
+        "  e.preempted, e.uncounted FROM invocations i JOIN lost e ON e.id = i.id)"
         " UPDATE invocations i SET"
         "  state = CASE WHEN e.requeue THEN 'queued' ELSE 'failed' END,"
-        "  attempts = i.attempts - e.preempted::int,"
+        "  attempts = i.attempts - e.uncounted::int,"
         "  preemptions = i.preemptions + e.preempted::int,"
         "  error_kind = CASE WHEN e.requeue THEN NULL ELSE 'node_lost' END,"
         "  error_message = CASE WHEN e.requeue THEN NULL ELSE $2"
@@ -1019,8 +1072,8 @@ async def _take_back(
         "  scheduled_at = CASE WHEN e.requeue THEN NULL ELSE i.scheduled_at END,"
         "  node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL,"
         "  borrowed = false, preempt_at = NULL"
-        " FROM e WHERE i.id = e.id"
-        " RETURNING i.id, i.state, e.preempted, i.preempt_reason, i.attempts, i.max_retries",
+        " FROM e WHERE i.id = e.id RETURNING i.id, i.state, e.preempted, e.uncounted,"
+        "  i.preempt_reason, i.attempts, i.max_retries",
         arg,
         lost,
     )
@@ -1034,6 +1087,8 @@ def _requeue_note(row: asyncpg.Record, lost: str) -> str:
     """What a call's log says when its attempt was taken back."""
     if row["preempted"]:
         return _preempted_note(row["preempt_reason"])
+    if row["uncounted"]:
+        return f"{lost} before the call reached it: queued again; no attempt is counted"
     if row["state"] == "queued":
         return (
             f"{lost}: queued again to run from the start (attempt {row['attempts'] + 1} of "
@@ -1242,13 +1297,16 @@ class Drain:
 async def heartbeat(
     conn: asyncpg.Connection,
     node_id: int,
+    incarnation: int,
     running: Sequence[wire.Attempt],
     lease_s: float,
     health: Sequence[wire.GpuHealthReport] = (),
     warm: Sequence[wire.WarmWorker] = (),
 ) -> tuple[StopOrders, Drain]:
     """Mark the node alive, store its GPUs' health (a critical GPU drains the node), renew
-    the leases it still holds; return the attempts it must stop and whether it drains."""
+    the leases it still holds; return the attempts it must stop and whether it drains. The
+    node row is written only for its current ``incarnation`` (a heartbeat of an earlier one
+    in flight across a new registration changes nothing of it)."""
     critical = "; ".join(f"GPU {h.index}: {h.critical}" for h in health if h.critical)
     async with conn.transaction():
         row = await conn.fetchrow(
@@ -1257,12 +1315,13 @@ async def heartbeat(
             " health_at = CASE WHEN $2 THEN clock_timestamp() ELSE health_at END,"
             " drain_reason = CASE WHEN $4 <> '' AND NOT draining THEN $4 ELSE drain_reason END,"
             " draining = draining OR $4 <> '', warm = $5::jsonb"
-            " WHERE id = $1 RETURNING draining, drain_reason",
+            " WHERE id = $1 AND incarnation = $6 RETURNING draining, drain_reason",
             node_id,
             bool(health),
             _JSON.encode(list(health)).decode(),
             critical,
             _JSON.encode(list(warm)).decode(),
+            incarnation,
         )
         held = await conn.fetch(
             "UPDATE invocations i"
@@ -1324,7 +1383,7 @@ async def node_statuses(conn: Conn) -> list[NodeStatus]:
     ]
 
 
-_HEALTH_LIST = msgspec.json.Decoder(list[wire.GpuHealthReport])
+_HEALTH_LIST = _Stored(wire.GpuHealthReport)
 
 
 @dataclass(frozen=True, slots=True)

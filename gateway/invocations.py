@@ -105,6 +105,9 @@ async def submit(request: Request) -> Response:
             raise Unprocessable(
                 f"payload_blob {sorted(missing)[0]} is not a complete blob of yours"
             )
+    sessions = {c.caller_session for c in calls if c.caller_session is not None}
+    if sessions:  # before the calls exist: the leader never sees them without their session
+        await db.start_sessions(request.app.state.relaxed, owner, sorted(sessions))
     try:
         async with request.app.state.pool.acquire() as conn:
             ids = await db.submit(conn, owner, calls, None if key is None else (key, request_hash))
@@ -361,7 +364,12 @@ async def keep_alive(request: Request) -> Response:
     """The caller session is still waiting for its calls (CallSpec.caller_session)."""
     owner = await auth.user_id(request)
     session = valid_id(request.path_params["id"])
-    await db.keep_alive(request.app.state.relaxed, owner, [session])
+    if not await db.keep_alive(request.app.state.relaxed, owner, session):
+        raise NotFound(
+            f"no caller session {session} of yours: a session is made by submitting calls "
+            "that name it (CallSpec.caller_session)",
+            code="no_session",
+        )
     return Response(status_code=204)
 
 

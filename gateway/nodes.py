@@ -70,18 +70,20 @@ async def register(request: Request) -> Response:
 
 
 async def leave(request: Request) -> Response:
-    node_id = await auth.node_id(request)
-    await db.leave(request.app.state.pool, node_id)
+    node = await auth.node(request)
+    assert node.node_id is not None
+    await db.leave(request.app.state.pool, node.node_id, node.incarnation)
     return Response(status_code=204)
 
 
 async def heartbeat(request: Request) -> Response:
-    node_id = await auth.node_id(request)
+    node = await auth.node(request)
+    assert node.node_id is not None
     req = await body(request, wire.HeartbeatRequest)
     lease_s = request.app.state.config.lease_s
     async with request.app.state.relaxed.acquire() as conn:
         orders, drain = await db.heartbeat(
-            conn, node_id, req.running, lease_s, req.gpu_health, req.warm
+            conn, node.node_id, node.incarnation, req.running, lease_s, req.gpu_health, req.warm
         )
     return reply(
         wire.HeartbeatResponse(

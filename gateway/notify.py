@@ -47,12 +47,13 @@ class Subscription:
         self._check()
         try:
             await asyncio.wait_for(self.event.wait(), max(timeout, 0))
-            return True
+            woken = True
         except TimeoutError:
-            return False
+            woken = False
         finally:
             self.event.clear()
-            self._check()
+        self._check()
+        return woken
 
     def _check(self) -> None:
         if self._stoppable and self._hub.stopping:

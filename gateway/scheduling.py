@@ -179,6 +179,11 @@ class Expiry:
         #: cancelled for want of them; none could while the control plane was away.
         self.since = time.monotonic()
 
+    def database_lost(self) -> None:
+        """The leader's connection died: nobody could renew meanwhile."""
+        self.extend = True
+        self.since = time.monotonic()
+
     def due(self) -> bool:
         """Leases lapse on the clock, not on news: expiring them on every wake-up would put a
         transaction on the path of each call for nothing."""
@@ -249,13 +254,9 @@ class Expiry:
             )
 
 
-async def lead(
-    conn: asyncpg.Connection, hub: Hub, config: GatewayConfig, outages: Outages
-) -> None:
-    """Plan whenever woken by a notification, and at least every schedule_interval_s.
-    Leases held when it starts leading get a full term before any expires: a leader starts
-    after its predecessor's connection was lost, and the database with it, for all it knows."""
-    leases = Expiry(config, outages)
+async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig, leases: Expiry) -> None:
+    """Plan whenever woken by a notification, and at least every schedule_interval_s,
+    expiring leases on the clock (``leases``: kept across leaderships of this gateway)."""
     last_explain = 0.0
     while True:
         async with hub.subscribe(["q"], stoppable=False) as sub:
@@ -275,20 +276,26 @@ async def lead(
 
 
 async def run(hub: Hub, config: GatewayConfig, outages: Outages) -> None:
-    """Run until cancelled, leading whenever this gateway holds the leader lock."""
+    """Run until cancelled, leading whenever this gateway holds the leader lock. Leases held
+    when it starts leading, and after it lost its connection (the database with it, for all
+    it knows), get a full term before any expires; a failure of another kind does not grant
+    them another, so a round that keeps failing cannot hold expiry off for ever."""
+    leases = Expiry(config, outages)
     while True:
         conn = None
         try:
             conn = await asyncpg.connect(config.database_url, server_settings=_KEEPALIVE)
             if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_LOCK):
                 log.info("this gateway now leads scheduling")
-                await lead(conn, hub, config, outages)
+                await lead(conn, hub, config, leases)
         except Exception as exc:  # the loop must outlive any failure: nothing else schedules
             # A lost database is expected (a restart, an outage): no traceback for it.
             lost = isinstance(
                 exc, OSError | asyncpg.PostgresConnectionError | asyncpg.InterfaceError
             )
             log.warning("scheduler loop failed (%s); retrying", exc, exc_info=not lost)
+            if lost:
+                leases.database_lost()
         finally:
             if conn is not None:
                 await _close(conn)

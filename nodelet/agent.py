@@ -330,18 +330,25 @@ class Node:
         while True:
             sent = time.monotonic()
             held = self._live()
-            if await self._heartbeat([a.ref for a in held], timeout_s=self._heartbeat_timeout()):
+            # Past the deadline (frozen, starved), a lease may have lapsed and the call run
+            # elsewhere: only a real renewal, naming what is still ours, keeps it then.
+            in_time = self._until_deadline() > 0
+            timeout_s = self._heartbeat_timeout()
+            if await self._heartbeat([a.ref for a in held], timeout_s=timeout_s, in_time=in_time):
                 for attempt in held:
                     attempt.renewed_at = sent  # the gateway renewed as of (after) this moment
             self._kill_expiring()
             pause = self.registration.heartbeat_s - (time.monotonic() - sent)
             await asyncio.sleep(max(0.01, min(pause, self._until_deadline())))
 
-    async def _heartbeat(self, running: list[wire.Attempt], *, timeout_s: float) -> bool:
+    async def _heartbeat(
+        self, running: list[wire.Attempt], *, timeout_s: float, in_time: bool = True
+    ) -> bool:
         """One heartbeat; True if it renewed the leases of ``running``, or if the gateway
-        answered that its database is unavailable. Then nobody can expire a lease until the
-        database is back, and the scheduling leader gives every lease a full term from then
-        before it expires any (docs/architecture.md, fencing): the node keeps its calls."""
+        answered that its database is unavailable and the heartbeat was sent ``in_time``
+        (before the kill deadline). Then nobody can expire a lease until the database is
+        back, and the scheduling leader gives every lease a full term from then before it
+        expires any (docs/architecture.md, fencing): the node keeps its calls."""
         health = [self._critical.get(i, report) for i, report in sorted(self._health.items())]
         reported = dict(self._critical)
         try:
@@ -359,7 +366,7 @@ class Node:
                         len(running),
                     )
                 self._database_down = True
-                return True
+                return in_time
             log.warning("heartbeat failed: %s", exc)
             return False
         except NodeletError as exc:

@@ -226,6 +226,32 @@ def test_lost_lease_requeues_with_a_new_epoch_and_fences_the_old_attempt(gateway
     assert status(user, invocation_id).result is None
 
 
+def test_a_new_incarnation_takes_back_what_the_old_held_counting_only_what_it_got(
+    gateway: Cluster,
+) -> None:
+    """Registering again takes back the node's attempts: one it was delivered (it may have
+    run) counts as an attempt, one it never got does not; and the old incarnation's
+    requests are refused (409 superseded), its poll gets nothing more."""
+    user = Http(gateway.url, gateway.token)
+    old = register(gateway, gpus=2)
+    [ran] = submit(user, call(gpus=1, max_retries=0))
+    [first] = poll(old).assignments
+    assert first.invocation_id == ran
+    # A second call is assigned to the node too, but the node never polls for it.
+    [never] = submit(user, call(gpus=1, max_retries=0))
+    wait_until(lambda: status(user, never).state == "assigned", 10, "the second assignment")
+    new = register(gateway, gpus=2)  # the nodelet restarted
+    assert (status(user, ran).state, status(user, ran).error_kind) == ("failed", "node_lost")
+    again = status(user, never)
+    assert again.state in ("queued", "assigned") and again.attempts <= 1
+    held = wire.HeartbeatRequest(running=[wire.Attempt(invocation_id=ran, epoch=first.epoch)])
+    refused = old.post("/v1/node/heartbeat", held)
+    assert refused.status_code == 409 and refused.json()["code"] == "superseded"
+    [work] = poll(new).assignments
+    assert work.invocation_id == never and work.epoch == 2
+    assert status(user, never).attempts == 1  # its one counted attempt is this one
+
+
 def test_lease_expiry_without_retries_fails_the_call_as_node_lost(gateway: Cluster) -> None:
     user = Http(gateway.url, gateway.token)
     node = register(gateway)
@@ -387,3 +413,20 @@ def test_the_token_commands(gateway: Cluster) -> None:
     assert "revoked" in run("token", "list", "--owner", "alice").output
     assert Http(gateway.url, token).get("/v1/invocations").status_code == 401
     assert "no user 'nobody'" in run("token", "create", "nobody").output
+
+
+def test_a_caller_session_is_made_by_submitting_and_kept_alive_only_by_its_owner(
+    gateway: Cluster,
+) -> None:
+    alice = Http(gateway.url, gateway.token)
+    bob = Http(gateway.url, gateway.add_user("bob"))
+    session = str(uuid.uuid4())
+    keepalive = f"/v1/sessions/{session}/keepalive"
+    unknown = alice.client.post(keepalive)
+    assert unknown.status_code == 404 and unknown.json()["code"] == "no_session"
+    r = alice.post("/v1/invocations", wire.SubmitRequest(calls=[call(caller_session=session)]))
+    assert r.status_code == 201 and r.json()["keepalive_s"] == pytest.approx(10.0)
+    assert alice.client.post(keepalive).status_code == 204
+    # Another user cannot keep alice's session alive (or learn that it exists).
+    other = bob.client.post(keepalive)
+    assert other.status_code == 404 and other.json()["code"] == "no_session"

@@ -31,6 +31,11 @@ def test_scheduling_defaults() -> None:
         ),
         ({"preemption_grace_s": -1.0}, "preemption_grace_s must be 0 or more seconds"),
         ({"fair_share_half_life_s": 0.0}, "fair_share_half_life_s must be a positive number"),
+        ({"heartbeat_s": 16.0}, "heartbeat_s must be at most half of lease_s"),
+        ({"node_timeout_s": 31.0}, "node_timeout_s must be at most lease_s"),
+        ({"silent_fraction": 0.0}, "silent_fraction must be above 0 and at most 1"),
+        ({"caller_timeout_s": -1.0}, "caller_timeout_s must be 0 (never) or more seconds"),
+        ({"max_expiries_per_round": 0}, "max_expiries_per_round must be at least 1"),
     ],
 )
 def test_bad_scheduling_settings_are_named(setting: dict[str, object], message: str) -> None:

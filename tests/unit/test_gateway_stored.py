@@ -1,0 +1,30 @@
+"""Rows another version stored (gateway/db.py _Stored): fields this one does not know are
+ignored, never a failure of every scheduling round."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from bulletin import wire
+from gateway.db import _GPU_LIST, _HEALTH_LIST, _WARM_LIST
+
+
+def test_a_stored_gpu_with_a_field_this_version_does_not_know_still_reads() -> None:
+    stored = '[{"index": 0, "uuid": "g0", "name": "Fake", "memory_mb": 1, "fake": true,' \
+        ' "mig_profile": "1g.10gb"}]'
+    assert _GPU_LIST.decode(stored) == [
+        wire.GpuInfo(index=0, uuid="g0", name="Fake", memory_mb=1, fake=True)
+    ]
+    # A request is still strict about the same type.
+    with pytest.raises(msgspec.ValidationError, match="mig_profile"):
+        msgspec.json.decode(stored, type=list[wire.GpuInfo])
+
+
+def test_stored_warm_workers_and_health_reports_read_the_same_way() -> None:
+    assert _WARM_LIST.decode('[{"owner": "alice", "function": "f", "since": 1}]') == [
+        wire.WarmWorker(owner="alice", function="f")
+    ]
+    assert _HEALTH_LIST.decode("[]") == []
+    with pytest.raises(msgspec.ValidationError):
+        _WARM_LIST.decode('[{"function": "f"}]')  # what is missing is still an error
