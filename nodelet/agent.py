@@ -36,13 +36,27 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 1.0
 #: How long the check that this node sees the shared directory may take (a hung NFS mount).
 SHARED_CHECK_S = 10.0
+#: The exit status of a nodelet that another start of its node superseded. A service
+#: manager must not restart it (systemd: ``RestartPreventExitStatus=3``): two nodelets of one
+#: node would supersede each other forever.
+SUPERSEDED_EXIT = 3
 _T = TypeVar("_T")
 
 
 def run(config: NodeletConfig) -> None:
-    """Serve until SIGINT or SIGTERM; exit with status 1 if the gateway refuses the node."""
+    """Serve until SIGINT or SIGTERM; exit with status 1 if the gateway refuses the node, 3
+    (:data:`SUPERSEDED_EXIT`) if another start of the node superseded this one."""
     try:
         asyncio.run(_serve_until_signalled(config))
+    except Superseded as exc:
+        log.critical(
+            "nodelet stopped: %s; exit status %d (superseded: another start of this node took "
+            "it over; do not restart this one, e.g. systemd RestartPreventExitStatus=%d)",
+            exc,
+            SUPERSEDED_EXIT,
+            SUPERSEDED_EXIT,
+        )
+        raise SystemExit(SUPERSEDED_EXIT) from None
     except (NodeletError, ValueError) as exc:  # ValueError: a setting it cannot serve with
         log.critical("nodelet stopped: %s", exc)
         raise SystemExit(1) from None

@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 #: How long output may keep flowing after the worker and all it started are gone.
 EOF_GRACE_S = 2.0
+#: How long a killed attempt waits for its worker and all it started to be gone, before
+#: its GPUs may go to the next attempt anyway (with a warning).
+REAP_S = 10.0
 #: The worker's files in the attempt's ``out`` directory, and the payload the nodelet
 #: downloaded into the attempt's own.
 OUT = "out"
@@ -408,10 +411,19 @@ class Attempt:
         )
         tasks = self._ship_output(shipper, worker, task.end_marker)
         oom_kills = worker.oom_kills()  # a warm worker's cgroup counts earlier calls' too
+        clean = True
         try:
             ending = await self._supervise(worker, task, tasks[1:])
             if ending is _Ending.FINISHED:
-                await worker.end_call()  # before the result: nothing of the call outlives it
+                # Before the result: nothing of the call outlives it.
+                clean = await worker.end_call()
+            elif ending is _Ending.EXITED and worker.returncode == 0:
+                log.info(
+                    "%s: worker %d exited after the call (its last: the call left a thread "
+                    "running, or it ends its worker itself)",
+                    self,
+                    worker.pid,
+                )
             await _drain(tasks[1:])
             shipper.close()
             await tasks[0]
@@ -430,7 +442,8 @@ class Attempt:
                 key,
                 function=function,
                 owner=self.assignment.owner_name,
-                recycle=_broken_cuda(report.request),
+                recycle=_broken_cuda(report.request)
+                or (None if clean else "what its call started could not all be killed"),
             )
         return report
 
@@ -651,14 +664,35 @@ class Attempt:
         log.info("%s handed back after preemption; it is queued again", self)
 
     async def _reap(self) -> None:
+        """Kill the attempt's worker, if it still has one, and wait until the worker and all
+        it started are gone (at most :data:`REAP_S`): the attempt's task ends only then, and
+        the next attempt on its GPUs waits for it (``Node._launch``). Killed again meanwhile
+        (its task cancelled again), it still waits, then ends cancelled."""
         if self._stopper is not None:
             self._stopper.cancel()
         worker, self._worker = self._worker, None
         if worker is None:
             return
         worker.kill()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(worker.wait(), EOF_GRACE_S)
+        gone = asyncio.ensure_future(asyncio.wait_for(worker.wait(), REAP_S))
+        cancelled = False
+        while not gone.done():
+            try:
+                await asyncio.shield(gone)
+            except asyncio.CancelledError:
+                cancelled = True
+            except TimeoutError:
+                break
+        if not gone.cancelled() and isinstance(gone.exception(), TimeoutError):
+            log.warning(
+                "%s: worker %d, or something its call started, still runs %g s after it was "
+                "killed; its GPUs are given on all the same",
+                self,
+                worker.pid,
+                REAP_S,
+            )
+        if cancelled:
+            raise asyncio.CancelledError
 
 
 async def _drain(pumps: list[asyncio.Task[None]]) -> None:

@@ -7,9 +7,20 @@ behind: at its next start, before the node registers, :func:`sweep` kills every 
 worker that still runs, with all that descends from it, and every process left in the
 recorded cgroups, and removes those (DESIGN.md invariant 9: nothing a call started outlives
 its nodelet). Processes of an earlier boot are gone already: a record of another boot is
-dropped unread. An earlier nodelet that still runs (a second start of a node) is left to
-stop by itself once the new one registers and supersedes it, killing its own calls; from
-then on the record is the newer one's, which the older no longer overwrites.
+dropped unread.
+
+An earlier nodelet of the same state directory that still runs (a second start of a node on
+its machine, while the first hangs, is stopped, or is still stopping) is killed first: its
+registration frees every GPU of the node, and the new incarnation starts work on them at
+once, so nothing of the old one may run by then, and an old nodelet that is frozen would
+never notice it was superseded (nor would its workers, whose lifelines stay open). The sweep
+checks that the recorded nodelet still has its recorded start time and runs as this
+nodelet's account, stops it and everything below it (its workers, what their calls started,
+the orphans it adopted) with SIGSTOP, SIGKILLs them through pidfds, waits until they are
+gone, then kills the recorded workers and cgroups as above. Only then does the node register.
+(Two nodelets of one node on two machines, with two state directories, cannot do this: the
+later one's registration supersedes the earlier, which stops with exit status 3.) Should an
+earlier nodelet write the record after all, a later one's record is never overwritten.
 
 The nodelet runs as root and the calls' accounts must not be able to steer it, so the state
 directory is made 0700, walked from ``/`` one directory at a time without following a link,
@@ -50,6 +61,8 @@ STATE_FILE = "processes.json"
 _MAX_RECORD_BYTES = 1 << 20
 #: How long the sweep waits for what it killed to be gone, before the node registers.
 _GONE_S = 5.0
+#: How often the sweep looks again for an earlier nodelet that wrote the record meanwhile.
+_PREDECESSOR_ROUNDS = 3
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -154,22 +167,20 @@ class NodeState:
             )
 
     def sweep(self) -> None:
-        """Kill what the nodelet that wrote the record left running, unless it still runs;
-        then own the record."""
+        """Kill the nodelet that wrote the record if it still runs, with all it runs; kill
+        what it left running; then own the record. ValueError if that nodelet runs as
+        another account (it is not killed)."""
+        # First without the lock: a nodelet stopped (SIGSTOP) while it held it would hold it
+        # forever; killed, it lets go.
+        self._kill_predecessor(self.read())
         with self._locked():
             record = self.read()
+            for _ in range(_PREDECESSOR_ROUNDS):  # another start that wrote it meanwhile
+                if not self._kill_predecessor(record):
+                    break
+                record = self.read()
             if record is None:
                 self._write(_Record(boot_id=self._boot_id, nodelet=self._me))
-                return
-            writer = self.other_writer(record)
-            if writer is not None:
-                # Not now: its calls are still its own until this start registers; then it
-                # is told it was superseded, and stops, killing them.
-                log.info(
-                    "an earlier nodelet of this node still runs (pid %d): it stops, killing "
-                    "what its calls started, once this one registers",
-                    writer[0],
-                )
                 return
             killed = kill_recorded(record)
             if killed:
@@ -179,6 +190,43 @@ class NodeState:
                     killed,
                 )
             self._write(_Record(boot_id=self._boot_id, nodelet=self._me))
+
+    def _kill_predecessor(self, record: _Record | None) -> bool:
+        """Kill the nodelet that wrote ``record`` if it still runs (it and all below it), and
+        wait until they are gone; whether there was one."""
+        writer = self.other_writer(record) if record is not None else None
+        if writer is None:
+            return False
+        pid, start = writer
+        me = os.geteuid()
+        uids = procs.uids(pid)
+        if uids is not None and set(uids) != {me}:
+            raise ValueError(
+                f"an earlier nodelet of this node's state directory {self.path} (pid {pid}) "
+                f"runs as uid {uids[0]}, not as this nodelet's (uid {me}): stop it before "
+                "this one starts"
+            )
+        if pid in procs.ancestors(os.getpid()):
+            raise ValueError(
+                f"the earlier nodelet of this node's state directory {self.path} (pid {pid}) "
+                "started this one: give this one a state directory of its own (--state-dir)"
+            )
+        log.warning(
+            "an earlier nodelet of this node still runs (pid %d); killing it and all it runs "
+            "before this one registers",
+            pid,
+        )
+        killed = procs.stop_and_kill(functools.partial(procs.tree, {pid: start}))
+        left = procs.wait_gone(killed, _GONE_S)
+        if left:
+            log.warning("processes %s of the earlier nodelet are still running", sorted(left))
+        else:
+            log.info(
+                "killed the earlier nodelet (pid %d) and %d processes below it",
+                pid,
+                len(killed) - 1,
+            )
+        return True
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -7,6 +7,12 @@ are not. Signals go through a pidfd (Linux >= 5.3): the pidfd is opened first, t
 process is checked to still have the identity meant, then signalled through the pidfd, so a
 pid reused in between gets nothing.
 
+A tree is found through the kernel's lists of each thread's children
+(``/proc/PID/task/TID/children``, where the kernel has ``CONFIG_PROC_CHILDREN``): it costs what
+the tree holds, not what the machine runs, and a process with no children is known to have
+no descendants after a read per thread. Where the kernel has no such lists, a tree is found
+in a snapshot of every process in ``/proc``.
+
 :func:`stop_and_kill` is the freezer of machines without a cgroup: SIGSTOP to everything
 found, again until nothing new is found (a stopped process cannot fork), then SIGKILL.
 
@@ -17,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -29,6 +37,8 @@ Identities = dict[int, int]
 _PR_SET_CHILD_SUBREAPER = 36
 #: How often stop_and_kill looks for processes that appeared while it stopped the others.
 _STOP_ROUNDS = 64
+#: How long stop_and_kill goes on stopping what appears before it kills what it found.
+STOP_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,16 +110,112 @@ def descendants(roots: Iterable[int], table: Mapping[int, Stat]) -> set[int]:
 def tree(roots: Mapping[int, int], *, spare: int | None = None) -> Identities:
     """The live processes of ``roots`` (identities; those no longer running are left out) and
     of everything that descends from them, but ``spare``."""
-    table = snapshot()
-    living = [p for p, start in roots.items() if _is(table.get(p), start)]
-    found = {p: table[p].start for p in [*living, *descendants(living, table)] if table[p].alive}
+    if lists_children():
+        found = _tree_by_children(roots)
+    else:
+        table = snapshot()
+        living = [p for p, start in roots.items() if _is(table.get(p), start)]
+        descent = [*living, *descendants(living, table)]
+        found = {p: table[p].start for p in descent if table[p].alive}
     if spare is not None:
         found.pop(spare, None)
     return found
 
 
+def _tree_by_children(roots: Mapping[int, int]) -> Identities:
+    """:func:`tree` through the kernel's lists of children. A pid read from a list is taken
+    only while its own stat names a parent in the tree: one that exited and whose pid was
+    reused meanwhile is not."""
+    found: Identities = {}
+    inside: set[int] = set()
+    for pid, start in roots.items():
+        if _is(read_stat(pid), start):
+            found[pid] = start
+            inside.add(pid)
+    todo = list(inside)
+    while todo:
+        for child in children(todo.pop()):
+            if child in inside:
+                continue
+            stat = read_stat(child)
+            if stat is None or stat.ppid not in inside:
+                continue  # gone, re-parented out of the tree, or a reused pid
+            inside.add(child)
+            todo.append(child)
+            if stat.alive:
+                found[child] = stat.start
+    return found
+
+
+@functools.cache
+def lists_children() -> bool:
+    """Whether this kernel lists each thread's children (``/proc/PID/task/TID/children``)."""
+    return os.path.exists(f"/proc/self/task/{threading.get_native_id()}/children")
+
+
+def children(pid: int) -> list[int]:
+    """The children of process ``pid`` (of all its threads: a child's parent is the thread
+    that started it, and an orphan goes to any thread of its subreaper), zombies included;
+    none if it is gone. The kernel may skip a child while a sibling exits (the lists are
+    read without a lock): a caller that must not miss one reads again once what it found is
+    stopped. Only where :func:`lists_children`."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found: list[int] = []
+    for thread in threads:
+        try:
+            with open(f"/proc/{pid}/task/{thread}/children", "rb") as file:
+                found.extend(int(child) for child in file.read().split())
+        except (OSError, ValueError):
+            continue  # the thread ended: its children went to another thread
+    return found
+
+
+def childless(pid: int) -> bool:
+    """Whether process ``pid`` is known to have no child (none running, none a zombie), and
+    so no descendant at all: a list the kernel reads without a lock may skip a child, but
+    never reads empty while one is there. False where the kernel does not list children."""
+    if not lists_children():
+        return False
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for thread in threads:
+        try:
+            with open(f"/proc/{pid}/task/{thread}/children", "rb") as file:
+                if file.read().strip():
+                    return False
+        except OSError:
+            continue  # the thread ended: its children went to another thread
+    return True
+
+
 def _is(stat: Stat | None, start: int) -> bool:
     return stat is not None and stat.alive and stat.start == start
+
+
+def uids(pid: int) -> tuple[int, ...] | None:
+    """Process ``pid``'s real, effective, saved and filesystem uids, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as file:
+            for line in file:
+                if line.startswith(b"Uid:"):
+                    return tuple(int(field) for field in line.split()[1:])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def ancestors(pid: int) -> list[int]:
+    """The pids above process ``pid``: its parent, the parent's parent... up to init."""
+    found: list[int] = []
+    while (stat := read_stat(pid)) is not None and stat.ppid > 0 and stat.ppid not in found:
+        found.append(stat.ppid)
+        pid = stat.ppid
+    return found
 
 
 def start_time(pid: int) -> int | None:
@@ -152,17 +258,27 @@ def _pidfd(pid: int) -> int:
         return -1
 
 
-def stop_and_kill(find: Callable[[], Identities]) -> Identities:
-    """SIGSTOP every process ``find()`` names, again until it names none that was not
-    stopped yet (stopped processes cannot fork, so this ends), then SIGKILL them all (a
-    stopped process dies of SIGKILL). The identities signalled."""
+def stop_and_kill(find: Callable[[], Identities], timeout_s: float = STOP_S) -> Identities:
+    """SIGSTOP every process ``find()`` names, again until it twice names none that was not
+    stopped yet (stopped processes cannot fork, so this ends; twice, since a list of
+    children may skip one), then SIGKILL them all (a stopped process dies of SIGKILL). After
+    ``timeout_s`` (a tree that forks faster than it is stopped), SIGKILL what was found. The
+    identities signalled."""
     stopped: Identities = {}
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
     for _ in range(_STOP_ROUNDS):
         new = {p: s for p, s in find().items() if stopped.get(p) != s}
         if not new:
-            break
+            quiet += 1
+            if quiet == 2:
+                break
+            continue
+        quiet = 0
         send(new, signal.SIGSTOP)
         stopped.update(new)  # also those it may not signal: they would be found forever
+        if time.monotonic() >= deadline:
+            break
     send(stopped, signal.SIGKILL)
     return stopped
 
@@ -195,11 +311,12 @@ def adopted(keep: Collection[int]) -> dict[int, Stat]:
     started in a session of its own (workers: in ``keep``). Orphans of a worker's tree that
     were re-parented here are in the worker's session, or in one they made with setsid."""
     me, session = os.getpid(), os.getsid(0)
-    return {
-        s.pid: s
-        for s in snapshot().values()
-        if s.ppid == me and s.pid not in keep and s.session != session
-    }
+    if lists_children():
+        stats = [read_stat(pid) for pid in set(children(me)) if pid not in keep]
+        found = [stat for stat in stats if stat is not None]
+    else:
+        found = list(snapshot().values())
+    return {s.pid: s for s in found if s.ppid == me and s.pid not in keep and s.session != session}
 
 
 def become_subreaper() -> None:
@@ -214,16 +331,32 @@ def become_subreaper() -> None:
 class Tree:
     """A worker's processes where it has no cgroup: the worker while it runs, what descends
     from it, and what was seen of them before (a child that ignores SIGTERM outlives the
-    worker; the orphans of a worker that died re-parent to the nodelet, a subreaper)."""
+    worker; the orphans of a worker that died re-parent to the nodelet, a subreaper). Safe
+    to use from several threads."""
 
     def __init__(self, root: int, start: int | None) -> None:
         self.root = root
         self._seen: Identities = {root: start} if start is not None else {}
+        self._lock = threading.Lock()
+
+    @property
+    def seen(self) -> Identities:
+        """What the last look found (without a new look)."""
+        return dict(self._seen)
 
     def members(self) -> Identities:
         """The live processes of the tree (the worker too, while it runs)."""
-        self._seen = tree(self._seen)
-        return dict(self._seen)
+        with self._lock:
+            self._seen = tree(self._seen)
+            return dict(self._seen)
+
+    def has_others(self, spare: int) -> bool:
+        """Whether the tree may hold a live process but ``spare``: cheap where the kernel
+        lists children (the lists of the root, and what was seen before; no descent)."""
+        if not lists_children():
+            return any(p != spare for p in self.members())
+        seen = {p: s for p, s in self._seen.items() if p != spare}
+        return bool(alive(seen)) or not childless(self.root)
 
     def signal(self, sig: int) -> None:
         send(self.members(), sig)

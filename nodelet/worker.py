@@ -9,6 +9,12 @@ value (or exception) and the globals the call changed, inline or in a file. Afte
 what the call spawned, restores its environment, working directory and ``sys.path``, and
 writes the task's end marker to both pipes; a task without an end marker is its last.
 
+A call that leaves a thread of its own running (one it started and did not end) makes the
+call the worker's last: a thread can go on computing on a GPU the scheduler counts free, or
+start processes after the call's were killed. The worker says so on the call's stderr,
+writes the outcome, kills what the call started and exits without an end marker: the
+nodelet reports the outcome and starts no other call in it.
+
 The worker is a child subreaper (:func:`nodelet.procs.become_subreaper`): the orphans of what
 a call starts (a double-forked daemon, the children of a setsid child that exited) are
 re-parented to it, so everything a call started descends from it, and is killed after the
@@ -397,6 +403,8 @@ class _Baseline:
     """What a call may change and the next call must not see."""
 
     def __init__(self) -> None:
+        # The worker's own (the lifeline's), and whatever warming torch left.
+        self.threads = set(threading.enumerate())
         self.environ = dict(os.environ)
         self.cwd = os.getcwd()
         self.path = list(sys.path)
@@ -411,6 +419,20 @@ class _Baseline:
             os.chdir(self.cwd)
         sys.path[:] = self.path
         release_cuda_cache()
+
+    def stray_threads(self) -> list[threading.Thread]:
+        """Threads the last call started that still run, after a short grace to end. Native
+        threads that never ran Python (torch's pools, the CUDA driver's) are not counted:
+        they are the libraries', and idle between calls."""
+        deadline = time.monotonic() + THREAD_GRACE_S
+        stray = []
+        for thread in threading.enumerate():
+            if thread in self.threads or isinstance(thread, threading._DummyThread):
+                continue
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                stray.append(thread)
+        return stray
 
 
 def release_cuda_cache() -> None:
@@ -429,6 +451,9 @@ def release_cuda_cache() -> None:
 
 #: How long the worker waits for what it killed to die before the next call.
 KILL_WAIT_S = 2.0
+#: How long threads a call started may take to end after it returned, before they count as
+#: left running.
+THREAD_GRACE_S = 0.1
 
 
 def kill_leftovers() -> procs.Identities:
@@ -437,6 +462,8 @@ def kill_leftovers() -> procs.Identities:
     (briefly) until they are dead and reaped: the next call must not meet them, nor the GPU
     memory they held. Those still running: processes it may not signal."""
     me = os.getpid()
+    if procs.childless(me):
+        return {}  # the common case: the call started nothing, or waited for all it started
     start = procs.start_time(me)
     if start is None:
         return {}
@@ -498,6 +525,10 @@ def main() -> None:
         outcome = run_task(task)
         if not task.end_marker:
             break
+        stray = baseline.stray_threads()
+        if stray:
+            _retire_for(stray)
+            break
         finish(task, outcome)
         baseline.restore()
     else:
@@ -505,8 +536,21 @@ def main() -> None:
         os._exit(0)
     write_outcome(task.result_path, outcome)
     _flush(sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    kill_leftovers()
     # os._exit: threads the user left running must not keep a finished worker alive.
     os._exit(0)
+
+
+def _retire_for(stray: list[threading.Thread]) -> None:
+    names = ", ".join(repr(thread.name) for thread in stray[:5])
+    more = f" and {len(stray) - 5} more" if len(stray) > 5 else ""
+    with contextlib.suppress(OSError, ValueError):  # the call closed its stderr
+        print(
+            f"bulletin: the call left {len(stray)} thread(s) running ({names}{more}); they end "
+            "with this worker, which is not kept warm for the next call",
+            file=sys.__stderr__,
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -9,8 +9,12 @@ Nothing a call starts outlives it. Where the machine has a usable cgroup
 which everything it starts stays in, setsid or double-forked daemons alike; else the worker is
 a child subreaper that adopts its descendants' orphans, so its process tree holds them (and
 the nodelet adopts the orphans of a worker that died). When a call ends the worker kills what
-it can itself; then the nodelet kills whatever is left but the worker (:meth:`Worker.end_call`).
-Stopped or discarded, the whole cgroup or tree is killed. Each worker holds the read end of a
+it can itself; then the nodelet kills whatever is left but the worker (:meth:`Worker.end_call`),
+and does not keep a worker warm when something of its call survives that. Stopped or
+discarded, the whole cgroup or tree is killed, and :meth:`Worker.wait` returns once all of it
+is gone (or, bounded, says what is not). Finding and killing processes reads ``/proc`` and may
+take a while (a tree that keeps forking): the nodelet does it in threads, never in its event
+loop, which must keep every call's heartbeat going. Each worker holds the read end of a
 pipe whose write end only the nodelet has (its *lifeline*): when the nodelet dies, the worker
 kills its tree and exits (:mod:`nodelet.worker`). The pool records its workers and cgroups in
 the node's state directory, for the next nodelet to sweep (:mod:`nodelet.leftovers`).
@@ -57,6 +61,10 @@ _END_POLL_S = 0.005
 _CGROUP_REMOVE_S = 2.0
 #: How long a dead worker's pipes may stay open once what it started was killed.
 _PIPES_CLOSE_S = 2.0
+#: How long a dead worker's process tree (no cgroup) may take to be gone once killed.
+_TREE_GONE_S = 2.0
+#: How long the processes a finished call left may take to die, per kill.
+_END_KILL_S = 0.5
 
 
 class Worker:
@@ -95,6 +103,9 @@ class Worker:
         #: The user name of the owner of its last call (reported with its function).
         self.last_owner: str | None = None
         self._finished: asyncio.Future[int] | None = None
+        # Kills run in a thread (kill): the one running, and whether another was asked since.
+        self._killer: asyncio.Task[None] | None = None
+        self._kill_again = False
 
     @property
     def pid(self) -> int:
@@ -136,29 +147,75 @@ class Worker:
         return self.cgroup.members() if self.cgroup is not None else self.tree.members()
 
     def kill(self) -> None:
-        """SIGKILL the worker and everything it started: its whole cgroup, or process tree."""
+        """SIGKILL the worker and everything it started: its whole cgroup, or process tree.
+        In a thread, started now (a tree that keeps forking takes a while to stop): ``wait()``
+        waits for it too. Outside an event loop, at once."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._kill_now()
+            return
+        self._kill_again = True
+        if self._killer is None:
+            self._killer = loop.create_task(self._killing(), name=f"kill-worker-{self.pid}")
+
+    async def _killing(self) -> None:
+        try:
+            while self._kill_again:  # a kill asked while one ran: what it found may be new
+                self._kill_again = False
+                try:
+                    await asyncio.to_thread(self._kill_now)
+                except OSError as exc:  # a cgroup file that cannot be written (removed?)
+                    log.warning("killing worker %d failed: %s", self.pid, exc)
+        finally:
+            self._killer = None
+
+    def _kill_now(self) -> None:
         if self.cgroup is not None:
             self.cgroup.kill()
         else:
             self.tree.kill()
 
-    async def end_call(self) -> None:
+    async def _killed(self) -> None:
+        """Wait for the kills asked so far to be done."""
+        while self._killer is not None:
+            await asyncio.shield(self._killer)
+
+    async def end_call(self) -> bool:
         """Kill what the finished call left running, all but the worker (kept warm for the
-        next call), and wait (briefly) until it is gone. The worker killed what it could
+        next call), and wait (briefly) until it is gone; again while something survives (a
+        freeze that timed out, a process forked meanwhile). The worker killed what it could
         itself before it ended the call; this takes what it may not signal (a process that
-        became root through a setuid program) or missed."""
-        if not self._others():
-            return
-        tracked = self.cgroup if self.cgroup is not None else self.tree
-        await asyncio.to_thread(tracked.kill, spare=self.pid)
-        deadline = time.monotonic() + KILL_WAIT_S
-        while (left := self._others()) and time.monotonic() < deadline:
-            await asyncio.sleep(_END_POLL_S)
+        became root through a setuid program) or missed. False if something of the call
+        still runs: the worker must not be kept warm."""
+        if not self._may_have_others():  # the common case, checked without a thread
+            return True
+        left = await asyncio.to_thread(self._kill_others, time.monotonic() + KILL_WAIT_S)
         log.info(
             "worker %d: killed what its call left running%s",
             self.pid,
             f"; {sorted(left)} still running" if left else "",
         )
+        return not left
+
+    def _may_have_others(self) -> bool:
+        """Whether something but the worker may be in its cgroup or tree (cheap: no stat of
+        each process, no descent)."""
+        if self.cgroup is not None:
+            return any(pid != self.pid for pid in self.cgroup.pids())
+        return self.tree.has_others(self.pid)
+
+    def _kill_others(self, deadline: float) -> procs.Identities:
+        """Kill all but the worker, again until nothing else is left or ``deadline`` (a
+        monotonic time) passes; what is still left. Blocking: run in a thread."""
+        tracked = self.cgroup if self.cgroup is not None else self.tree
+        while True:
+            tracked.kill(spare=self.pid)
+            until = min(deadline, time.monotonic() + _END_KILL_S)
+            while (left := self._others()) and time.monotonic() < until:
+                time.sleep(_END_POLL_S)
+            if not left or time.monotonic() >= deadline:
+                return left
 
     def _others(self) -> procs.Identities:
         return {p: s for p, s in self.members().items() if p != self.pid}
@@ -170,9 +227,10 @@ class Worker:
         self.stopping = True
         self._not_stopping.clear()
         try:
-            (self.cgroup if self.cgroup is not None else self.tree).signal(signal.SIGTERM)
+            tracked = self.cgroup if self.cgroup is not None else self.tree
+            await asyncio.to_thread(tracked.signal, signal.SIGTERM)
             deadline = time.monotonic() + grace_s
-            while self.returncode is None or self.members():
+            while self.returncode is None or await self._has_members():
                 if call_ended is not None and call_ended():
                     self.kill()
                     return False
@@ -184,6 +242,9 @@ class Worker:
         finally:
             self.stopping = False
             self._not_stopping.set()
+
+    async def _has_members(self) -> bool:
+        return bool(await asyncio.to_thread(self.members))
 
     async def exited(self) -> int:
         """Wait for the worker process to exit (only that); its exit status."""
@@ -204,13 +265,27 @@ class Worker:
     async def _finish(self) -> int:
         returncode = await self.exited()
         await self._not_stopping.wait()
+        await self._killed()
         if self.cgroup is not None:
             await _remove(self.cgroup)
         else:
-            self.tree.kill()
+            left = await asyncio.to_thread(self._kill_tree, _TREE_GONE_S)
+            if left:
+                log.warning(
+                    "worker %d exited; processes %s it started are still running %g s after "
+                    "they were killed",
+                    self.pid,
+                    sorted(left),
+                    _TREE_GONE_S,
+                )
         with contextlib.suppress(TimeoutError):  # its pipes close as what held them dies
             await asyncio.wait_for(self.process.wait(), _PIPES_CLOSE_S)
         return returncode
+
+    def _kill_tree(self, timeout_s: float) -> procs.Identities:
+        """Kill what is left of the tree of a worker that exited, and wait (at most
+        ``timeout_s``) until it is gone; what still runs. Blocking: run in a thread."""
+        return procs.wait_gone(self.tree.kill(), timeout_s)
 
     def oom_kills(self) -> int:
         """How many of the worker's processes the kernel killed at its cgroup's memory
@@ -219,9 +294,11 @@ class Worker:
 
 
 async def _remove(cgroup: Cgroup) -> None:
+    """Kill what is in the cgroup and remove it, once all of it is gone (at most
+    :data:`_CGROUP_REMOVE_S`)."""
     deadline = time.monotonic() + _CGROUP_REMOVE_S
     try:
-        while not cgroup.try_remove():
+        while not await asyncio.to_thread(cgroup.try_remove):
             if time.monotonic() >= deadline:
                 log.warning("cgroup %s is still busy; left in place", cgroup.path)
                 return
@@ -379,6 +456,9 @@ class WorkerPool:
         self._spawning = 0
         self._state = state
         self._adopt_orphans = adopt_orphans
+        # Orphans being killed (in threads), and the tasks killing them.
+        self._killing_orphans: procs.Identities = {}
+        self._orphan_kills: set[asyncio.Task[None]] = set()
         # Its write end is the nodelet's alone: a worker sees EOF when the nodelet is gone.
         self._lifeline_read, self._lifeline_write = os.pipe()
         self._record()
@@ -571,7 +651,7 @@ class WorkerPool:
             worker.kill()
         for worker in idle:
             await worker.wait()
-        await asyncio.gather(*self._reapers)
+        await asyncio.gather(*self._reapers, *self._orphan_kills)
         for watcher in list(self._watchers):  # of workers that attempts still hold
             watcher.cancel()
         self.limiter.close()
@@ -657,20 +737,34 @@ class WorkerPool:
         """Kill (and reap) the processes a dead worker's tree left with this process, its
         subreaper: with no cgroup, nothing else would find them. Not while a worker starts
         (it is in a session of its own before it is known), nor what a worker being stopped
-        still has of its grace."""
+        still has of its grace. This process's own children are looked at here (cheap: the
+        kernel's lists of them); what is found is killed in a thread."""
         self._started = {
             p: w for p, w in self._started.items() if w.returncode is None or w.stopping
         }
         if not self._adopt_orphans or self._spawning:
             return
-        graced = {p for w in self._started.values() if w.stopping for p in w.tree.members()}
+        graced = {p for w in self._started.values() if w.stopping for p in w.tree.seen}
+        orphans: procs.Identities = {}
         for pid, stat in procs.adopted(self._started.keys()).items():
-            if stat.alive and pid not in graced:
+            if stat.alive and pid not in graced and pid not in self._killing_orphans:
                 log.warning("killing process %d, left running by a worker that died", pid)
-                procs.stop_and_kill(functools.partial(procs.tree, {pid: stat.start}))
+                orphans[pid] = stat.start
             elif not stat.alive:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
+        if orphans:
+            self._killing_orphans.update(orphans)
+            task = asyncio.create_task(self._kill_trees(orphans), name="kill-orphans")
+            self._orphan_kills.add(task)
+            task.add_done_callback(self._orphan_kills.discard)
+
+    async def _kill_trees(self, roots: procs.Identities) -> None:
+        try:
+            await asyncio.to_thread(procs.stop_and_kill, functools.partial(procs.tree, roots))
+        finally:
+            for pid in roots:
+                self._killing_orphans.pop(pid, None)
 
     async def _discard(self, worker: Worker) -> None:
         # An idle worker that died on its own usually failed to start; its stderr says why.

@@ -89,9 +89,13 @@ def test_a_second_start_of_a_node_supersedes_the_first_which_stops(
     sdk.connect(gateway.url, gateway.token)
     history.spawn("call", 30, max_retries=1)
     history.wait_started("call")
-    gateway.start_nodelet()  # the same node again, while the first still runs
-    assert first.wait(15) == 1
+    # The same node again, while the first still runs, as from another machine: a state
+    # directory of its own (one start of the same kills the first before it registers:
+    # tests/integration/test_process_tracking.py).
+    gateway.start_nodelet(**{"state-dir": str(gateway.dir / "state-node-a-elsewhere")})
+    assert first.wait(15) == 3  # a distinct status, for RestartPreventExitStatus=3
     assert "another start of it replaced this one" in _log(gateway, "node-a")
+    assert "exit status 3 (superseded" in _log(gateway, "node-a")
     # Its call was taken back and runs once more, on the new incarnation.
     wait_until(lambda: len(history.executions("call")) == 2, 30, "the call to run again")
     call, _ = history.calls["call"]

@@ -9,7 +9,9 @@ Through a real cluster whose nodelet runs as root with a user mapping (tests/acc
 from __future__ import annotations
 
 import contextlib
+import os
 import time
+import uuid
 from typing import Any
 
 import sdk
@@ -36,31 +38,51 @@ def own_outcome(result_path: str) -> None:
     os.replace("outcome.msgpack.x", "outcome.msgpack")
 
 
-def flip(target: str, seconds: float) -> None:
-    """Name result.bin as the result, and keep swapping it between a harmless file and a
-    symbolic link to ``target`` while the nodelet reads it: from a thread of the worker,
-    which stays (warm) after the call, unlike any process the call starts (killed before
-    the nodelet reads the outcome). The worker's own outcome is never written."""
+def named_result(rendezvous: str) -> None:
+    """Name result.bin as the result, tell another call of ours (:func:`flip`) where it is
+    in the file ``rendezvous``, and end the worker at once, once that call flips it (so the
+    worker never writes its own outcome)."""
     import os
-    import sys
-    import threading
     import time
 
     here = os.getcwd()
     own_outcome(os.path.join(here, "result.bin"))
-    sys.modules["__main__"].write_outcome = lambda path, outcome: None  # the worker's
+    with open(f"{rendezvous}.tmp", "w") as file:
+        file.write(here)
+    os.replace(f"{rendezvous}.tmp", rendezvous)
+    deadline = time.time() + 30
+    while not os.path.lexists(os.path.join(here, "result.bin")) and time.time() < deadline:
+        time.sleep(0.001)
+    os._exit(0)
 
-    def flipping() -> None:
-        end = time.time() + seconds
-        while time.time() < end:
+
+def flip(rendezvous: str, target: str, seconds: float) -> None:
+    """Once the file ``rendezvous`` names the directory of a call that named result.bin as
+    its result (:func:`named_result`), keep swapping result.bin there between a harmless
+    file and a symbolic link to ``target`` for ``seconds``, while the nodelet reads it. From
+    another call of the same account: whatever the attacked call starts is killed before the
+    nodelet reads its outcome, a thread it leaves running ends its worker, but another call
+    runs on. Until the attempt's directory is removed."""
+    import os
+    import time
+
+    deadline = time.time() + 60
+    while not os.path.exists(rendezvous):
+        if time.time() > deadline:
+            raise TimeoutError("the attacked call never said where it is")
+        time.sleep(0.001)
+    with open(rendezvous) as file:
+        here = file.read()
+    end = time.time() + seconds
+    while time.time() < end:
+        try:
             with open(os.path.join(here, "r.tmp"), "wb") as file:
                 file.write(b"harmless")
             os.replace(os.path.join(here, "r.tmp"), os.path.join(here, "result.bin"))
             os.symlink(target, os.path.join(here, "l.tmp"))
             os.replace(os.path.join(here, "l.tmp"), os.path.join(here, "result.bin"))
-
-    threading.Thread(target=flipping, daemon=True).start()
-    time.sleep(0.05)  # let it start flipping
+        except FileNotFoundError:
+            return  # the attempt is over: the nodelet removed its directory
 
 
 def fifo(where: str) -> None:
@@ -151,7 +173,15 @@ def test_a_symlink_flipped_under_the_result_never_makes_root_read_the_target(
 ) -> None:
     token = tenants.node_token.read_bytes().strip()
     for _ in range(4):
-        done = attack(tenants, flip, str(tenants.node_token), 3.0)
+        rendezvous = f"/tmp/bulletin-flip-{uuid.uuid4().hex}"
+        tenants.be("bt-bob")
+        flipper = sdk.function(max_retries=0)(flip).spawn(rendezvous, str(tenants.node_token), 3.0)
+        try:
+            done = attack(tenants, named_result, rendezvous)
+            flipper.result(timeout=60)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(rendezvous)
         assert not leaked(tenants, done, token)
         # Refused as a link, or uploaded while it was the harmless file: never the token.
         refused = done.state == wire.State.FAILED and "symbolic link" in (done.error_message or "")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
+import httpx
 import pytest
 
 import sdk
@@ -364,3 +365,71 @@ def test_a_call_cannot_move_processes_into_or_out_of_its_cgroup(node: Node) -> N
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_a_second_start_kills_a_frozen_predecessor_and_all_it_runs_before_it_registers(
+    node: Node,
+) -> None:
+    # The first nodelet is frozen (SIGSTOP: it never hears it was superseded) with a call
+    # running whose worker holds the GIL (its lifeline cannot fire either). The second start
+    # of the node, of the same state directory, registers, which frees every GPU of the
+    # node: by then the first, its workers and what their calls started must be dead.
+    stuck = node.spawn("stuck", "hold-gil")
+    held = node.recorded("stuck")
+    record = json.loads((node.cluster.state_dir() / "processes.json").read_text())
+    workers = [pid for pid, _ in record["workers"]]
+    assert held["worker"] in workers and len(workers) == 2  # with the spare
+    first = node.cluster.nodelets[-1]
+    first.send_signal(signal.SIGSTOP)
+    node.start()
+    wait_until(lambda: node.log().count("registered as") == 2, 30, "the second start")
+    assert all(map(_gone, [first.pid, *workers, *held["pids"]])), "the first outlived it"
+    assert first.wait(10) == -signal.SIGKILL
+    before = node.log().split("registered as")[1]  # up to the second start's registration
+    assert f"an earlier nodelet of this node still runs (pid {first.pid})" in before
+    assert f"killed the earlier nodelet (pid {first.pid})" in before
+    # The new incarnation runs new work; the call of the old one was taken back.
+    assert sdk.function()(own_pid)() not in workers
+    assert stuck.status() == "failed"
+
+
+def leave_a_thread(ticks: str) -> int:
+    """Start a thread that appends to the file ``ticks`` forever, and return."""
+    import os
+    import threading
+    import time
+
+    def tick() -> None:
+        while True:
+            with open(ticks, "a") as file:
+                file.write(".")
+            time.sleep(0.02)
+
+    threading.Thread(target=tick, name="ticker", daemon=True).start()
+    return os.getpid()
+
+
+def test_a_call_that_leaves_a_thread_running_does_not_keep_its_worker_warm(
+    gateway: Cluster, tmp_path: Path
+) -> None:
+    gateway.start_nodelet(**{"spare-workers": "0"})
+    sdk.connect(gateway.url, gateway.token)
+    ticks = tmp_path / "ticks"
+    leaves = sdk.function()(leave_a_thread)
+    worker = leaves(str(ticks))
+    # The thread does not run on after the call, in a worker kept warm: the worker is
+    # retired, and the next call of the same user gets a fresh one.
+    _all_gone([worker], 10, "the worker whose call left a thread running to end")
+    size = ticks.stat().st_size
+    time.sleep(0.2)
+    assert ticks.stat().st_size == size, "the thread outlived its call"
+    probe = sdk.function()(own_pid)
+    assert probe() != worker
+    assert probe.last_call is not None and probe.last_call.timings.warm is False
+    assert leaves.last_call is not None
+    logs = httpx.get(
+        f"{gateway.url}/v1/invocations/{leaves.last_call.id}/logs",
+        headers={"Authorization": f"Bearer {gateway.token}"},
+        timeout=30,
+    ).text
+    assert "the call left 1 thread(s) running ('ticker')" in logs

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from bulletin import wire
 from nodelet.agent import serve
-from nodelet.attempt import describe_exit
+from nodelet.attempt import EOF_GRACE_S, Attempt, describe_exit
 from nodelet.config import NodeletConfig
 
 
@@ -74,3 +75,50 @@ def test_stop_while_registration_hangs(tmp_path: Path) -> None:
 )
 def test_worker_exit_descriptions(returncode: int | None, message: str) -> None:
     assert describe_exit(returncode) == message
+
+
+class _SlowToDie:
+    """Stands in for a worker whose processes take a while to be gone once killed."""
+
+    pid = 1
+
+    def __init__(self, dying_s: float) -> None:
+        self.dying_s = dying_s
+        self.kills = 0
+        self.gone_at: float | None = None
+
+    def kill(self) -> None:
+        self.kills += 1
+
+    async def wait(self) -> int:
+        await asyncio.sleep(self.dying_s)
+        self.gone_at = time.monotonic()
+        return -signal.SIGKILL
+
+
+def test_a_killed_attempts_task_ends_only_once_its_worker_and_all_it_started_are_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The next attempt on its GPUs waits for this task (Node._launch): it must not end
+    # while the killed attempt's processes still run, however often it is killed.
+    async def main() -> tuple[_SlowToDie, float]:
+        assignment = wire.Assignment(invocation_id="inv", epoch=1, gpu_indices=[0])
+        attempt = Attempt(assignment, client=None, pool=None, facts=None)  # type: ignore[arg-type]
+        worker = _SlowToDie(EOF_GRACE_S + 0.5)
+
+        async def runs() -> None:
+            attempt._worker = worker  # type: ignore[assignment]
+            await asyncio.sleep(600)
+
+        monkeypatch.setattr(attempt, "_run", runs)
+        task = attempt.start()
+        await asyncio.sleep(0.05)
+        attempt.kill()
+        await asyncio.sleep(0.2)
+        attempt.kill()  # killed again (revoked, then the node stops)
+        await asyncio.wait([task])
+        assert task.cancelled()
+        return worker, time.monotonic()
+
+    worker, ended = asyncio.run(main())
+    assert worker.gone_at is not None and ended >= worker.gone_at

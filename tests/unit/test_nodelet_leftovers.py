@@ -193,23 +193,82 @@ def test_the_sweep_touches_only_nodelet_cgroups(
     assert not base.exists() and (decoy / "worker-1").is_dir()
 
 
-def test_a_nodelet_that_still_runs_is_left_to_stop_by_itself_and_keeps_a_later_ones_record(
+# Stands in for a nodelet: takes the state directory's lock, starts a child, prints its pid,
+# waits (it is then stopped while it holds the lock).
+HOLDER = (
+    "import fcntl, os, subprocess, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+    "fcntl.flock(fd, fcntl.LOCK_EX); c = subprocess.Popen(['sleep', '600']); "
+    "print(c.pid, flush=True); time.sleep(600)"
+)
+
+
+def _stand_in(started: list[subprocess.Popen[bytes]], state_dir: Path) -> tuple[int, int, int]:
+    """A process standing in for an earlier nodelet of ``state_dir``, holding its lock: (its
+    pid, its start time, its child's pid)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(state_dir)],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    started.append(process)
+    assert process.stdout is not None
+    child = int(process.stdout.readline())
+    start = procs.start_time(process.pid)
+    assert start is not None
+    return process.pid, start, child
+
+
+def test_an_earlier_nodelet_that_still_runs_is_killed_with_all_it_runs(
     tmp_path: Path, started: list[subprocess.Popen[bytes]]
 ) -> None:
-    # Another start of this node (a process standing in for it, younger than this one) wrote
-    # the record and still runs: this one's sweep kills nothing of it, and this one, the
-    # older, cannot write over its record.
-    nodelet, start, _ = _family(started)
-    worker, worker_start, child = _family(started)
+    # Another start of this node (a process standing in for it) wrote the record, still
+    # runs, and was stopped (SIGSTOP) while it held the state directory's lock: this start's
+    # sweep kills it (it would never notice it was superseded), what it started, and the
+    # workers it recorded, and owns the record.
     state = NodeState.open(str(tmp_path / "state"))
     try:
+        nodelet, start, its_child = _stand_in(started, tmp_path / "state")
+        worker, worker_start, child = _family(started)
         theirs = _Record(
             boot_id=procs.boot_id(), nodelet=(nodelet, start), workers=[(worker, worker_start)]
         )
         state._write(theirs)
+        os.kill(nodelet, signal.SIGSTOP)
         assert state.other_writer(theirs) == (nodelet, start)
         state.sweep()
-        assert _alive(worker) and _alive(child)
+        assert not any(map(_alive, [nodelet, its_child, worker, child]))
+        record = state.read()
+        assert record is not None and record.nodelet == (os.getpid(), procs.start_time(os.getpid()))
+    finally:
+        state.close()
+
+
+def test_an_earlier_nodelet_of_another_account_is_not_killed(
+    tmp_path: Path, started: list[subprocess.Popen[bytes]]
+) -> None:
+    other = subprocess.Popen(["sleep", "600"], user=65534, start_new_session=True)
+    started.append(other)
+    start = procs.start_time(other.pid)
+    state = NodeState.open(str(tmp_path / "state"))
+    try:
+        state._write(_Record(boot_id=procs.boot_id(), nodelet=(other.pid, start or 0)))
+        with pytest.raises(ValueError, match="runs as uid 65534"):
+            state.sweep()
+        assert _alive(other.pid)
+    finally:
+        state.close()
+
+
+def test_an_earlier_nodelet_never_writes_over_a_later_ones_record(
+    tmp_path: Path, started: list[subprocess.Popen[bytes]]
+) -> None:
+    # A later start of this node (a process standing in for it, younger than this one)
+    # wrote the record and still runs: this one, the older, cannot write over it.
+    nodelet, start, _ = _family(started)
+    state = NodeState.open(str(tmp_path / "state"))
+    try:
+        theirs = _Record(boot_id=procs.boot_id(), nodelet=(nodelet, start))
+        state._write(theirs)
         state.record([], {})
         assert state.read() == theirs
         os.killpg(nodelet, signal.SIGKILL)  # once it is gone, the record is this one's

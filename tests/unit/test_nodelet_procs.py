@@ -21,12 +21,15 @@ DISGUISED = (
     "import time; open('/proc/self/comm', 'w').write(') Z 1 1 1'); "
     "print('ready', flush=True); time.sleep(60)"
 )
-# Forks a child every millisecond (each child sleeps), up to 300 of them.
+# Forks a child every millisecond (each child sleeps), up to 300 of them; says "forking"
+# once the first child is there.
 FORKING = (
     "import os, time\n"
-    "for _ in range(300):\n"
+    "for n in range(300):\n"
     "    if os.fork() == 0:\n"
     "        time.sleep(60); os._exit(0)\n"
+    "    if n == 0:\n"
+    "        print('forking', flush=True)\n"
     "    time.sleep(0.001)\n"
     "time.sleep(60)\n"
 )
@@ -101,7 +104,7 @@ def test_stop_and_kill_takes_a_tree_that_keeps_forking(
     process = _start(started, FORKING)
     start = procs.start_time(process.pid)
     assert start is not None
-    time.sleep(0.05)  # forking by now
+    assert process.stdout is not None and process.stdout.readline() == b"forking\n"
     killed = procs.stop_and_kill(lambda: procs.tree({process.pid: start}))
     assert process.pid in killed and len(killed) > 1
     assert process.wait(10) == -signal.SIGKILL
@@ -125,3 +128,58 @@ def test_a_tree_spares_the_process_asked_to(started: list[subprocess.Popen[bytes
     assert procs.wait_gone({child: procs.start_time(child) or 0}, 10) == {}
     assert parent.poll() is None
     assert set(tree.members()) == {parent.pid}
+
+
+# Starts a child that starts a setsid child and a double-forked daemon (re-parented to this
+# process, a subreaper), prints "ready", waits.
+FAMILY = (
+    "import ctypes, os, subprocess, time\n"
+    "ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n"
+    "child = subprocess.Popen(['sh', '-c', 'setsid sleep 60 & sleep 60'])\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        time.sleep(60)\n"
+    "    os._exit(0)\n"
+    "os.wait()\n"
+    "time.sleep(0.2)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_a_tree_read_from_the_kernels_lists_of_children_is_the_tree_a_snapshot_shows(
+    started: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not procs.lists_children():
+        pytest.skip("this kernel does not list children (CONFIG_PROC_CHILDREN)")
+    process = _start(started, FAMILY)
+    assert process.stdout is not None and process.stdout.readline() == b"ready\n"
+    start = procs.start_time(process.pid)
+    assert start is not None
+    listed = procs.tree({process.pid: start})
+    assert not procs.childless(process.pid)
+    monkeypatch.setattr(procs, "lists_children", lambda: False)
+    scanned = procs.tree({process.pid: start})
+    assert listed == scanned and len(listed) == 5  # it, sh, two sleeps, the daemon
+    assert procs.tree({process.pid: start + 1}) == {}
+
+
+def test_a_process_without_children_is_childless_and_one_with_a_zombie_is_not(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    if not procs.lists_children():
+        pytest.skip("this kernel does not list children (CONFIG_PROC_CHILDREN)")
+    lone = _start(started, "print('ready', flush=True); import time; time.sleep(60)")
+    assert lone.stdout is not None and lone.stdout.readline() == b"ready\n"
+    assert procs.childless(lone.pid)
+    code = (
+        "import os, time\n"
+        "child = os.fork() or os._exit(0)\n"
+        "os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)  # exited, not reaped\n"
+        "print('ready', flush=True); time.sleep(60)\n"
+    )
+    parent = _start(started, code)
+    assert parent.stdout is not None and parent.stdout.readline() == b"ready\n"
+    assert not procs.childless(parent.pid)  # its child is a zombie it never reaps
+    assert set(procs.tree({parent.pid: procs.start_time(parent.pid) or 0})) == {parent.pid}

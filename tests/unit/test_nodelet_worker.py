@@ -550,3 +550,45 @@ def test_a_sigterm_handler_a_call_installs_is_gone_for_the_next_call(tmp_path: P
     )
     outcomes = [_outcome_decoder.decode((tmp_path / f"out-{i}").read_bytes()) for i in range(2)]
     assert [loads(o.result) for o in outcomes] == [True, True]
+
+
+def start_threads(leave: bool) -> int:
+    """Start a thread that ends by itself at once and, if ``leave``, one left running."""
+    import threading
+    import time
+
+    threading.Thread(target=time.sleep, args=(0.01,), name="ends-soon").start()
+    if leave:
+        threading.Thread(target=time.sleep, args=(600,), name="left-running", daemon=True).start()
+    return os.getpid()
+
+
+def test_a_call_that_leaves_a_thread_running_is_its_workers_last(tmp_path: Path) -> None:
+    marker = b"\x00end\x00"
+    tasks = [
+        wire.WorkerTask(
+            invocation_id=f"inv-{i}",
+            payload=call(start_threads, leave),
+            result_path=str(tmp_path / f"out-{i}"),
+            end_marker=marker,
+        )
+        for i, leave in enumerate([False, True, False])
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "nodelet.worker"],
+        input=b"".join(b"".join(frame(t)) for t in tasks),
+        capture_output=True,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+        start_new_session=True,
+    )
+    # A thread that ended by itself keeps the worker warm; one left running ends it: its
+    # call's outcome is written, without an end marker, and no other call runs in it.
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == marker
+    assert done.stderr.startswith(marker)
+    assert b"bulletin: the call left 1 thread(s) running ('left-running')" in done.stderr
+    outcomes = [_outcome_decoder.decode((tmp_path / f"out-{i}").read_bytes()) for i in range(2)]
+    assert loads(outcomes[0].result) == loads(outcomes[1].result)
+    assert not (tmp_path / "out-2").exists()

@@ -16,6 +16,7 @@ import pytest
 from bulletin import wire
 from bulletin.pickling import caller
 from bulletin.pickling import frame as envelope
+from nodelet import procs, workers
 from nodelet.agent import spare_gpu_sets
 from nodelet.limits import Limiter
 from nodelet.workers import WorkerPool
@@ -312,3 +313,45 @@ def test_spare_shapes_are_aligned_blocks_of_the_nodes_gpus() -> None:
     assert spare_gpu_sets([3, 2, 1, 0], [2, 4]) == [(0, 1), (2, 3), (0, 1, 2, 3)]
     assert spare_gpu_sets([0, 1, 2], [2, 8]) == [(0, 1)]  # no 8-GPU block on 3 GPUs
     assert spare_gpu_sets([], [1]) == []
+
+
+def leave_a_child_the_worker_does_not_kill() -> None:
+    """Start a child, and keep the worker from killing it after the call (as a child the
+    worker may not signal would: one that became root through a setuid program)."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(["sleep", "600"])
+    sys.modules["__main__"].kill_leftovers = dict  # the worker's own kill: a no-op
+    print(child.pid, flush=True)
+
+
+def test_a_worker_whose_call_left_what_cannot_be_killed_is_not_clean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asyncio.run(_end_call_with_a_survivor(tmp_path, monkeypatch))
+
+
+async def _end_call_with_a_survivor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = WorkerPool(0, cwd=str(tmp_path))
+    try:
+        worker = await pool.acquire(("alice", ()))
+        marker = b"\x00end\x00"
+        task = msgspec.structs.replace(
+            _task(tmp_path, leave_a_child_the_worker_does_not_kill), end_marker=marker
+        )
+        await worker.send(task)
+        child = int(await asyncio.wait_for(worker.stdout.readline(), 30))
+        await asyncio.wait_for(worker.stdout.readuntil(marker), 30)
+        monkeypatch.setattr(workers, "KILL_WAIT_S", 0.3)
+        with monkeypatch.context() as patched:  # the nodelet's kills miss it too
+            patched.setattr(procs.Tree, "kill", lambda self, spare=None: {})
+            assert await worker.end_call() is False
+        assert _alive(child)
+        # Once its kill works again (it retries), nothing is left.
+        assert await worker.end_call() is True
+        assert not _alive(child) and worker.returncode is None
+        worker.kill()
+        assert await worker.wait() == -signal.SIGKILL
+    finally:
+        await pool.close()
