@@ -5,13 +5,18 @@ the history's directory when it starts (one line per execution) and returns the 
 the fault, :meth:`History.check` holds the suite's invariants for each call: it ended in
 exactly one terminal state, it ran at most ``max_retries + 1`` times and never more often
 than it was counted (an attempt, or a preemption handed back), and the result the caller got
-is the one of its last execution (the committed result comes from the final epoch).
+is the one of its last execution (the committed result comes from the final epoch). While a
+fault plays out, :meth:`History.gpus_never_shared` watches that no GPU of a node is held by
+two live executions at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def work(directory: str, key: str, seconds: float) -> str:
-    """One execution: note a nonce in ``directory/key``, run ``seconds``, return it."""
+    """One execution: note a nonce in ``directory/key`` (and, on GPUs, this process and its
+    GPUs in ``directory/gpus``), run ``seconds``, return the nonce."""
     import os
     import secrets
     import time
@@ -33,6 +39,15 @@ def work(directory: str, key: str, seconds: float) -> str:
     nonce = secrets.token_hex(6)
     with open(os.path.join(directory, key), "a") as file:
         file.write(nonce + "\n")
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if devices:
+        # The worker's parent is its nodelet, started with --name NODE: GPU i of a node is
+        # (NODE, i), whichever incarnation of it runs.
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as cmdline:
+            args = cmdline.read().decode().split("\0")
+        node = args[args.index("--name") + 1]
+        with open(os.path.join(directory, "gpus"), "a") as file:
+            file.write(f"{os.getpid()} {node} {devices}\n")
     time.sleep(seconds)
     return nonce
 
@@ -52,6 +67,43 @@ def hold(directory: str, key: str) -> str:
 class History:
     directory: Path
     calls: dict[str, tuple[sdk.Call[Any], int]] = field(default_factory=dict)
+    #: GPUs seen in two live executions at once: (gpu, pid, pid).
+    shared_gpus: list[tuple[tuple[str, str], int, int]] = field(default_factory=list)
+    _watching: threading.Event = field(default_factory=threading.Event)
+
+    @contextlib.contextmanager
+    def gpus_never_shared(self, every_s: float = 0.02) -> Iterator[None]:
+        """Check, every ``every_s`` while the block runs, that no GPU of a node is held by
+        two live executions at once (a killed attempt counts until its process is gone)."""
+        self._watching.set()
+        watcher = threading.Thread(target=self._watch, args=(every_s,), daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            self._watching.clear()
+            watcher.join(5)
+        assert not self.shared_gpus, f"a GPU held by two live attempts: {self.shared_gpus[:3]}"
+
+    def gpu_executions(self) -> int:
+        """How many executions ran on GPUs."""
+        path = self.directory / "gpus"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def _watch(self, every_s: float) -> None:
+        path = self.directory / "gpus"
+        while self._watching.is_set():
+            holders: dict[tuple[str, str], int] = {}
+            lines = path.read_text().splitlines() if path.exists() else []
+            for line in lines:
+                pid, node, devices = line.split()
+                if not _alive(int(pid)):
+                    continue
+                for gpu in devices.split(","):
+                    other = holders.setdefault((node, gpu), int(pid))
+                    if other != int(pid):
+                        self.shared_gpus.append(((node, gpu), other, int(pid)))
+            time.sleep(every_s)
 
     def spawn(
         self, key: str, seconds: float, *, max_retries: int = 2, gpus: int = 0
@@ -92,3 +144,12 @@ class History:
         if info.state == wire.State.SUCCEEDED:
             assert runs and value == runs[-1], f"{key}: result {value!r} is not the last run's"
         return info
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False

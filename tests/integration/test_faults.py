@@ -66,14 +66,16 @@ def test_a_nodelet_restarted_inside_its_lease_runs_nothing_of_its_predecessor_ag
     gateway = long_lease
     first = gateway.start_nodelet()
     sdk.connect(gateway.url, gateway.token)
-    history.spawn("call", 3, max_retries=2)
-    history.wait_started("call")
-    first.send_signal(signal.SIGKILL)
-    first.wait()
-    gateway.start_nodelet()  # at once: well inside the 3 s lease
-    info = history.check("call")
+    with history.gpus_never_shared():
+        history.spawn("call", 3, max_retries=2, gpus=2)
+        history.wait_started("call")
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        gateway.start_nodelet()  # at once: well inside the lease
+        info = history.check("call")
     assert info.state == "succeeded"
     assert len(history.executions("call")) == 2 and info.attempts == 2
+    assert history.gpu_executions() == 2  # both on GPUs 0 and 1 of node-a, never at once
     assert "took back what it held before" in _log(gateway, "gateway")
     call, _ = history.calls["call"]
     assert "[bulletin] the nodelet running this call restarted" in _call_logs(gateway, call)
@@ -111,7 +113,7 @@ def two_nodes(
         Cluster(database_url, tmp_path), request, options={"silent-hold-s": "60"}
     ) as cluster:
         for name in ("node-a", "node-b"):
-            cluster.start_nodelet(name, fake_gpus=0, cpu_slots=1)
+            cluster.start_nodelet(name, fake_gpus=1, cpu_slots=1)
         sdk.connect(cluster.url, cluster.token)
         yield cluster
 
@@ -176,16 +178,17 @@ def test_a_database_outage_does_not_kill_healthy_calls(
         with running(cluster, request):
             cluster.start_nodelet()
             sdk.connect(cluster.url, cluster.token)
-            history.spawn("long", 12)
-            history.spawn("other", 12, gpus=1)
-            history.wait_started("long", "other")
-            proxy.refuse()
-            time.sleep(8)  # past the lease (3 s) and the nodelet's kill deadline, twice
-            proxy.accept()
-            for key in ("long", "other"):
-                info = history.check(key, timeout=60)
-                assert info.state == "succeeded" and info.attempts == 1, key
-                assert len(history.executions(key)) == 1, key
+            with history.gpus_never_shared():
+                history.spawn("long", 12)
+                history.spawn("other", 12, gpus=1)
+                history.wait_started("long", "other")
+                proxy.refuse()
+                time.sleep(8)  # past the lease (3 s) and the nodelet's kill deadline, twice
+                proxy.accept()
+                for key in ("long", "other"):
+                    info = history.check(key, timeout=60)
+                    assert info.state == "succeeded" and info.attempts == 1, key
+                    assert len(history.executions(key)) == 1, key
             nodelet_log = _log(cluster, "node-a")
             assert "database is unavailable; keeping the 2 running attempts" in nodelet_log
             assert "killing it before its lease expires" not in nodelet_log
@@ -353,18 +356,19 @@ def test_a_nodelet_stopped_past_its_lease_loses_its_call_to_another_node(
     """One node of two frozen (SIGSTOP) past its lease is a node fault: its call runs again
     on the other node, and when the frozen one thaws its attempt is revoked and its result
     refused; the committed result is the second run's."""
-    call = history.spawn("call", 4, max_retries=1)
-    history.wait_started("call")
-    frozen = dict(zip(("node-a", "node-b"), two_nodes.nodelets, strict=True))
-    node = call.info().node
-    assert node in frozen
-    frozen[node].send_signal(signal.SIGSTOP)
-    try:
-        wait_until(lambda: len(history.executions("call")) == 2, 30, "the call to run again")
-        assert call.info().node != node
-    finally:
-        frozen[node].send_signal(signal.SIGCONT)
-    info = history.check("call")
+    with history.gpus_never_shared():
+        call = history.spawn("call", 4, max_retries=1, gpus=1)
+        history.wait_started("call")
+        frozen = dict(zip(("node-a", "node-b"), two_nodes.nodelets, strict=True))
+        node = call.info().node
+        assert node in frozen
+        frozen[node].send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: len(history.executions("call")) == 2, 30, "the call to run again")
+            assert call.info().node != node
+        finally:
+            frozen[node].send_signal(signal.SIGCONT)
+        info = history.check("call")
     assert info.state == "succeeded" and info.attempts == 2
     wait_until(
         lambda: "revoked by the gateway" in _log(two_nodes, node)
@@ -412,18 +416,19 @@ def test_many_clients_while_a_nodelet_is_killed_and_restarted_lose_nothing(
 
     def submit(client: int) -> None:
         for n in range(30):
-            history.spawn(f"c{client}-{n}", 0.2, max_retries=3)
+            history.spawn(f"c{client}-{n}", 0.2, max_retries=3, gpus=1 if n % 3 == 0 else 0)
 
     clients = [threading.Thread(target=submit, args=(c,)) for c in range(3)]
-    for thread in clients:
-        thread.start()
-    time.sleep(2)
-    victim = two_nodes.nodelets[0]
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    time.sleep(1)
-    two_nodes.start_nodelet("node-a", fake_gpus=0, cpu_slots=1)
-    for thread in clients:
-        thread.join(60)
-    states = {key: history.check(key, timeout=90).state for key in keys}
+    with history.gpus_never_shared():
+        for thread in clients:
+            thread.start()
+        time.sleep(2)
+        victim = two_nodes.nodelets[0]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        time.sleep(1)
+        two_nodes.start_nodelet("node-a", fake_gpus=1, cpu_slots=1)
+        for thread in clients:
+            thread.join(60)
+        states = {key: history.check(key, timeout=90).state for key in keys}
     assert set(states.values()) == {"succeeded"}, states
