@@ -26,6 +26,7 @@ import pytest
 from bulletin import admin
 from bulletin.pgserver import EmbeddedPostgres, free_port
 from gateway import db
+from nodelet import leftovers
 from tests import accounts
 from tests.accounts import Portable
 
@@ -255,6 +256,25 @@ class Cluster:
             stop_process(proc)
         if self.gateway is not None:
             stop_process(self.gateway)
+        for proc in self.nodelets:
+            _remove_cgroups(proc)
+
+
+def _remove_cgroups(nodelet: subprocess.Popen[bytes]) -> None:
+    """Remove the (empty) cgroups a stopped nodelet left: one that was SIGKILLed and not
+    started again leaves its base for its next start to sweep, which in a test never comes."""
+    args = [str(a) for a in nodelet.args]  # type: ignore[union-attr]
+    if "--state-dir" not in args or "--name" not in args:
+        return
+    base = leftovers.base_name(
+        args[args.index("--name") + 1], args[args.index("--state-dir") + 1]
+    )
+    for depth in ("*", "*/*", "*/*/*"):
+        for found in Path("/sys/fs/cgroup").glob(f"{depth}/{base}"):
+            for directory in [*sorted(found.rglob("*"), reverse=True), found]:
+                if directory.is_dir():
+                    with contextlib.suppress(OSError):
+                        directory.rmdir()
 
 
 def _healthy(url: str) -> bool:
