@@ -25,6 +25,7 @@ import cloudpickle
 
 import sdk
 from bulletin import wire
+from tests.processes import alive
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -97,7 +98,7 @@ class History:
             lines = path.read_text().splitlines() if path.exists() else []
             for line in lines:
                 pid, node, devices = line.split()
-                if not _alive(int(pid)):
+                if not alive(int(pid)):
                     continue
                 for gpu in devices.split(","):
                     other = holders.setdefault((node, gpu), int(pid))
@@ -145,11 +146,3 @@ class History:
             assert runs and value == runs[-1], f"{key}: result {value!r} is not the last run's"
         return info
 
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False

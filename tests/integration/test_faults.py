@@ -25,6 +25,7 @@ import pytest
 import sdk
 from tests.conftest import ROOT, Cluster, running, wait_until
 from tests.faults import History, work
+from tests.processes import alive
 from tests.proxy import FaultProxy
 
 
@@ -292,14 +293,6 @@ def short_callers(
         yield cluster
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_a_blocking_call_whose_caller_dies_is_cancelled_and_its_gpu_freed(
     short_callers: Cluster, history: History
 ) -> None:
@@ -328,7 +321,7 @@ def test_a_blocking_call_whose_caller_dies_is_cancelled_and_its_gpu_freed(
     worker = int(pid_file.read_text())
     wait_until(lambda: client.get(blocking.id).state == "cancelled", 15, "the call cancelled")
     assert "its caller stopped waiting" in (client.get(blocking.id).error_message or "")
-    wait_until(lambda: _gone(worker), 10, "the abandoned call's worker to be killed")
+    wait_until(lambda: not alive(worker), 10, "the abandoned call's worker to be killed")
     # Its GPU is free again: a call for both GPUs runs.
     assert sdk.function(gpus=2)(work)(str(history.directory), "both", 0) == (
         history.executions("both")[-1]

@@ -33,6 +33,7 @@ import sdk
 from tests.accounts import Portable, traversable_dir
 from tests.conftest import Cluster, running, wait_until
 from tests.integration.conftest import killed_after
+from tests.processes import alive, parent, start_escapees
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -47,26 +48,10 @@ def start_three(record: str, then: str) -> dict[str, Any]:
     import ctypes
     import json
     import os
-    import subprocess
     import time
 
-    plain = subprocess.Popen(["sleep", "1000"])
-    setsid = subprocess.Popen(["setsid", "sleep", "1000"])
-    read, write = os.pipe()
-    middle = os.fork()
-    if middle == 0:
-        os.setsid()
-        daemon = os.fork()
-        if daemon == 0:
-            os.execvp("sleep", ["sleep", "1000"])
-        os.write(write, str(daemon).encode())
-        os._exit(0)
-    os.close(write)
-    daemon = int(os.read(read, 32))
-    os.waitpid(middle, 0)
-    with open(f"/proc/{daemon}/stat") as stat:
-        daemon_parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-    pids = [plain.pid, setsid.pid, daemon]
+    pids = start_escapees(1000)
+    daemon_parent = parent(pids[2])
     cgroups = []
     for pid in ["self", *pids]:
         with open(f"/proc/{pid}/cgroup") as cgroup:
@@ -180,17 +165,8 @@ def node(
         yield found
 
 
-def _gone(pid: int) -> bool:
-    """No such process, or only a zombie left for its new parent to reap."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-
 def _all_gone(pids: list[int], timeout: float, what: str) -> None:
-    wait_until(lambda: all(map(_gone, pids)), timeout, what)
+    wait_until(lambda: not any(map(alive, pids)), timeout, what)
 
 
 def _assert_tracked(node: Node, found: dict[str, Any]) -> None:
@@ -214,7 +190,7 @@ def test_nothing_a_call_starts_outlives_its_end_time_limit_or_cancellation(node:
     # Returns normally: everything it started is dead before its result is.
     done = node.spawn("returns", "return").result(timeout=60)
     _assert_tracked(node, done)
-    assert all(map(_gone, done["pids"])), "a process outlived the call's end"
+    assert not any(map(alive, done["pids"])), "a process outlived the call's end"
     # ... and its worker was kept warm, and runs the next call.
     assert sdk.function()(own_pid)() == done["worker"]
 
@@ -263,7 +239,7 @@ def test_nothing_a_preempted_call_starts_outlives_its_preemption(
             sdk.connect(cluster.url, bobs).use_shared_dir = False  # alice's keeps its client
             sdk.function(gpus=1)(own_pid)()  # nlp's guaranteed GPU, taken back by preemption
             # The GPU was handed over only once all of the preempted call was dead.
-            assert all(map(_gone, [found["worker"], *found["pids"]]))
+            assert not any(map(alive, [found["worker"], *found["pids"]]))
             assert borrowed.status().preemptions == 1
             borrowed.cancel()
 
@@ -291,12 +267,12 @@ def test_nothing_a_call_starts_outlives_its_nodelet(node: Node) -> None:
     others = [pid for pid, _ in record["workers"] if pid != held["worker"]]
     _all_gone(others, 10, "every other worker (the spare too) to end at its lifeline's end")
     survivors = [held["worker"], *held["pids"], *left]
-    assert not any(map(_gone, survivors)), "only the nodelet's restart kills these"
+    assert all(map(alive, survivors)), "only the nodelet's restart kills these"
 
     node.start()
     wait_until(lambda: node.log().count("registered as") == 2, 30, "the nodelet to restart")
     # Gone when the node registered: the sweep came first, and waited for them to die.
-    assert all(map(_gone, survivors)), "a process outlived its nodelet"
+    assert not any(map(alive, survivors)), "a process outlived its nodelet"
     restarted = node.log().rsplit("registered as", 2)[1]
     killed = f"killed {len(survivors)} processes that an earlier nodelet of this node left"
     assert killed in restarted
@@ -383,7 +359,7 @@ def test_a_second_start_kills_a_frozen_predecessor_and_all_it_runs_before_it_reg
     first.send_signal(signal.SIGSTOP)
     node.start()
     wait_until(lambda: node.log().count("registered as") == 2, 30, "the second start")
-    assert all(map(_gone, [first.pid, *workers, *held["pids"]])), "the first outlived it"
+    assert not any(map(alive, [first.pid, *workers, *held["pids"]])), "the first outlived it"
     assert first.wait(10) == -signal.SIGKILL
     before = node.log().split("registered as")[1]  # up to the second start's registration
     assert f"an earlier nodelet of this node still runs (pid {first.pid})" in before

@@ -5,14 +5,12 @@ boot, not a directory that is not a nodelet's cgroup. Real processes and real cg
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import stat
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -37,16 +35,6 @@ PARENT = (
     "import subprocess, sys, time; sys.stdin.readline(); "
     "c = subprocess.Popen(['sleep', '600']); print(c.pid, flush=True); time.sleep(600)"
 )
-
-
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen[bytes]]]:
-    processes: list[subprocess.Popen[bytes]] = []
-    yield processes
-    for process in processes:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def _family(

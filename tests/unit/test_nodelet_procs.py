@@ -4,13 +4,11 @@ keeps forking. Real processes, killed afterwards."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -33,17 +31,6 @@ FORKING = (
     "    time.sleep(0.001)\n"
     "time.sleep(60)\n"
 )
-
-
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes a test starts; killed (with their process groups) afterwards."""
-    processes: list[subprocess.Popen[bytes]] = []
-    yield processes
-    for process in processes:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def _start(started: list[subprocess.Popen[bytes]], code: str) -> subprocess.Popen[bytes]:

@@ -25,6 +25,7 @@ from nodelet import procs
 from nodelet.cgroups import Cgroup, LimitUnavailable, make_base, own_cgroup_dir
 from nodelet.limits import Limiter
 from nodelet.workers import WorkerPool
+from tests.processes import alive, start_escapees
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -33,25 +34,9 @@ MECHANISMS = ["cgroup2", "cgroup1", "subreaper"]
 
 def start_three_and_sleep() -> None:
     """Start a child, a setsid child and a double-forked daemon; print their pids; sleep."""
-    import os
-    import subprocess
     import time
 
-    plain = subprocess.Popen(["sleep", "600"])
-    setsid = subprocess.Popen(["setsid", "sleep", "600"])
-    read, write = os.pipe()
-    middle = os.fork()
-    if middle == 0:
-        os.setsid()
-        daemon = os.fork()
-        if daemon == 0:
-            os.execvp("sleep", ["sleep", "600"])
-        os.write(write, str(daemon).encode())
-        os._exit(0)
-    os.close(write)
-    daemon = int(os.read(read, 32))
-    os.waitpid(middle, 0)
-    print(plain.pid, setsid.pid, daemon, flush=True)
+    print(*start_escapees(600), flush=True)
     time.sleep(600)
 
 
@@ -62,11 +47,6 @@ def _limiter(mechanism: str) -> Limiter:
         if mechanism == "cgroup2":
             pytest.skip(f"cgroup v2 tracking is not usable here: {exc}")
         raise
-
-
-def _gone(pid: int) -> bool:
-    stat = procs.read_stat(pid)
-    return stat is None or not stat.alive
 
 
 @pytest.mark.parametrize("mechanism", MECHANISMS)
@@ -103,7 +83,7 @@ async def _end_call(tmp_path: Path, limiter: Limiter) -> None:
         else:  # the daemon was adopted by the worker, a subreaper
             assert procs.read_stat(pids[2]).ppid == worker.pid  # type: ignore[union-attr]
         await worker.end_call()
-        assert all(_gone(pid) for pid in pids)
+        assert not any(alive(pid) for pid in pids)
         assert worker.returncode is None and set(worker.members()) == {worker.pid}
         worker.kill()
         assert await worker.wait() == -signal.SIGKILL

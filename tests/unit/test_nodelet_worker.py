@@ -18,6 +18,7 @@ from bulletin.pickling import caller, pickler
 from bulletin.pickling import frame as envelope
 from nodelet.limits import RLIMIT_ENV
 from nodelet.worker import LIFELINE_ENV, frame
+from tests.processes import alive, state
 
 # The worker cannot import this test module, so functions defined here travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -299,26 +300,13 @@ def test_worker_dies_with_its_parent_and_takes_what_its_call_started(tmp_path: P
     )
     pids = [int(pid) for pid in done.stdout.split()]
     deadline = time.monotonic() + 10
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
+    while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(map(_alive, pids)), "the worker or its call's setsid child outlived it"
-
-
-def _alive(pid: int) -> bool:
-    # A dead worker may linger as a zombie until init reaps it; that counts as dead.
-    try:
-        status = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return status.rsplit(")", 1)[1].split()[0] != "Z"
+    assert not any(map(alive, pids)), "the worker or its call's setsid child outlived it"
 
 
 def _child_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "gone"
+    return state(pid) or "gone"
 
 
 def leave_traces(n: int, pidfile: str) -> tuple[int, str | None, str, str]:

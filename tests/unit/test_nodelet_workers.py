@@ -20,6 +20,7 @@ from nodelet import procs, workers
 from nodelet.agent import spare_gpu_sets
 from nodelet.limits import Limiter
 from nodelet.workers import WorkerPool
+from tests.processes import alive
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -97,16 +98,8 @@ async def _kill_takes_the_whole_process_group(tmp_path: Path) -> None:
     grandchild = int(await asyncio.wait_for(worker.stdout.readline(), 30))
     worker.kill()
     assert await worker.wait() == -9
-    await _until(lambda: not _alive(grandchild))
+    await _until(lambda: not alive(grandchild))
     worker.kill()  # killing again is harmless
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 async def _until(condition: object, timeout_s: float = 30.0) -> None:
@@ -169,7 +162,7 @@ async def _stop_terminates_then_kills(tmp_path: Path) -> None:
     assert await worker.stop(0.5) is True  # the child ignored SIGTERM: killed
     assert time.monotonic() - started >= 0.5
     assert await worker.wait() == -signal.SIGTERM  # the worker itself went at SIGTERM
-    await _until(lambda: not _alive(child))
+    await _until(lambda: not alive(child))
 
 
 def test_stop_of_a_worker_that_heeds_sigterm_kills_nothing(tmp_path: Path) -> None:
@@ -185,7 +178,7 @@ async def _stop_heeded(tmp_path: Path) -> None:
     assert await worker.stop(30) is False
     assert time.monotonic() - started < 10
     assert await worker.wait() == -signal.SIGTERM
-    assert not _alive(grandchild)
+    assert not alive(grandchild)
 
 
 def test_under_an_address_space_limit_a_worker_runs_one_call_only(tmp_path: Path) -> None:
@@ -347,10 +340,10 @@ async def _end_call_with_a_survivor(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         with monkeypatch.context() as patched:  # the nodelet's kills miss it too
             patched.setattr(procs.Tree, "kill", lambda self, spare=None: {})
             assert await worker.end_call() is False
-        assert _alive(child)
+        assert alive(child)
         # Once its kill works again (it retries), nothing is left.
         assert await worker.end_call() is True
-        assert not _alive(child) and worker.returncode is None
+        assert not alive(child) and worker.returncode is None
         worker.kill()
         assert await worker.wait() == -signal.SIGKILL
     finally:
