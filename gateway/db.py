@@ -578,12 +578,6 @@ async def abandon_callers(
             late_s,
             CALLER_LATE,
         )
-        # A session silent for a day with no unfinished call waits for nothing any more.
-        await conn.execute(
-            "DELETE FROM caller_sessions s WHERE seen_at < clock_timestamp() - interval '1 day'"
-            " AND NOT EXISTS (SELECT 1 FROM invocations i WHERE i.owner_id = s.owner_id"
-            "  AND i.caller_session = s.id AND i.state IN ('queued', 'assigned', 'running'))"
-        )
     return [str(r["id"]) for r in rows]
 
 
@@ -810,13 +804,17 @@ class _Stored(Generic[_S]):
     def __init__(self, kind: type[_S]) -> None:
         self._kind = kind
         self._fields = frozenset(f.encode_name for f in msgspec.structs.fields(kind))
+        self._strict = msgspec.json.Decoder(list[kind])  # type: ignore[valid-type]
         self._rows = msgspec.json.Decoder(list[dict[str, Any]])
 
     def decode(self, text: str) -> list[_S]:
-        return [
-            msgspec.convert({k: v for k, v in row.items() if k in self._fields}, self._kind)
-            for row in self._rows.decode(text)
-        ]
+        try:  # what this version stored: every planning round reads it, so fast
+            return self._strict.decode(text)
+        except msgspec.ValidationError:
+            return [
+                msgspec.convert({k: v for k, v in row.items() if k in self._fields}, self._kind)
+                for row in self._rows.decode(text)
+            ]
 
 
 _GPU_LIST = _Stored(wire.GpuInfo)
@@ -995,21 +993,13 @@ async def expire_leases(
         )
 
 
-async def overdue_leases(conn: Conn) -> int:
-    """How many held attempts' leases ran out."""
-    return int(
-        await conn.fetchval(
-            "SELECT count(*) FROM invocations WHERE state IN ('assigned', 'running')"
-            " AND lease_expires_at < clock_timestamp()"
-        )
-    )
-
-
-async def holding_nodes(conn: Conn, silent_s: float) -> tuple[int, int]:
-    """How many nodes hold attempts (assigned or running), and how many of those have not
-    been heard from for ``silent_s`` (or left)."""
+async def silence(conn: Conn, silent_s: float) -> tuple[int, int, int]:
+    """Of the held attempts (assigned or running), how many leases ran out; how many nodes
+    hold attempts; and how many of those have not been heard from for ``silent_s`` (or
+    left)."""
     row = await conn.fetchrow(
-        "SELECT count(DISTINCT i.node_id) AS holding, count(DISTINCT i.node_id) FILTER"
+        "SELECT count(*) FILTER (WHERE i.lease_expires_at < clock_timestamp()) AS overdue,"
+        " count(DISTINCT i.node_id) AS holding, count(DISTINCT i.node_id) FILTER"
         "  (WHERE n.last_heartbeat IS NULL"
         "   OR n.last_heartbeat < clock_timestamp() - make_interval(secs => $1)) AS silent"
         " FROM invocations i JOIN nodes n ON n.id = i.node_id"
@@ -1017,7 +1007,7 @@ async def holding_nodes(conn: Conn, silent_s: float) -> tuple[int, int]:
         silent_s,
     )
     assert row is not None
-    return int(row["holding"]), int(row["silent"])
+    return int(row["overdue"]), int(row["holding"]), int(row["silent"])
 
 
 async def extend_leases(conn: Conn, lease_s: float) -> int:
@@ -1553,29 +1543,23 @@ async def payload_source(
     )
 
 
-async def attempt_owner(conn: Conn, node_id: int, invocation_id: str, epoch: int) -> int | None:
-    """The owner of a fenced attempt (result blobs belong to them); None if stale."""
-    value = await conn.fetchval(
-        f"SELECT i.owner_id FROM invocations i WHERE {_FENCE}",
+@dataclass(frozen=True, slots=True)
+class Owner:
+    id: int
+    name: str
+
+
+async def attempt_owner(conn: Conn, node_id: int, invocation_id: str, epoch: int) -> Owner | None:
+    """The owner of a fenced attempt (result blobs belong to them, its shared files are named
+    after them); None if stale."""
+    row = await conn.fetchrow(
+        "SELECT u.id, u.name FROM invocations i JOIN users u ON u.id = i.owner_id"
+        f" WHERE {_FENCE}",
         uuid.UUID(invocation_id),
         node_id,
         epoch,
     )
-    return None if value is None else int(value)
-
-
-async def attempt_owner_name(
-    conn: Conn, node_id: int, invocation_id: str, epoch: int
-) -> str | None:
-    """The user name of the owner of a fenced attempt (its shared files are named after
-    them); None if stale."""
-    value = await conn.fetchval(
-        f"SELECT u.name FROM invocations i JOIN users u ON u.id = i.owner_id WHERE {_FENCE}",
-        uuid.UUID(invocation_id),
-        node_id,
-        epoch,
-    )
-    return None if value is None else str(value)
+    return None if row is None else Owner(int(row["id"]), str(row["name"]))
 
 
 async def append_logs(
@@ -1976,8 +1960,9 @@ class Purged:
 
 async def purge(conn: asyncpg.Connection, retention_s: float, batch: int = 1000) -> Purged:
     """Delete up to ``batch`` invocations that ended more than ``retention_s`` ago (with their
-    logs), the blobs nothing refers to any more that are that old, and Idempotency-Keys that
-    old. Replicas may run it at once: each takes rows the others have not locked."""
+    logs), the blobs nothing refers to any more that are that old, and Idempotency-Keys and
+    idle caller sessions that old. Replicas may run it at once: each takes rows the others
+    have not locked."""
     async with conn.transaction():
         rows = await conn.fetch(
             "DELETE FROM invocations WHERE id IN (SELECT id FROM invocations"
@@ -1999,6 +1984,14 @@ async def purge(conn: asyncpg.Connection, retention_s: float, batch: int = 1000)
         keys = await conn.execute(
             "DELETE FROM idempotency_keys"
             " WHERE created_at < clock_timestamp() - make_interval(secs => $1)",
+            retention_s,
+        )
+        # A caller session silent that long, with no unfinished call, waits for nothing.
+        await conn.execute(
+            "DELETE FROM caller_sessions s"
+            " WHERE seen_at < clock_timestamp() - make_interval(secs => $1)"
+            " AND NOT EXISTS (SELECT 1 FROM invocations i WHERE i.owner_id = s.owner_id"
+            "  AND i.caller_session = s.id AND i.state IN ('queued', 'assigned', 'running'))",
             retention_s,
         )
     files = [f for r in rows for f in (r["payload_file"], r["result_file"]) if f is not None]

@@ -193,7 +193,7 @@ async def put_result(request: Request) -> Response:
     if owner is None:
         raise _stale(invocation_id)
     # The result blob belongs to the call's owner, who alone may download it.
-    return reply(await store_blob(request, owner), 201)
+    return reply(await store_blob(request, owner.id), 201)
 
 
 async def complete(request: Request) -> Response:
@@ -231,11 +231,11 @@ async def _check_result_file(
     a call cannot pass off another user's file as its result."""
     if not request.app.state.config.shared_dir:
         raise Unprocessable("result_file: this cluster has no shared directory")
-    owner = await db.attempt_owner_name(request.app.state.pool, node_id, invocation_id, req.epoch)
+    owner = await db.attempt_owner(request.app.state.pool, node_id, invocation_id, req.epoch)
     if owner is None:
         raise _stale(invocation_id)
     try:
-        expected = shared.result_name(owner, invocation_id, req.epoch)
+        expected = shared.result_name(owner.name, invocation_id, req.epoch)
     except ValueError as exc:
         raise Unprocessable(f"result_file: {exc}") from None
     if req.result_file != expected:

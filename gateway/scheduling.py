@@ -208,10 +208,10 @@ class Expiry:
                 )
             return
         most = config.max_expiries_per_round
-        if await db.overdue_leases(conn):
-            # Nodes that stopped together did not all stop renewing in the same round: a
-            # node is silent once it has missed renewals for half a lease.
-            holding, silent = await db.holding_nodes(conn, config.lease_s / 2)
+        # Nodes that stopped together did not all stop renewing in the same round: a node is
+        # silent once it has missed renewals for half a lease.
+        overdue, holding, silent = await db.silence(conn, config.lease_s / 2)
+        if overdue:
             silence = expiry.Silence(holding=holding, silent=silent)
             was = self.storm_since
             most, self.storm_since = expiry.allowance(

@@ -36,8 +36,11 @@ class Liveness:
 
     def set_interval(self, seconds: float | None) -> None:
         """The gateway's ``keepalive_s`` (None: it cancels nothing, so nothing is sent)."""
+        interval = DEFAULT_INTERVAL_S if seconds is None else max(0.05, seconds)
+        if interval == self.interval_s:
+            return  # the same on every submission: nothing to wake the thread for
         with self._lock:
-            self.interval_s = DEFAULT_INTERVAL_S if seconds is None else max(0.05, seconds)
+            self.interval_s = interval
             self._wake.notify_all()
 
     @contextlib.contextmanager
