@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 #: How long shutdown waits for killed attempts to wind down.
 SHUTDOWN_GRACE_S = 1.0
+#: A heartbeat that took this much longer than its timeout to fail was frozen in flight.
+FROZEN_S = 1.0
 #: How long the check that this node sees the shared directory may take (a hung NFS mount).
 SHARED_CHECK_S = 10.0
 #: The exit status of a nodelet that another start of its node superseded. A service
@@ -341,6 +343,7 @@ class Node:
                 attempt.preempt(order.grace_s, order.reason)
 
     async def _heartbeat_loop(self) -> None:
+        asked_again = False
         while True:
             sent = time.monotonic()
             held = self._live()
@@ -351,6 +354,12 @@ class Node:
             if await self._heartbeat([a.ref for a in held], timeout_s=timeout_s, in_time=in_time):
                 for attempt in held:
                     attempt.renewed_at = sent  # the gateway renewed as of (after) this moment
+            elif not asked_again and time.monotonic() - sent > timeout_s + FROZEN_S:
+                # It failed because this process was frozen (or starved) while it was in
+                # flight, not for want of an answer: ask once more before killing anything.
+                asked_again = True
+                continue
+            asked_again = False
             self._kill_expiring()
             pause = self.registration.heartbeat_s - (time.monotonic() - sent)
             await asyncio.sleep(max(0.01, min(pause, self._until_deadline())))
