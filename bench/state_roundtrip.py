@@ -76,7 +76,7 @@ class PeakMemory:
 
 def _role(cmdline: list[str]) -> str | None:
     line = " ".join(cmdline)
-    if "nodelet.worker" in line:
+    if "nodelet.worker_main" in line:
         return "worker"
     if "-m gateway" in line:
         return "gateway"

@@ -150,7 +150,7 @@ Seconds = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
 class CallSpec(_Request, frozen=True, kw_only=True):
     """One call to submit. Exactly one of ``payload`` (inline), ``payload_blob`` (uploaded
     first) and ``payload_file`` (written to the shared directory, relative to its root)
-    carries the pickled call (an envelope: ``bulletin/pickling/frame.py``)."""
+    carries the pickled call (an envelope: ``bulletin/pickling/envelope.py``)."""
 
     idempotency_key: Name = ""
     function_name: Name = ""
@@ -695,7 +695,7 @@ class WorkerOutcome(_Request, frozen=True, kw_only=True):
 
 
 class PickleHeader(_Msg, frozen=True, kw_only=True):
-    """Leads every envelope (a pickled call or result, ``bulletin/pickling/frame.py``): read
+    """Leads every envelope (a pickled call or result, ``bulletin/pickling/envelope.py``): read
     and checked before anything is unpickled."""
 
     python: str  # "3.11": pickled code objects only load on the same minor version

@@ -182,7 +182,7 @@ def login_uid_range(path: str = "/etc/login.defs") -> tuple[int, int]:
 def _worker_paths() -> list[str]:
     """What a worker reads to start and to import Bulletin and its dependencies."""
     here = os.path.dirname(os.path.abspath(__file__))
-    paths = [sys.executable, os.path.dirname(os.__file__), os.path.join(here, "worker.py")]
+    paths = [sys.executable, os.path.dirname(os.__file__), os.path.join(here, "worker_main.py")]
     paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     paths += site.getsitepackages()
     return paths

@@ -28,7 +28,7 @@ from nodelet.errors import AuthRejected, GatewayUnavailable, NodeletError, Super
 from nodelet.gpus import GpuProvider, choose_provider, describe
 from nodelet.leftovers import sweep
 from nodelet.limits import device_rule
-from nodelet.workers import WorkerPool
+from nodelet.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,9 @@ from nodelet.errors import (
 )
 from nodelet.gpus import GpuProvider
 from nodelet.logs import LogShipper
+from nodelet.pool import Worker, WorkerPool
 from nodelet.userfiles import make_private_dir, open_owned, read_owned
-from nodelet.worker import SPILLED
-from nodelet.workers import Worker, WorkerPool
+from nodelet.worker_main import SPILLED
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bulletin import shared, wire
-from bulletin.pickling import caller, frame
+from bulletin.pickling import caller, envelope
 from sdk.client import Client
 from sdk.errors import (
     BulletinError,
@@ -120,7 +120,7 @@ def _load(
 ) -> caller.Returned | None:
     try:
         opened, path = _open(invocation, client)
-    except frame.EnvelopeError as exc:
+    except envelope.EnvelopeError as exc:
         raise SerializationError(
             f"The result of call {invocation.id} cannot be unpickled here: {exc}",
             invocation_id=invocation.id,
@@ -135,7 +135,7 @@ def _load(
     if opened is None:
         return None
     node = f"node {invocation.node!r}" if invocation.node else "the worker"
-    problem = frame.skew(opened.header, they=node, we="this notebook")
+    problem = envelope.skew(opened.header, they=node, we="this notebook")
     if problem is not None:
         raise VersionSkewError(
             f"The result of call {invocation.id} cannot be loaded here: {problem}",
@@ -157,20 +157,21 @@ def _load(
     return returned
 
 
-def _open(invocation: wire.Invocation, client: Client) -> tuple[frame.Opened | None, str | None]:
+def _open(invocation: wire.Invocation, client: Client) -> tuple[envelope.Opened | None, str | None]:
     if invocation.result is not None:
-        return frame.open_bytes(invocation.result), None
+        return envelope.open_bytes(invocation.result), None
     if invocation.result_blob is not None:
-        return frame.open_bytes(client.get_blob(invocation.result_blob)), None
+        return envelope.open_bytes(client.get_blob(invocation.result_blob)), None
     if invocation.result_file is not None:
         root = client.shared_dir()
         if root is None:  # this machine does not see it: the gateway may read it for us
-            return frame.open_bytes(client.get_result(invocation.id)), None
+            return envelope.open_bytes(client.get_result(invocation.id)), None
         try:
             fd = shared.open_fd(root, invocation.result_file)
         except (PermissionError, ValueError):  # another account's; a name of an old layout
-            return frame.open_bytes(client.get_result(invocation.id)), None
-        return frame.open_fd(fd, invocation.result_file), shared.path(root, invocation.result_file)
+            return envelope.open_bytes(client.get_result(invocation.id)), None
+        opened = envelope.open_fd(fd, invocation.result_file)
+        return opened, shared.path(root, invocation.result_file)
     return None, None
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import cloudpickle
 
-from bulletin.pickling import frame
+from bulletin.pickling import envelope
 from bulletin.pickling.pickler import pack
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "<unbound>"})()
@@ -40,7 +40,7 @@ class Sync:
 
 @dataclass
 class Sent:
-    packed: frame.Packed
+    packed: envelope.Packed
     sync: Sync | None
 
 
@@ -95,7 +95,7 @@ def code_names(code: types.CodeType) -> Iterator[str]:
             yield from code_names(const)
 
 
-def load_outcome(opened: frame.Opened, sync: Sync | None) -> Returned:
+def load_outcome(opened: envelope.Opened, sync: Sync | None) -> Returned:
     """Unpickle an outcome; apply its state changes (in place) and globals (to the namespace)."""
     unpickler = _Unpickler(io.BytesIO(opened.pickle), opened.buffers, sync)
     value, pickled_error, changed, deleted, notes, _touched = unpickler.load()

@@ -11,7 +11,7 @@ from typing import Any
 
 import cloudpickle
 
-from bulletin.pickling import frame, tensors
+from bulletin.pickling import envelope, tensors
 
 PROTOCOL = 5
 
@@ -38,7 +38,7 @@ def pack(
     *,
     make: Callable[[io.BytesIO, list[pickle.PickleBuffer]], Pickler] = Pickler,
     **flags: Any,
-) -> tuple[frame.Packed, Pickler]:
+) -> tuple[envelope.Packed, Pickler]:
     """Pickle ``obj`` into an envelope (buffers still views of the objects' memory); also
     returns the pickler, whose memo the caller may need. ``flags`` go into the header."""
     buffers: list[pickle.PickleBuffer] = []
@@ -47,13 +47,13 @@ def pack(
     pickler.dump(obj)
     data = file.getvalue()
     views = [buffer.raw() for buffer in buffers]
-    header = frame.header(
+    header = envelope.header(
         pickle_size=len(data),
         buffers=[view.nbytes for view in views],
         uses_torch=pickler.uses_torch or _names_torch(data),
         **flags,
     )
-    return frame.Packed(header, data, views, keep=[*pickler.keep, *buffers]), pickler
+    return envelope.Packed(header, data, views, keep=[*pickler.keep, *buffers]), pickler
 
 
 # A module name a pickle imports from: a short string "torch" or "torch.<...>", memoized.

@@ -29,7 +29,7 @@ from typing import Any
 
 import cloudpickle
 
-from bulletin.pickling import frame, tensors
+from bulletin.pickling import envelope, tensors
 from bulletin.pickling.pickler import Pickler, human, pack, reason, size_of, type_name
 
 _MISSING = object()
@@ -53,7 +53,7 @@ class Outcome:
     """The packed outcome; notes say what was left out; ``problem`` why the return value
     could not be sent (the call then fails, with its state applied)."""
 
-    packed: frame.Packed
+    packed: envelope.Packed
     notes: list[str]
     problem: str | None = None
 
@@ -61,7 +61,7 @@ class Outcome:
 class RemoteCall:
     """One call on the worker: ``load``, ``prepare``, run it, ``pack_outcome``."""
 
-    def __init__(self, opened: frame.Opened) -> None:
+    def __init__(self, opened: envelope.Opened) -> None:
         self.header = opened.header
         self._opened = opened
         self.namespace: dict[str, Any] | None = None
@@ -436,15 +436,15 @@ def _dunder(name: str) -> bool:
 
 def open_call(source: bytes | int | str, *, where: str) -> RemoteCall:
     """Open a call envelope (bytes, a file descriptor, which is closed, or a file path) and
-    check versions before anything is unpickled. Raises ``frame.EnvelopeError`` or
+    check versions before anything is unpickled. Raises ``envelope.EnvelopeError`` or
     ``VersionSkew``."""
     if isinstance(source, int):
-        opened = frame.open_fd(source, "the call's payload file")
+        opened = envelope.open_fd(source, "the call's payload file")
     elif isinstance(source, str):
-        opened = frame.open_file(source)
+        opened = envelope.open_file(source)
     else:
-        opened = frame.open_bytes(source)
-    problem = frame.skew(opened.header, they="the notebook", we=where)
+        opened = envelope.open_bytes(source)
+    problem = envelope.skew(opened.header, they="the notebook", we=where)
     if problem is not None:
         raise VersionSkew(problem)
     return RemoteCall(opened)

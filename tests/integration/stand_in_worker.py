@@ -1,4 +1,4 @@
-"""A stand-in for ``nodelet.worker`` that speaks its protocol (length-prefixed msgpack
+"""A stand-in for ``nodelet.worker_main`` that speaks its protocol (length-prefixed msgpack
 WorkerTasks on stdin, a WorkerOutcome at ``result_path``, the end marker on both pipes) but
 unpickles nothing, so the nodelet's handling of payloads and results is tested on its own.
 

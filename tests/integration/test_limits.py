@@ -23,7 +23,7 @@ from nodelet.attempt import Attempt, NodeFacts
 from nodelet.client import GatewayClient
 from nodelet.gpus import FakeGpuProvider
 from nodelet.limits import Limiter, LimitUnavailable
-from nodelet.workers import WorkerPool
+from nodelet.pool import WorkerPool
 from tests.conftest import Cluster, wait_until
 
 # Functions below travel by value, as a notebook's would (this module is not on the nodes).

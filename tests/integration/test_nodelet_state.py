@@ -29,8 +29,8 @@ from nodelet.agent import shared_dir_seen
 from nodelet.attempt import Attempt, NodeFacts, removals_done
 from nodelet.client import GatewayClient
 from nodelet.gpus import FakeGpuProvider
+from nodelet.pool import WorkerPool
 from nodelet.userfiles import Opened
-from nodelet.workers import WorkerPool
 from tests.conftest import Cluster, running
 from tests.integration.test_gateway_api import Http, status, submit
 

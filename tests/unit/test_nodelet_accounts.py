@@ -91,7 +91,7 @@ def test_a_worker_switched_to_an_account_cannot_read_what_the_node_can(
         f"""
         import os
         from nodelet.accounts import Accounts
-        from nodelet.worker import become
+        from nodelet.worker_main import become
         become(Accounts.from_setting("same-name").run_as("bt-alice"), {str(workdir)!r})
         try:
             open({str(secret)!r}).read()

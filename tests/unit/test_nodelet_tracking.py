@@ -1,4 +1,4 @@
-"""Process tracking (nodelet/limits.py, nodelet/cgroups.py, nodelet/workers.py), with real
+"""Process tracking (nodelet/limits.py, nodelet/cgroups.py, nodelet/pool.py), with real
 workers and this machine's real cgroups: whatever a call starts (a child, a setsid child, a
 double-forked daemon) is found, and killed when the call ends while its worker is kept."""
 
@@ -24,7 +24,7 @@ from bulletin.pickling import caller
 from nodelet import procs
 from nodelet.cgroups import Cgroup, LimitUnavailable, make_base, own_cgroup_dir
 from nodelet.limits import Limiter
-from nodelet.workers import WorkerPool
+from nodelet.pool import WorkerPool
 from tests.processes import alive, start_escapees
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bulletin import wire
-from bulletin.pickling import caller, frame, remote
+from bulletin.pickling import caller, envelope, remote
 
 
 def remote_run(fn: Any, *args: Any, device: str = "cpu", **flags: Any) -> caller.Returned:
@@ -29,7 +29,7 @@ def remote_run(fn: Any, *args: Any, device: str = "cpu", **flags: Any) -> caller
     finally:
         call.finish()
     packed = call.pack_outcome(value, error).packed
-    return caller.load_outcome(frame.open_bytes(packed.tobytes()), sent.sync)
+    return caller.load_outcome(envelope.open_bytes(packed.tobytes()), sent.sync)
 
 
 def notebook(source: str) -> dict[str, Any]:
@@ -162,7 +162,7 @@ def test_the_notebook_value_wins_when_rebound_while_the_call_ran() -> None:
     fn()
     packed = call.pack_outcome(None, None).packed
     ns["result"] = "local"  # the notebook rebinds it while the call runs
-    returned = caller.load_outcome(frame.open_bytes(packed.tobytes()), sent.sync)
+    returned = caller.load_outcome(envelope.open_bytes(packed.tobytes()), sent.sync)
     assert ns["result"] == "local"
     assert returned.changed["result"] == "remote"
     assert any("'result' was changed in the notebook" in note for note in returned.notes)
@@ -204,7 +204,7 @@ def test_untouched_globals_do_not_travel_back() -> None:
     call.prepare("cpu")
     packed = call.pack_outcome(fn(), None).packed
     assert packed.nbytes < 2_000  # the value and an empty set of changes
-    returned = caller.load_outcome(frame.open_bytes(packed.tobytes()), sent.sync)
+    returned = caller.load_outcome(envelope.open_bytes(packed.tobytes()), sent.sync)
     assert returned.changed == {} and returned.value == sum(range(100_000)) + 2
 
 
@@ -245,7 +245,7 @@ def test_version_skew_is_reported_before_unpickling() -> None:
         ("torch", "1.0.0", "torch 1.0.0"),
     ]:
         header = wire.PickleHeader(**{**_fields(packed.header), field: value})
-        skewed = frame.Packed(header, packed.pickle, packed.buffers)
+        skewed = envelope.Packed(header, packed.pickle, packed.buffers)
         with pytest.raises(remote.VersionSkew, match=words) as info:
             remote.open_call(skewed.tobytes(), where="node 'gpu-1'")
         assert "node 'gpu-1'" in str(info.value)
@@ -258,13 +258,13 @@ def _fields(header: wire.PickleHeader) -> dict[str, Any]:
 def test_a_truncated_or_foreign_envelope_is_refused_clearly(tmp_path: Any) -> None:
     ns = notebook("def f(x):\n    return x\n")
     data = caller.pack_call(ns["f"], (b"x" * 1000,), {}, sync=False).packed.tobytes()
-    with pytest.raises(frame.EnvelopeError, match="truncated"):
-        frame.open_bytes(data[:-10])
-    with pytest.raises(frame.EnvelopeError, match="not a Bulletin envelope"):
-        frame.open_bytes(b"\x80\x05K\x01.")
+    with pytest.raises(envelope.EnvelopeError, match="truncated"):
+        envelope.open_bytes(data[:-10])
+    with pytest.raises(envelope.EnvelopeError, match="not a Bulletin envelope"):
+        envelope.open_bytes(b"\x80\x05K\x01.")
     path = tmp_path / "payload.bin"
     path.write_bytes(data)
-    opened = frame.open_file(str(path))
+    opened = envelope.open_file(str(path))
     assert opened.header.pickle_size == len(opened.pickle)
 
 
@@ -467,7 +467,7 @@ def test_state_comes_back_when_the_exception_cannot_or_the_value_cannot() -> Non
     call.prepare("cpu")
     outcome = call.pack_outcome(fn(), None)
     assert outcome.problem is not None and "return value (a _thread.lock)" in outcome.problem
-    caller.load_outcome(frame.open_bytes(outcome.packed.tobytes()), sent.sync)
+    caller.load_outcome(envelope.open_bytes(outcome.packed.tobytes()), sent.sync)
     assert ns["losses"] == [0.5, 0.25]
 
 
@@ -512,7 +512,7 @@ def test_everything_but_tensors_works_without_torch() -> None:
         returned = remote_run(ns["grow"], 3)
         assert returned.value == 3 and ns["items"] == [0, 1, 2], returned
         assert returned.error is None
-        import nodelet.worker, sdk  # the worker and the sdk import without torch
+        import nodelet.worker_main, sdk  # the worker and the sdk import without torch
         print("ok")
         """
     )

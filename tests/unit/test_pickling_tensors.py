@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bulletin.pickling import caller, frame, remote, tensors
+from bulletin.pickling import caller, envelope, remote, tensors
 from tests.unit.test_pickling_sync import notebook, remote_run
 
 torch = pytest.importorskip("torch")
@@ -50,12 +50,12 @@ def test_tensor_memory_travels_out_of_band_and_loads_without_a_copy(tmp_path: An
     assert [b.nbytes for b in packed.buffers] == [4 << 20]
     path = str(tmp_path / "payload.bin")
     packed.write(path)
-    opened = frame.open_file(path)
+    opened = envelope.open_file(path)
     _, (back,), _ = remote.RemoteCall(opened).load()
     # Built over the file's mapping: writes go to private pages, never to the file.
     back += 1
     assert torch.equal(back, tensor + 1)
-    again = remote.RemoteCall(frame.open_file(path)).load()[1][0]
+    again = remote.RemoteCall(envelope.open_file(path)).load()[1][0]
     assert torch.equal(again, tensor)
 
 

@@ -14,12 +14,12 @@ import msgspec
 import pytest
 
 from bulletin import wire
-from bulletin.pickling import caller
-from bulletin.pickling import frame as envelope
-from nodelet import procs, workers
+from bulletin.pickling import caller, envelope
+from nodelet import pool as pool_module
+from nodelet import procs
 from nodelet.agent import spare_gpu_sets
 from nodelet.limits import Limiter
-from nodelet.workers import WorkerPool
+from nodelet.pool import WorkerPool
 from tests.processes import alive
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -336,7 +336,7 @@ async def _end_call_with_a_survivor(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         await worker.send(task)
         child = int(await asyncio.wait_for(worker.stdout.readline(), 30))
         await asyncio.wait_for(worker.stdout.readuntil(marker), 30)
-        monkeypatch.setattr(workers, "KILL_WAIT_S", 0.3)
+        monkeypatch.setattr(pool_module, "KILL_WAIT_S", 0.3)
         with monkeypatch.context() as patched:  # the nodelet's kills miss it too
             patched.setattr(procs.Tree, "kill", lambda self, spare=None: {})
             assert await worker.end_call() is False

@@ -14,10 +14,9 @@ import msgspec
 import pytest
 
 from bulletin import wire
-from bulletin.pickling import caller, pickler
-from bulletin.pickling import frame as envelope
+from bulletin.pickling import caller, envelope, pickler
 from nodelet.limits import RLIMIT_ENV
-from nodelet.worker import LIFELINE_ENV, frame
+from nodelet.worker_main import LIFELINE_ENV, frame
 from tests.processes import alive, state
 
 # The worker cannot import this test module, so functions defined here travel by value.
@@ -41,7 +40,7 @@ def run_worker(
     env: dict[str, str] | None = None,
     **fields: object,
 ) -> Finished:
-    """Start ``python -m nodelet.worker`` as the nodelet does and hand it one task."""
+    """Start ``python -m nodelet.worker_main`` as the nodelet does and hand it one task."""
     result_path = tmp_path / "outcome.msgpack"
     task = wire.WorkerTask(
         invocation_id="inv-1",
@@ -55,7 +54,7 @@ def run_worker(
     worker_env["PYTHONUNBUFFERED"] = "1"
     prefix, body = frame(task)
     done = subprocess.run(
-        [sys.executable, "-m", "nodelet.worker"],
+        [sys.executable, "-m", "nodelet.worker_main"],
         input=prefix + body,
         capture_output=True,
         env=worker_env,
@@ -116,7 +115,7 @@ def test_user_exception_is_pickled_with_its_traceback(tmp_path: Path) -> None:
     assert outcome.traceback is not None
     assert "train_step" in outcome.traceback
     assert "TrainingDiverged: loss is 3.5" in outcome.traceback
-    assert "nodelet/worker.py" not in outcome.traceback  # the worker's own frames are trimmed
+    assert "nodelet/worker_main.py" not in outcome.traceback  # the worker's own frames are trimmed
     assert outcome.result is not None
     error = loads(outcome.result)
     assert type(error).__name__ == "TrainingDiverged"
@@ -250,7 +249,7 @@ def test_task_env_is_applied(tmp_path: Path) -> None:
 
 def test_closed_stdin_without_a_task_exits_quietly(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "nodelet.worker"],
+        [sys.executable, "-m", "nodelet.worker_main"],
         input=b"",
         capture_output=True,
         cwd=tmp_path,
@@ -284,7 +283,7 @@ def test_worker_dies_with_its_parent_and_takes_what_its_call_started(tmp_path: P
         import os, subprocess, sys
         read, write = os.pipe()
         worker = subprocess.Popen(
-            [sys.executable, "-m", "nodelet.worker"],
+            [sys.executable, "-m", "nodelet.worker_main"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             env={{**os.environ, {LIFELINE_ENV!r}: str(read)}}, pass_fds=(read,),
             start_new_session=True,
@@ -337,7 +336,7 @@ def test_a_warm_worker_runs_calls_back_to_back_and_resets_between_them(tmp_path:
     ]
     stdin = b"".join(b"".join(frame(t)) for t in tasks)
     done = subprocess.run(
-        [sys.executable, "-m", "nodelet.worker"],
+        [sys.executable, "-m", "nodelet.worker_main"],
         input=stdin,
         capture_output=True,
         cwd=tmp_path,
@@ -530,7 +529,7 @@ def test_a_sigterm_handler_a_call_installs_is_gone_for_the_next_call(tmp_path: P
         for i in range(2)
     ]
     subprocess.run(
-        [sys.executable, "-m", "nodelet.worker"],
+        [sys.executable, "-m", "nodelet.worker_main"],
         input=b"".join(b"".join(frame(t)) for t in tasks),
         capture_output=True,
         timeout=60,
@@ -563,7 +562,7 @@ def test_a_call_that_leaves_a_thread_running_is_its_workers_last(tmp_path: Path)
         for i, leave in enumerate([False, True, False])
     ]
     done = subprocess.run(
-        [sys.executable, "-m", "nodelet.worker"],
+        [sys.executable, "-m", "nodelet.worker_main"],
         input=b"".join(b"".join(frame(t)) for t in tasks),
         capture_output=True,
         cwd=tmp_path,

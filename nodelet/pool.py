@@ -1,7 +1,7 @@
 """Worker processes, pre-started so a call never waits for Python to boot, and kept warm
 after a call for the next call of the same owner on the same GPUs (never across owners).
 
-Workers are always exec'd (``python -m nodelet.worker``), never forked: forking a process that
+Workers are always exec'd (``python -m nodelet.worker_main``), never forked: forking a process that
 has imported torch or created a CUDA context is unsafe. Each worker leads its own session.
 
 Nothing a call starts outlives it. Where the machine has a usable cgroup
@@ -16,7 +16,7 @@ is gone (or, bounded, says what is not). Finding and killing processes reads ``/
 take a while (a tree that keeps forking): the nodelet does it in threads, never in its event
 loop, which must keep every call's heartbeat going. Each worker holds the read end of a
 pipe whose write end only the nodelet has (its *lifeline*): when the nodelet dies, the worker
-kills its tree and exits (:mod:`nodelet.worker`). The pool records its workers and cgroups in
+kills its tree and exits (:mod:`nodelet.worker_main`). The pool records its workers and cgroups in
 the node's state directory, for the next nodelet to sweep (:mod:`nodelet.leftovers`).
 """
 
@@ -40,14 +40,14 @@ from nodelet import procs
 from nodelet.config import worker_env_names
 from nodelet.leftovers import NodeState, base_name, open_state
 from nodelet.limits import Cgroup, Limiter, LimitUnavailable
-from nodelet.worker import KILL_WAIT_S, LIFELINE_ENV, frame
+from nodelet.worker_main import KILL_WAIT_S, LIFELINE_ENV, frame
 
 if TYPE_CHECKING:
     from nodelet.config import NodeletConfig
 
 log = logging.getLogger(__name__)
 
-#: Set in a worker's environment: warm torch up before the first call (nodelet.worker).
+#: Set in a worker's environment: warm torch up before the first call (nodelet.worker_main).
 WARM_TORCH = "BULLETIN_WARM_TORCH"
 
 #: How often the pool checks that its idle workers are still alive.
@@ -308,7 +308,7 @@ async def _remove(cgroup: Cgroup) -> None:
 
 
 #: How a worker process is started.
-WORKER_COMMAND = (sys.executable, "-m", "nodelet.worker")
+WORKER_COMMAND = (sys.executable, "-m", "nodelet.worker_main")
 
 
 class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
@@ -335,7 +335,7 @@ async def spawn_worker(
     lifeline: int | None = None,
 ) -> Worker:
     """Start one worker process (``command``, which speaks the protocol of
-    :mod:`nodelet.worker`), confined by ``limiter`` (allowed ``gpus``' device files), with
+    :mod:`nodelet.worker_main`), confined by ``limiter`` (allowed ``gpus``' device files), with
     the environment of :func:`worker_env`; it waits for its task on stdin. ``lifeline`` is
     the read end of a pipe the worker watches: it ends when the write end is closed."""
     extra = dict(env or {})

@@ -1,6 +1,6 @@
 """The worker process: runs calls handed to it on stdin, one at a time.
 
-Started as ``python -m nodelet.worker`` by :mod:`nodelet.workers`. It reads length-prefixed
+Started as ``python -m nodelet.worker_main`` by :mod:`nodelet.pool`. It reads length-prefixed
 msgpack :class:`~bulletin.wire.WorkerTask`s from stdin, checks and unpickles each call (the
 only place on a node where user data is unpickled; see :mod:`bulletin.pickling.remote`),
 moves its tensors to the call's device, runs it with stdout/stderr on the nodelet's pipes, and
@@ -44,14 +44,13 @@ from typing import IO, Any
 import msgspec
 
 from bulletin import shared, wire
-from bulletin.pickling import frame as envelope
-from bulletin.pickling import remote
+from bulletin.pickling import envelope, remote
 from bulletin.pickling.pickler import type_name
 from nodelet import jsoncall, limits, procs
 
 #: Longest error message or traceback kept (the middle of a longer one is cut).
 MAX_ERROR_TEXT = 64 * 1024
-#: The environment variable naming the worker's lifeline descriptor (nodelet.workers).
+#: The environment variable naming the worker's lifeline descriptor (nodelet.pool).
 LIFELINE_ENV = "BULLETIN_LIFELINE_FD"
 _task_decoder = msgspec.msgpack.Decoder(wire.WorkerTask)
 _encoder = msgspec.msgpack.Encoder()
