@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import asyncpg
 
+from bulletin.backoff import Backoff
 from gateway.db import CHANNEL
 from gateway.errors import ServiceUnavailable
 
@@ -78,7 +79,7 @@ class Hub:
 
     async def run(self) -> None:
         """Keep a listening connection up until cancelled; reconnects with backoff."""
-        delay = 0.1
+        backoff = Backoff(0.1, 5.0)
         while True:
             lost = asyncio.Event()  # one per connection: a closing old one cannot trip a new one
             connected_at = time.monotonic()
@@ -89,13 +90,12 @@ class Hub:
                 self._wake_all()  # anything may have happened while we were away
                 await lost.wait()
             except Exception as exc:  # any failure must lead to a reconnect, never to silence
-                log.warning("notification listener lost (%s); reconnecting in %.1fs", exc, delay)
+                log.warning("notification listener lost (%s); reconnecting", exc)
             finally:
                 await self._close()
             if time.monotonic() - connected_at > 10:
-                delay = 0.1  # it had been up a while: this is a fresh failure
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+                backoff.reset()  # it had been up a while: this is a fresh failure
+            await backoff.sleep()
 
     async def _close(self) -> None:
         if self._conn is not None:

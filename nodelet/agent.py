@@ -19,9 +19,9 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from bulletin import shared, wire
+from bulletin.backoff import Backoff
 from nodelet.accounts import Accounts, unreachable
 from nodelet.attempt import Attempt, NodeFacts, removals_done
-from nodelet.backoff import Backoff
 from nodelet.client import GatewayClient
 from nodelet.config import NodeletConfig
 from nodelet.errors import AuthRejected, GatewayUnavailable, NodeletError, Superseded

@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from bulletin import shared, wire
+from bulletin.backoff import Backoff
 from nodelet.accounts import AccountError, Accounts
-from nodelet.backoff import Backoff
 from nodelet.client import GatewayClient
 from nodelet.errors import (
     GatewayRejected,

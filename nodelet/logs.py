@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 
 from bulletin import wire
-from nodelet.backoff import Backoff
+from bulletin.backoff import Backoff
 from nodelet.client import GatewayClient
 from nodelet.errors import GatewayUnavailable, NodeletError, StaleAttempt
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from bulletin import wire
+from bulletin.backoff import Backoff
 from nodelet import procs
 from nodelet.config import worker_env_names
 from nodelet.leftovers import NodeState, base_name, open_state
@@ -621,15 +622,15 @@ class WorkerPool:
 
     async def maintain(self) -> None:
         """Run until cancelled, keeping ``spares`` idle workers alive."""
-        backoff = 0.1
+        backoff = Backoff(0.1, _RESPAWN_BACKOFF_MAX_S)
         while not self._closed:
             try:
                 await self._refill()
-                backoff = 0.1
+                backoff.reset()
             except OSError as exc:
-                log.error("cannot start a worker process (%s); retrying in %.1f s", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _RESPAWN_BACKOFF_MAX_S)
+                delay = backoff.next_delay()
+                log.error("cannot start a worker process (%s); retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
                 continue
             self._wanted.clear()
             self._kill_orphans()

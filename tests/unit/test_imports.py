@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 OURS = {"bulletin", "gateway", "scheduler", "nodelet", "sdk"}
 ALLOWED = {
     "scheduler": set(),
-    "sdk": {"bulletin.wire", "bulletin.shared", "bulletin.pickling"},
-    "nodelet": {"bulletin.wire", "bulletin.shared", "bulletin.pickling"},
-    "gateway": {"bulletin.wire", "bulletin.shared", "scheduler"},
+    "sdk": {"bulletin.wire", "bulletin.shared", "bulletin.pickling", "bulletin.backoff"},
+    "nodelet": {"bulletin.wire", "bulletin.shared", "bulletin.pickling", "bulletin.backoff"},
+    "gateway": {"bulletin.wire", "bulletin.shared", "bulletin.backoff", "scheduler"},
 }
 FORBIDDEN_THIRD_PARTY = {"scheduler": {"asyncpg", "starlette", "httpx", "uvicorn"}}
 
