@@ -20,14 +20,19 @@ Quick example::
     train_step.register("double")        # invocable by name with JSON over HTTP
     sdk.functions()                      # what you registered
 
-Errors are described in ``sdk.errors``; an exception raised by the remote function is
-re-raised here with its own type and the remote traceback.
+Every error the sdk raises derives from ``sdk.BulletinError`` (the tree is drawn in
+``sdk/_errors.py``); an exception raised by the remote function is re-raised here with its
+own type and the remote traceback.
+
+The modules under ``sdk`` are private (``sdk._client``...): everything public is here, in
+``__all__``, and names itself ``sdk.<name>`` (its ``__module__``), so reprs, ``help()`` and
+pickles by reference do not depend on which private module defines it.
 """
 
-from sdk.call import Call, Status
-from sdk.client import Client
-from sdk.config import connect
-from sdk.errors import (
+from sdk._call import Call, Status
+from sdk._client import Client
+from sdk._config import connect
+from sdk._errors import (
     AuthError,
     BulletinError,
     CallCancelled,
@@ -49,7 +54,7 @@ from sdk.errors import (
     VersionSkewError,
     WorkerDiedError,
 )
-from sdk.function import Function, function, functions, unregister
+from sdk._function import Function, function, functions, unregister
 
 __all__ = [
     "AuthError",
@@ -81,3 +86,15 @@ __all__ = [
     "functions",
     "unregister",
 ]
+
+
+def _claim_exports() -> None:
+    # Only what the sdk defines: a name re-exported from elsewhere keeps its own module.
+    namespace = globals()
+    for name in __all__:
+        if namespace[name].__module__.startswith(__name__ + "._"):
+            namespace[name].__module__ = __name__
+
+
+_claim_exports()
+del _claim_exports

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import sdk
-from sdk import config
+from sdk import _config as config
 
 ENV = ("BULLETIN_CONFIG", "BULLETIN_URL", "BULLETIN_TOKEN")
 

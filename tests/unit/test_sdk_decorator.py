@@ -12,7 +12,7 @@ import cloudpickle
 import pytest
 
 import sdk
-from sdk.function import Options
+from sdk._function import Options
 
 
 def double(x: int) -> int:
@@ -28,7 +28,7 @@ def no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decorating never needs a cluster: make sure none could be found."""
     for name in ("BULLETIN_CONFIG", "BULLETIN_URL", "BULLETIN_TOKEN"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("sdk.config._default", None)
+    monkeypatch.setattr("sdk._config._default", None)
 
 
 def test_without_parentheses_says_to_add_them() -> None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from bulletin import wire
-from sdk.watcher import LogPrinter, Watcher
+from sdk._watcher import LogPrinter, Watcher
 
 OUT, ERR = wire.Stream.STDOUT, wire.Stream.STDERR
 

@@ -13,7 +13,7 @@ import pytest
 import sdk
 from bulletin import wire
 from bulletin.pickling import pickler
-from sdk import outcome
+from sdk import _outcome as outcome
 
 TRACEBACK = "Traceback (most recent call last):\n  File \"<cell>\", line 3\nKeyError: 'lr'\n"
 

@@ -14,7 +14,7 @@ import pytest
 
 import sdk
 from bulletin.pickling import caller, remote
-from sdk.serialize import pack_call
+from sdk._serialize import pack_call
 
 lock = threading.Lock()
 scale = 3

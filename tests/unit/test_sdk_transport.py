@@ -17,10 +17,11 @@ import respx
 
 import sdk
 from bulletin import wire
+from bulletin.backoff import Backoff
 from bulletin.pickling import remote
-from sdk import config
-from sdk.client import UPLOAD_CHUNK, error_for, retry_after
-from sdk.errors import RateLimited
+from sdk import _client
+from sdk import _config as config
+from sdk._client import UPLOAD_CHUNK, error_for, retry_after
 
 URL = "http://gateway.test"
 SUBMIT = msgspec.json.Decoder(wire.SubmitRequest)
@@ -117,6 +118,30 @@ def test_persistent_503_on_a_read_is_gateway_unreachable(client: sdk.Client) -> 
     assert route.call_count > 2
 
 
+def test_retries_wait_full_jitter_under_a_cap_doubling_to_the_maximum(
+    client: sdk.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drawn: list[tuple[float, float]] = []
+
+    class Recorded(Backoff):
+        def next_delay(self) -> float:
+            cap = self.cap
+            delay = super().next_delay()
+            drawn.append((delay, cap))
+            return delay
+
+    monkeypatch.setattr(_client, "Backoff", Recorded)
+    with respx.mock(base_url=URL) as router:
+        router.get("/v1/invocations/i-9").mock(return_value=problem(503))
+        with pytest.raises(sdk.GatewayUnreachable):
+            client.get("i-9")
+    caps = [cap for _, cap in drawn]
+    assert caps[:5] == pytest.approx([0.001, 0.002, 0.004, 0.008, 0.01])
+    assert all(cap == pytest.approx(0.01) for cap in caps[4:])
+    assert all(0 <= delay <= cap for delay, cap in drawn)
+    assert len({delay for delay, _ in drawn}) > 1, "drawn, not a fixed schedule"
+
+
 def test_429_is_retried_after_what_retry_after_asks(client: sdk.Client) -> None:
     client.retry_deadline_s = 5
     answers = iter([rate_limited("0.3"), rate_limited("0.3")])
@@ -140,7 +165,7 @@ def test_429_past_the_retry_deadline_is_rate_limited_at_once(client: sdk.Client)
     with respx.mock(base_url=URL) as router:
         route = router.get("/v1/invocations/i-7").mock(return_value=rate_limited("30"))
         start = time.monotonic()
-        with pytest.raises(RateLimited) as info:
+        with pytest.raises(sdk.RateLimited) as info:
             client.get("i-7")
     # Waiting 30 s would overrun the deadline: no sleep, no second try.
     assert time.monotonic() - start < 1
@@ -249,7 +274,7 @@ class _Stream(httpx.SyncByteStream):
         (413, sdk.InvalidRequest),
         (415, sdk.InvalidRequest),
         (422, sdk.InvalidRequest),
-        (429, RateLimited),
+        (429, sdk.RateLimited),
         (409, sdk.GatewayError),
         (500, sdk.GatewayError),
     ],

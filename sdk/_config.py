@@ -14,8 +14,8 @@ from pathlib import Path
 import msgspec
 
 from bulletin import wire
-from sdk.client import Client
-from sdk.errors import ConfigError
+from sdk._client import Client
+from sdk._errors import ConfigError
 
 NOT_CONFIGURED = (
     "No Bulletin cluster configured. `bulletin up` writes <state-dir>/client.toml: point "

@@ -15,8 +15,9 @@ import time
 from collections.abc import Iterable, Sequence
 
 from bulletin import wire
-from sdk.client import Client
-from sdk.errors import GatewayUnreachable
+from bulletin.backoff import Backoff
+from sdk._client import Client
+from sdk._errors import GatewayUnreachable
 
 _log = logging.getLogger("sdk")
 
@@ -82,6 +83,9 @@ class Watcher:
         self._waited: set[str] = set()
         #: Since when (monotonic) the gateway has been unreachable; None while it answers.
         self._outage_since: float | None = None
+        #: The pauses between rounds of the current outage (each round already retried for
+        #: the client's retry deadline), jittered so that many notebooks' waits spread out.
+        self._backoff: Backoff | None = None
 
     def poll(self, ids: Sequence[str], timeout_s: float) -> dict[str, wire.Invocation]:
         """One round of long-polls over ``ids``; returns those that finished, by id (none
@@ -95,6 +99,7 @@ class Watcher:
         if self._outage_since is not None:
             _log.warning("The gateway is back; still waiting for %d call(s).", len(ids))
             self._outage_since = None
+            self._backoff = None
         return found
 
     def _unreachable(self, ids: Sequence[str], exc: GatewayUnreachable) -> None:
@@ -111,7 +116,9 @@ class Watcher:
             )
         if now - self._outage_since >= self._client.outage_patience_s:
             raise exc
-        time.sleep(min(1.0, self._client.backoff_max_s))
+        if self._backoff is None:
+            self._backoff = Backoff(self._client.backoff_initial_s, self._client.backoff_max_s)
+        self._backoff.sleep_sync()
 
     def _poll(self, ids: Sequence[str], timeout_s: float) -> dict[str, wire.Invocation]:
         batches = [ids[i : i + wire.MAX_WATCH] for i in range(0, len(ids), wire.MAX_WATCH)]

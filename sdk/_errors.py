@@ -1,12 +1,14 @@
-"""Every exception the sdk raises on purpose.
+"""Every exception the sdk raises on purpose, and the warning it issues.
 
 The tree::
 
     BulletinError                       base of everything below
     ├── ConfigError                     no cluster configured, or a malformed client.toml
     ├── SerializationError              the call (or its result) cannot be (un)pickled
-    │   └── UntrustedResult             the result was made by another user's code: not
-    │                                   unpickled unless trusted (Call.result(trust=...))
+    │   ├── UntrustedResult             the result was made by another user's code: not
+    │   │                               unpickled unless trusted (Call.result(trust=...))
+    │   └── StateTooLarge               the call (or what it sends back) is over the
+    │                                   cluster's max_state_bytes; names its biggest parts
     ├── ResultTimeout                   Call.result(timeout=...) ran out; the call keeps running
     │                                   (also a builtin TimeoutError)
     ├── GatewayError                    the gateway answered with an error   .status, .detail
@@ -24,6 +26,10 @@ The tree::
     │   └── VersionSkewError            notebook and node cannot exchange pickles
     ├── CallCancelled                   the call was cancelled
     └── CallTimedOut                    the call ran past its ``timeout``
+
+    StateSyncWarning                    a warning (a UserWarning, issued, not raised): a
+                                        global the call changed could not be brought back,
+                                        or the notebook changed it too meanwhile
 
 Errors about one invocation carry ``.invocation_id``. An exception raised by the user's own
 function is re-raised with its original type, not wrapped; it gets ``.remote_traceback`` and a

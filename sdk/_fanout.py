@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from bulletin import wire
-from sdk import outcome
-from sdk.call import Prepared, cancel_quietly, submit
-from sdk.client import Client
-from sdk.watcher import Watcher
+from sdk import _outcome
+from sdk._call import Prepared, cancel_quietly, submit
+from sdk._client import Client
+from sdk._watcher import Watcher
 
 #: Calls per POST /v1/invocations (the gateway takes up to wire.MAX_SUBMIT).
 SUBMIT_BATCH = 500
@@ -104,7 +104,7 @@ class _Fanout:
         prepared = self._files.pop(invocation.id, None)
         if prepared is not None:
             prepared.discard()
-        resolved = outcome.resolve(invocation, self._client)
+        resolved = _outcome.resolve(invocation, self._client)
         if resolved.error is not None and return_exceptions:
             return resolved.error
         return resolved.unwrap()

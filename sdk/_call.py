@@ -11,11 +11,11 @@ from typing import Any, Generic, TypeVar
 
 from bulletin import shared, wire
 from bulletin.pickling import caller
-from sdk import outcome
-from sdk.client import Client
-from sdk.config import default_client
-from sdk.errors import BulletinError, ResultTimeout
-from sdk.watcher import Watcher
+from sdk import _outcome
+from sdk._client import Client
+from sdk._config import default_client
+from sdk._errors import BulletinError, ResultTimeout
+from sdk._watcher import Watcher
 
 R = TypeVar("R")
 
@@ -91,7 +91,7 @@ class Call(Generic[R]):
         self._watcher = Watcher(client)
         self._final: wire.Invocation | None = None
         self._prepared = prepared
-        self._resolved: outcome.Resolved | None = None
+        self._resolved: _outcome.Resolved | None = None
         self._resolving = threading.Lock()
 
     @classmethod
@@ -116,7 +116,7 @@ class Call(Generic[R]):
         changed are applied to the notebook, as if the function had run here; later calls
         return the same value without applying anything again.
 
-        Re-raises the remote exception (see ``sdk.errors``). With ``timeout`` (seconds),
+        Re-raises the remote exception (see ``sdk.BulletinError``). With ``timeout`` (seconds),
         raises ``ResultTimeout`` when the wait runs out; the call keeps running. Ctrl-C
         cancels the call and re-raises ``KeyboardInterrupt``.
 
@@ -143,7 +143,7 @@ class Call(Generic[R]):
         prepared = self._prepared
         # Interrupted or failed (Ctrl-C while a big result downloads, the gateway away), the
         # outcome is not applied yet: keep what applying it needs, result() may be retried.
-        self._resolved = outcome.resolve(
+        self._resolved = _outcome.resolve(
             invocation, self._client, prepared.sync if prepared else None, trust=trust
         )
         self._release()

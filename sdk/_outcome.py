@@ -10,8 +10,8 @@ from typing import Any
 
 from bulletin import shared, wire
 from bulletin.pickling import caller, envelope
-from sdk.client import Client
-from sdk.errors import (
+from sdk._client import Client
+from sdk._errors import (
     BulletinError,
     CallCancelled,
     CallTimedOut,

@@ -17,10 +17,10 @@ from typing import Any, Generic, NoReturn, ParamSpec, TypeVar, overload
 import msgspec
 
 from bulletin import wire
-from sdk import fanout, serialize
-from sdk.call import Call, Prepared, submit
-from sdk.client import Client
-from sdk.config import default_client
+from sdk import _fanout, _serialize
+from sdk._call import Call, Prepared, submit
+from sdk._client import Client
+from sdk._config import default_client
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -92,7 +92,7 @@ class Function(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Run remotely and return the result; Ctrl-C cancels the remote call, and so does
-        the gateway when this process stops waiting (it dies: sdk/liveness.py). The call is
+        the gateway when this process stops waiting (it dies: sdk/_liveness.py). The call is
         kept as ``last_call`` (see ``Call.timings``)."""
         client = default_client()
         with client.liveness.held():
@@ -140,7 +140,7 @@ class Function(Generic[P, R]):
             self._prepare(client, items, {}, sync=False, attached=True)
             for items in zip(*iterables, strict=False)
         )
-        return fanout.run(client, calls, return_exceptions=return_exceptions)
+        return _fanout.run(client, calls, return_exceptions=return_exceptions)
 
     def register(
         self, name: str | None = None, *, visibility: str = "private", description: str = ""
@@ -165,7 +165,7 @@ class Function(Generic[P, R]):
         client = default_client()
         info = client.cluster()
         options = self._options
-        sent = serialize.pack_call(
+        sent = _serialize.pack_call(
             self._fn,
             (),
             {},
@@ -207,7 +207,7 @@ class Function(Generic[P, R]):
         info = client.cluster()
         root = client.shared_dir()
         options = self._options
-        sent = serialize.pack_call(
+        sent = _serialize.pack_call(
             self._fn,
             args,
             kwargs,

@@ -21,7 +21,7 @@ import cloudpickle
 
 from bulletin.pickling import caller
 from bulletin.pickling.pickler import human, reason, size_of, type_name
-from sdk.errors import SerializationError, StateTooLarge
+from sdk._errors import SerializationError, StateTooLarge
 
 _ADVICE = (
     "Create such objects inside the function instead of referencing them from the notebook, "

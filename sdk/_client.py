@@ -1,10 +1,11 @@
 """The HTTP client of the gateway's user routes (``docs/protocol.md``).
 
 Every request goes through ``Client._request``: it retries transport errors, 502/503/504 and
-429 (the per-user rate limit) with exponential backoff until a deadline, waiting at least what
-an answer's ``Retry-After`` asks (every user route is idempotent: submissions carry
-idempotency keys, the rest read or cancel), and ``error_for`` turns every other error answer
-into an sdk exception, so no httpx exception ever reaches the user.
+429 (the per-user rate limit) with the project's backoff (``bulletin.backoff``: exponential,
+full jitter) until a deadline, waiting at least what an answer's ``Retry-After`` asks (every
+user route is idempotent: submissions carry idempotency keys, the rest read or cancel), and
+``error_for`` turns every other error answer into an sdk exception, so no httpx exception
+ever reaches the user.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import httpx
 import msgspec
 
 from bulletin import shared, wire
-from sdk.errors import (
+from bulletin.backoff import Backoff
+from sdk._errors import (
     AuthError,
     ConfigError,
     GatewayError,
@@ -34,7 +36,7 @@ from sdk.errors import (
     NotFoundError,
     RateLimited,
 )
-from sdk.liveness import Liveness
+from sdk._liveness import Liveness
 
 T = TypeVar("T")
 Body = bytes | Callable[[], Iterable[bytes]] | None
@@ -93,7 +95,8 @@ class Client:
     Attributes that tune behaviour (class defaults, set them on an instance to change):
     ``inline_limit`` (bytes; larger payloads are uploaded as blobs first),
     ``watch_timeout_s`` (long-poll hold asked of the gateway), ``retry_deadline_s``,
-    ``backoff_initial_s`` and ``backoff_max_s`` (retrying transient failures),
+    ``backoff_initial_s`` and ``backoff_max_s`` (retrying transient failures: each wait is
+    drawn between 0 and a cap that doubles from the first to the second),
     ``outage_patience_s`` (how long waiting for calls rides through an unreachable gateway),
     ``use_shared_dir`` (pass big state through the cluster's shared directory when this
     machine sees it; False: always through the gateway).
@@ -128,7 +131,7 @@ class Client:
             headers={"Authorization": f"Bearer {token}", "User-Agent": "bulletin-sdk"},
             timeout=httpx.Timeout(timeout),
         )
-        #: The caller session of the calls this client waits for (sdk/liveness.py).
+        #: The caller session of the calls this client waits for (sdk/_liveness.py).
         self.session = str(uuid.uuid4())
         self.liveness = Liveness(self.keep_alive)
 
@@ -356,7 +359,7 @@ class Client:
         """Send one request, retrying transient failures with backoff until the deadline."""
         budget = self.retry_deadline_s if deadline_s is None else deadline_s
         start = time.monotonic()
-        delay = self.backoff_initial_s
+        backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
         if deadline_s is not None:
             timeout = min(timeout or self.timeout, deadline_s)
         while True:
@@ -364,14 +367,15 @@ class Client:
                 return self._attempt(method, path, read, body, headers, params, timeout)
             except _Retry as failure:
                 retry = failure
-            wait = max(delay, retry.after)
+            # Drawn before sleeping, not by Backoff.sleep_sync: a wait that would end past
+            # the deadline is not waited at all.
+            wait = max(backoff.next_delay(), retry.after)
             if time.monotonic() - start + wait > budget:
                 if retry.final is not None:
                     raise retry.final from None
                 raise GatewayUnreachable(_unreachable(self.url, str(retry), budget)) from None
             _log.debug("%s %s failed (%s); retrying in %.2f s", method, path, retry, wait)
             time.sleep(wait)
-            delay = min(2 * delay, self.backoff_max_s)
 
     def _attempt(
         self,
