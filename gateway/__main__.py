@@ -1,5 +1,3 @@
-import sys
+from gateway.command import main
 
-from bulletin.cli import main
-
-main(["gateway", *sys.argv[1:]])
+main()

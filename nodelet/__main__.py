@@ -1,5 +1,3 @@
-import sys
+from nodelet.command import main
 
-from bulletin.cli import main
-
-main(["nodelet", *sys.argv[1:]])
+main()

@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import httpx
 import pytest
 
-from bulletin import admin
-from bulletin.pgserver import EmbeddedPostgres, free_port
+from cli import admin, local
+from cli.pgserver import EmbeddedPostgres, free_port
 from gateway import db
 from nodelet import leftovers
 from tests import accounts
@@ -86,8 +85,8 @@ def unix_accounts() -> dict[str, int]:
         pytest.fail(f"cannot make the test accounts: {exc}")
 
 
-@pytest.fixture
-def database_url(pg_server: EmbeddedPostgres) -> str:
+def _fresh_database(pg_server: EmbeddedPostgres) -> str:
+    """A new database cloned from the migrated template; its URL."""
     name = f"t_{uuid.uuid4().hex[:16]}"
 
     async def create() -> None:
@@ -101,19 +100,35 @@ def database_url(pg_server: EmbeddedPostgres) -> str:
     return pg_server.url(name)
 
 
+@pytest.fixture
+def database_url(pg_server: EmbeddedPostgres) -> str:
+    """This test's own database."""
+    return _fresh_database(pg_server)
+
+
+@pytest.fixture(scope="module")
+def module_gateway(
+    pg_server: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """One gateway (user 'alice', no nodelet) for every test of a module that asks for it:
+    for tests that only read, or are refused, and so cannot disturb each other. Its
+    per-user and per-address rate limits are off (a module's requests add up; the limits
+    have tests of their own)."""
+    cluster = Cluster(_fresh_database(pg_server), tmp_path_factory.mktemp("gateway"))
+    options = {"rate-limit-per-s": "0", "auth-failure-rate-per-s": "0"}
+    try:
+        cluster.start_gateway(**options)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 class GatewayExited(Exception):
     """The gateway process exited instead of serving."""
 
 
-def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
+#: Stop a child: SIGTERM (or ``sig``), then SIGKILL of its process group (cli/local.py).
+stop_process = local.stop
 
 
 @dataclass
@@ -133,15 +148,8 @@ class Cluster:
     def _spawn(
         self, name: str, args: list[str], env: dict[str, str], python: str = sys.executable
     ) -> subprocess.Popen[bytes]:
-        log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 (closed with the process)
-        return subprocess.Popen(
-            [python, *args],
-            env={**os.environ, "BULLETIN_LOG_LEVEL": "debug", **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=self.dir,
-        )
+        env = {"BULLETIN_LOG_LEVEL": "debug", **env}
+        return local.spawn(args, env, python=python, log=self.dir / f"{name}.log", cwd=self.dir)
 
     def start_gateway(
         self, *, shared_dir: Path | None = None, port: int | None = None, **options: str
@@ -153,21 +161,18 @@ class Cluster:
             options = {"shared-dir": str(shared_dir), **options}
             self.shared_dir = shared_dir
         port = port or free_port()
-        args = ["-m", "gateway", "--port", str(port)]
-        for key, value in {**FAST_GATEWAY, **options}.items():
-            args += [f"--{key}", value]
-        self._gateway_args = args
+        self._gateway_args = local.gateway_args("127.0.0.1", port, {**FAST_GATEWAY, **options})
         self.url = f"http://127.0.0.1:{port}"
         self._spawn_gateway()
         self.token = asyncio.run(admin.add_user(self.database_url, "alice"))
 
     def _spawn_gateway(self) -> None:
         env = {"BULLETIN_DATABASE_URL": self.database_url}
-        gateway = self.gateway = self._spawn("gateway", self._gateway_args, env)
-        up = lambda: gateway.poll() is not None or _healthy(self.url)  # noqa: E731
-        wait_until(up, 30, f"gateway on {self.url} (see gateway.log)")
-        if gateway.returncode is not None:
-            raise GatewayExited(f"the gateway exited with {gateway.returncode}; see gateway.log")
+        self.gateway = self._spawn("gateway", self._gateway_args, env)
+        try:
+            local.wait_healthy(self.url, self.gateway, timeout=30)
+        except local.ChildExited as exc:
+            raise GatewayExited(f"{exc}; see gateway.log") from None
 
     def restart_gateway(self, sig: int = signal.SIGTERM, down_s: float = 0.0) -> int:
         """Stop the gateway with ``sig``, wait ``down_s``, start it again on the same port;
@@ -207,18 +212,8 @@ class Cluster:
         """Start a nodelet; ``fake_gpus=None`` uses the machine's NVIDIA GPUs. With
         ``python``, from that interpreter (one that every account can run: for nodes that
         run calls as their owners' accounts), with ``env`` added to its environment."""
-        args = [
-            "-m",
-            "nodelet",
-            "--gateway",
-            self.url,
-            "--token-file",
-            str(self.node_token(name, token_dir)),
-            "--name",
-            name,
-            "--cpu-slots",
-            str(cpu_slots),
-        ]
+        token_file = self.node_token(name, token_dir)
+        args = local.nodelet_args(self.url, token_file, name, {"cpu-slots": str(cpu_slots)})
         if fake_gpus is not None:
             args += ["--fake-gpus", str(fake_gpus)]
         # Importing torch in every worker costs seconds of CPU on 2 cores: only tests of
@@ -277,13 +272,6 @@ def _remove_cgroups(nodelet: subprocess.Popen[bytes]) -> None:
                         directory.rmdir()
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
 def wait_until(predicate: object, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -310,6 +298,14 @@ def running(
         cluster.stop()
         if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
             print(cluster.logs())
+
+
+@pytest.fixture(autouse=True)
+def _no_bulletin_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every setting reads a BULLETIN_* variable, and test subprocesses inherit this
+    process's environment: one set in the shell that runs the tests must change nothing."""
+    for name in [n for n in os.environ if n.startswith("BULLETIN_")]:
+        monkeypatch.delenv(name)
 
 
 @pytest.fixture

@@ -219,7 +219,7 @@ def test_a_user_name_that_could_name_another_path_is_refused(database_url: str, 
     # a Unix account: nothing else may be made of it.
     import asyncio
 
-    from bulletin import admin
+    from cli import admin
 
     with pytest.raises(admin.AdminError, match="is not one: use letters, digits"):
         asyncio.run(admin.add_user(database_url, name))

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from bulletin.settings import from_values
 from nodelet.config import NodeletConfig
 
 GOOD: dict[str, Any] = {"gateway_url": "http://127.0.0.1:8000", "token": "bn_secret"}
@@ -41,12 +42,12 @@ def test_explicit_cpu_slots_are_kept() -> None:
         ({"gateway_url": "127.0.0.1:8000"}, "gateway_url must start with http:// or https://"),
         ({"token": " "}, "token is empty"),
         ({"name": ""}, "name is empty"),
-        ({"fake_gpus": -1}, "fake_gpus must be None (discover) or >= 0, got -1"),
-        ({"cpu_slots": -2}, "cpu_slots must be >= 0 (0 = all CPUs), got -2"),
-        ({"spare_workers": -1}, "spare_workers must be >= 0, got -1"),
-        ({"http_timeout_s": 0.0}, "http_timeout_s must be > 0, got 0.0"),
-        ({"log_flush_s": -0.5}, "log_flush_s must be > 0, got -0.5"),
-        ({"cpu_limit": -1.0}, "cpu_limit must be >= 0 (0 = no cap), got -1.0"),
+        ({"fake_gpus": -1}, "fake_gpus must be at least 0, got -1"),
+        ({"cpu_slots": -2}, "cpu_slots must be at least 0, got -2"),
+        ({"spare_workers": -1}, "spare_workers must be at least 0, got -1"),
+        ({"http_timeout_s": 0.0}, "http_timeout_s must be above 0, got 0.0"),
+        ({"log_flush_s": -0.5}, "log_flush_s must be above 0, got -0.5"),
+        ({"cpu_limit": -1.0}, "cpu_limit must be at least 0, got -1.0"),
         ({"gpu_spare_shapes": "1,x"}, "gpu_spare_shapes must be GPU counts separated by commas"),
         ({"gpu_spare_shapes": "0"}, "gpu_spare_shapes must be GPU counts"),
         (
@@ -74,8 +75,11 @@ def test_every_problem_is_reported_at_once() -> None:
 
 
 def test_decoding_from_settings_validates_too() -> None:
-    with pytest.raises(msgspec.ValidationError, match="cpu_slots must be >= 0"):
+    # The command line's path (msgspec enforces the field's Meta) fails like construction.
+    with pytest.raises(msgspec.ValidationError, match=r"Expected `int` >= 0 - at `\$.cpu_slots`"):
         msgspec.convert({**GOOD, "cpu_slots": -1}, NodeletConfig)
+    with pytest.raises(ValueError, match="invalid nodelet config: cpu_slots must be at least 0"):
+        from_values(NodeletConfig, {**GOOD, "cpu_slots": -1}, "nodelet")
 
 
 def test_config_is_frozen() -> None:

@@ -84,8 +84,8 @@ def test_rlimit_is_passed_to_the_worker_and_forbids_reuse() -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ({"kill_grace_s": -1.0}, "kill_grace_s must be >= 0, got -1.0"),
-        ({"memory_limit_mb": -5}, "memory_limit_mb must be >= 0 (0 = no limit), got -5"),
+        ({"kill_grace_s": -1.0}, "kill_grace_s must be at least 0, got -1.0"),
+        ({"memory_limit_mb": -5}, "memory_limit_mb must be at least 0, got -5"),
     ],
 )
 def test_limit_settings_are_validated(override: dict[str, Any], message: str) -> None:

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import pwd
 import secrets
@@ -29,18 +30,18 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import click
+import platformdirs
 
-from bulletin import admin
-from bulletin.pgserver import EmbeddedPostgres, PostgresError, free_port
-from bulletin.secretfiles import write_secret
+from cli import admin, local
+from cli.pgserver import EmbeddedPostgres, PostgresError, free_port
+from cli.secretfiles import write_secret
 
 DATABASE = "bulletin"
 #: The role the gateway, the migrations and the admin commands connect as.
@@ -149,41 +150,6 @@ def write_client_config(path: Path, url: str, token: str) -> None:
     write_secret(path, f"url = {json.dumps(url)}\ntoken = {json.dumps(token)}\n")
 
 
-def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    # Own session: a terminal's Ctrl-C reaches only `up`, which stops children in order.
-    # Only what ``env`` gives: a database URL in our own environment stays out of the
-    # nodelet's (and so out of the workers that run users' code).
-    inherited = {k: v for k, v in os.environ.items() if k != "BULLETIN_DATABASE_URL"}
-    return subprocess.Popen(
-        [sys.executable, *args], env={**inherited, **env}, start_new_session=True
-    )
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise UpError(f"the gateway exited with code {proc.returncode} while starting")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise UpError(f"the gateway did not answer on {url} within {timeout:.0f}s")
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout: float = 15) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 class _Stopper:
     def __init__(self) -> None:
         self.requested = False
@@ -214,7 +180,7 @@ def run(settings: UpSettings, say: Callable[[str], None] = print) -> int:
             return _run(settings, state, pg, children, stopper, say)
         finally:
             for child in reversed(children):
-                _stop(child)
+                local.stop(child)
             pg.stop()
             say("Bulletin stopped.")
 
@@ -249,31 +215,25 @@ def _run(
     with contextlib.suppress(FileExistsError):
         shared_dir.mkdir()
         shared_dir.chmod(0o755)  # every user of the node reaches their payloads through it
-    gateway = ["-m", "gateway", "--host", settings.host, "--port", str(port)]
-    children.append(_spawn([*gateway, "--shared-dir", str(shared_dir)], env))
-    _wait_healthy(url, children[0])
+    gateway = local.gateway_args(settings.host, port, {"shared-dir": str(shared_dir)})
+    children.append(local.spawn(gateway, env))
+    try:
+        local.wait_healthy(url, children[0])
+    except (local.ChildExited, TimeoutError) as exc:
+        raise UpError(str(exc)) from None
     write_client_config(state / "client.toml", url, user_token)
-    nodelet = [
-        "-m",
-        "nodelet",
-        "--gateway",
-        url,
-        "--token-file",
-        str(state / "node.token"),
-        "--name",
-        node_name,
-        "--cpu-slots",
-        str(settings.cpu_slots),
+    nodelet_options = {
+        "cpu-slots": str(settings.cpu_slots),
         # Given, not inherited: our own BULLETIN_STATE_DIR is not the nodelet's.
-        "--state-dir",
-        str(state / "nodelet"),
-    ]
+        "state-dir": str(state / "nodelet"),
+        "user-mapping": settings.user_mapping,
+    }
     if settings.fake_gpus is not None:
-        nodelet += ["--fake-gpus", str(settings.fake_gpus)]
-    nodelet += ["--user-mapping", settings.user_mapping]
+        nodelet_options["fake-gpus"] = str(settings.fake_gpus)
     if settings.trusted_users is not None:
-        nodelet += ["--trusted-users", settings.trusted_users]
-    children.append(_spawn(nodelet, {"BULLETIN_LOG_LEVEL": settings.log_level}))
+        nodelet_options["trusted-users"] = settings.trusted_users
+    nodelet = local.nodelet_args(url, state / "node.token", node_name, nodelet_options)
+    children.append(local.spawn(nodelet, {"BULLETIN_LOG_LEVEL": settings.log_level}))
     _banner(say, url, state, settings)
     while not stopper.requested:
         for child in children:
@@ -316,3 +276,91 @@ def _banner(say: Callable[[str], None], url: str, state: Path, settings: UpSetti
     say("Add a user (prints their token; they connect with BULLETIN_URL and BULLETIN_TOKEN):")
     say(f"    BULLETIN_DATABASE_URL=$(cat {state / 'database.url'}) bulletin user add NAME")
     say("Press Ctrl-C to stop.")
+
+
+def default_state_dir() -> Path:
+    """Root's is a system path (FHS): PostgreSQL then runs as a system account, which must
+    traverse every directory above it, and /root is not traversable."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/bulletin")
+    return Path(platformdirs.user_data_dir("bulletin"))
+
+
+@click.command("up")
+@click.option(
+    "--state-dir",
+    envvar="BULLETIN_STATE_DIR",
+    show_envvar=True,
+    type=click.Path(path_type=Path),
+    default=default_state_dir,
+    show_default="/var/lib/bulletin as root, else a per-user data dir",
+    help="Database, tokens and client.toml live here (as root: under directories every "
+    "account may traverse, since PostgreSQL runs as a system account).",
+)
+@click.option(
+    "--host",
+    envvar="BULLETIN_HOST",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the gateway listens on.",
+)
+@click.option(
+    "--port",
+    envvar="BULLETIN_PORT",
+    type=int,
+    default=8420,
+    show_default=True,
+    help="Gateway port; 0 picks a free one.",
+)
+@click.option(
+    "--fake-gpus",
+    envvar="BULLETIN_FAKE_GPUS",
+    type=click.IntRange(0),
+    default=None,
+    help="Offer N CPU-backed fake GPUs [default: the NVIDIA GPUs found, else 2 fakes]",
+)
+@click.option(
+    "--cpu-slots",
+    envvar="BULLETIN_CPU_SLOTS",
+    type=click.IntRange(0),
+    default=0,
+    help="CPU-only call slots [default: the number of cores]",
+)
+@click.option(
+    "--user-mapping",
+    envvar="BULLETIN_USER_MAPPING",
+    show_envvar=True,
+    default="",
+    help="Run each call as its owner's Unix account: 'same-name', or a file of "
+    "'bulletin-user unix-account' lines (needs root) [default: single-tenant, calls run as "
+    "this account].",
+)
+@click.option(
+    "--trusted-users",
+    envvar="BULLETIN_TRUSTED_USERS",
+    show_envvar=True,
+    default=None,
+    help="On a single-tenant node, whose calls run besides administrators': user names, "
+    "comma-separated, or '*' for all [default: administrators only].",
+)
+@click.pass_context
+def command(
+    ctx: click.Context,
+    state_dir: Path,
+    host: str,
+    port: int,
+    fake_gpus: int | None,
+    cpu_slots: int,
+    user_mapping: str,
+    trusted_users: str | None,
+) -> None:
+    """Start a single-machine cluster: PostgreSQL, gateway, scheduler and one nodelet."""
+    # What `bulletin --log-level` set, for the children too.
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+    settings = UpSettings(
+        state_dir, host, port, fake_gpus, cpu_slots, level, user_mapping, trusted_users
+    )
+    try:
+        ctx.exit(run(settings, lambda line: click.echo(line)))
+    except UpError as exc:
+        raise click.ClickException(str(exc)) from None

@@ -1,252 +1,14 @@
-"""The ``bulletin`` command: thin click commands over each component's ``run``/``serve``.
-
-Every option also reads a ``BULLETIN_<NAME>`` environment variable (for example
-``BULLETIN_DATABASE_URL``), so secrets need not appear on command lines.
-"""
+"""The administration commands (``bulletin migrate``, ``db``, ``user``, ``token``, ``group``,
+``usage``, ``node``) and ``bulletin replay``: thin click commands over :mod:`cli.admin` and
+:mod:`scheduler.replay`, each importing what it runs only when it runs."""
 
 from __future__ import annotations
 
 import asyncio
-import inspect
-import logging
-import os
-import types
-import typing
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import click
 import msgspec
-import platformdirs
-
-F = Callable[..., Any]
-
-
-def _click_type(annotation: Any) -> Any:
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    return {int: int, float: float, str: str, bool: bool}.get(annotation, str)
-
-
-def field_docs(struct: type) -> dict[str, str]:
-    """Each field's comment in the config's source (``#:`` lines above it, or a trailing
-    ``#``): the one place a setting is described, shown again by ``--help``."""
-    docs: dict[str, str] = {}
-    pending: list[str] = []
-    for line in inspect.getsource(struct).splitlines():
-        text = line.strip()
-        if text.startswith("#"):
-            pending.append(text.lstrip("#:").strip())
-            continue
-        name, colon, rest = text.partition(":")
-        if colon and name.isidentifier():
-            trailing = rest.split("#", 1)[1].strip() if "#" in rest else ""
-            docs[name] = " ".join([*pending, trailing]).strip()
-        pending = []
-    return docs
-
-
-def struct_options(struct: type, skip: Sequence[str] = ()) -> Callable[[F], F]:
-    """Add one ``--option`` (and ``BULLETIN_*`` env var) per field of a msgspec config."""
-    docs = field_docs(struct)
-
-    def decorate(fn: F) -> F:
-        for field in reversed(msgspec.structs.fields(struct)):
-            if field.name in skip:
-                continue
-            default = None if field.required else field.default
-            if default is msgspec.NODEFAULT:
-                default = None
-            fn = click.option(
-                f"--{field.name.replace('_', '-')}",
-                field.name,
-                type=_click_type(field.type),
-                envvar=f"BULLETIN_{field.name.upper()}",
-                required=field.required,
-                default=None,
-                help=" ".join(
-                    part
-                    for part in (
-                        docs.get(field.name, ""),
-                        f"[default: {default}]" if default not in (None, "") else "",
-                    )
-                    if part
-                ),
-                show_envvar=True,
-            )(fn)
-        return fn
-
-    return decorate
-
-
-def build(struct: type, values: dict[str, Any]) -> Any:
-    """The config struct from the given options, failing with a usage error that names the
-    bad setting."""
-    given = {k: v for k, v in values.items() if v is not None}
-    try:
-        return msgspec.convert(given, struct)
-    except (msgspec.ValidationError, ValueError) as exc:
-        raise click.UsageError(str(exc)) from None
-
-
-def _logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # Per-request lines from the HTTP stack drown out ours, even at debug.
-    for noisy in ("httpx", "httpcore", "asyncio"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
-
-
-@click.group()
-@click.option(
-    "--log-level",
-    envvar="BULLETIN_LOG_LEVEL",
-    default="info",
-    show_envvar=True,
-    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
-)
-def cli(log_level: str) -> None:
-    """Bulletin: run notebook functions on the lab's GPUs."""
-    _logging(log_level)
-
-
-def default_state_dir() -> Path:
-    """Root's is a system path (FHS): PostgreSQL then runs as a system account, which must
-    traverse every directory above it, and /root is not traversable."""
-    if os.geteuid() == 0:
-        return Path("/var/lib/bulletin")
-    return Path(platformdirs.user_data_dir("bulletin"))
-
-
-@cli.command()
-@click.option(
-    "--state-dir",
-    envvar="BULLETIN_STATE_DIR",
-    show_envvar=True,
-    type=click.Path(path_type=Path),
-    default=default_state_dir,
-    show_default="/var/lib/bulletin as root, else a per-user data dir",
-    help="Database, tokens and client.toml live here (as root: under directories every "
-    "account may traverse, since PostgreSQL runs as a system account).",
-)
-@click.option(
-    "--host",
-    envvar="BULLETIN_HOST",
-    default="127.0.0.1",
-    show_default=True,
-    help="Address the gateway listens on.",
-)
-@click.option(
-    "--port",
-    envvar="BULLETIN_PORT",
-    type=int,
-    default=8420,
-    show_default=True,
-    help="Gateway port; 0 picks a free one.",
-)
-@click.option(
-    "--fake-gpus",
-    envvar="BULLETIN_FAKE_GPUS",
-    type=click.IntRange(0),
-    default=None,
-    help="Offer N CPU-backed fake GPUs [default: the NVIDIA GPUs found, else 2 fakes]",
-)
-@click.option(
-    "--cpu-slots",
-    envvar="BULLETIN_CPU_SLOTS",
-    type=click.IntRange(0),
-    default=0,
-    help="CPU-only call slots [default: the number of cores]",
-)
-@click.option(
-    "--user-mapping",
-    envvar="BULLETIN_USER_MAPPING",
-    show_envvar=True,
-    default="",
-    help="Run each call as its owner's Unix account: 'same-name', or a file of "
-    "'bulletin-user unix-account' lines (needs root) [default: single-tenant, calls run as "
-    "this account].",
-)
-@click.option(
-    "--trusted-users",
-    envvar="BULLETIN_TRUSTED_USERS",
-    show_envvar=True,
-    default=None,
-    help="On a single-tenant node, whose calls run besides administrators': user names, "
-    "comma-separated, or '*' for all [default: administrators only].",
-)
-@click.pass_context
-def up(
-    ctx: click.Context,
-    state_dir: Path,
-    host: str,
-    port: int,
-    fake_gpus: int | None,
-    cpu_slots: int,
-    user_mapping: str,
-    trusted_users: str | None,
-) -> None:
-    """Start a single-machine cluster: PostgreSQL, gateway, scheduler and one nodelet."""
-    from bulletin.up import UpError, UpSettings, run
-
-    level = ctx.parent.params["log_level"] if ctx.parent else "info"
-    settings = UpSettings(
-        state_dir, host, port, fake_gpus, cpu_slots, level, user_mapping, trusted_users
-    )
-    try:
-        ctx.exit(run(settings, lambda line: click.echo(line)))
-    except UpError as exc:
-        raise click.ClickException(str(exc)) from None
-
-
-def _gateway_config() -> type:
-    from gateway.config import GatewayConfig
-
-    return GatewayConfig
-
-
-def _nodelet_config() -> type:
-    from nodelet.config import NodeletConfig
-
-    return NodeletConfig
-
-
-@cli.command()
-@struct_options(_gateway_config())
-def gateway(**options: Any) -> None:
-    """Run a gateway replica (HTTP API and scheduler host) against PostgreSQL."""
-    from gateway.server import serve
-
-    serve(build(_gateway_config(), options))
-
-
-@cli.command()
-@click.option(
-    "--gateway",
-    "gateway_url",
-    envvar="BULLETIN_GATEWAY",
-    required=True,
-    show_envvar=True,
-    help="The gateway's URL, e.g. http://head:8420",
-)
-@click.option(
-    "--token-file",
-    envvar="BULLETIN_TOKEN_FILE",
-    required=True,
-    show_envvar=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="File holding this node's token (see 'bulletin node add').",
-)
-@struct_options(_nodelet_config(), skip=("gateway_url", "token"))
-def nodelet(gateway_url: str, token_file: Path, **options: Any) -> None:
-    """Run the node agent: offer this machine's GPUs and run the work leased to it."""
-    from nodelet.agent import run
-
-    token = token_file.read_text().strip()
-    run(build(_nodelet_config(), {**options, "gateway_url": gateway_url, "token": token}))
-
 
 database_option = click.option(
     "--database-url",
@@ -257,17 +19,17 @@ database_option = click.option(
 )
 
 
-@cli.command()
+@click.command()
 @database_option
 def migrate(database_url: str) -> None:
     """Apply the schema migrations the database lacks."""
-    from bulletin import admin
+    from cli import admin
 
     applied = asyncio.run(admin.migrate(database_url))
     click.echo("applied: " + ", ".join(applied) if applied else "the schema is up to date")
 
 
-@cli.group("db")
+@click.group("db")
 def db_group() -> None:
     """Set up Bulletin's database on a PostgreSQL server (production; 'up' does it itself)."""
 
@@ -294,8 +56,8 @@ def db_setup(superuser_url: str, role: str, database: str, password_file: Path) 
     print its URL without the password. Idempotent: run it on every deploy."""
     import secrets
 
-    from bulletin import admin
-    from bulletin.secretfiles import SecretFileError, read_secret, write_secret
+    from cli import admin
+    from cli.secretfiles import SecretFileError, read_secret, write_secret
 
     try:
         if password_file.exists():
@@ -315,7 +77,7 @@ def db_setup(superuser_url: str, role: str, database: str, password_file: Path) 
     )
 
 
-@cli.group()
+@click.group()
 def user() -> None:
     """Manage users."""
 
@@ -331,7 +93,7 @@ def user() -> None:
 @database_option
 def user_add(name: str, is_admin: bool, group: str | None, database_url: str) -> None:
     """Create user NAME (if new) and print a new token for them."""
-    from bulletin import admin
+    from cli import admin
 
     try:
         token = asyncio.run(admin.add_user(database_url, name, is_admin=is_admin, group=group))
@@ -346,7 +108,7 @@ def user_add(name: str, is_admin: bool, group: str | None, database_url: str) ->
 @database_option
 def user_set_group(name: str, group_name: str, database_url: str) -> None:
     """Move user NAME to GROUP (their queued and later calls count against its quota)."""
-    from bulletin import admin
+    from cli import admin
 
     try:
         asyncio.run(admin.set_user_group(database_url, name, group_name))
@@ -355,7 +117,7 @@ def user_set_group(name: str, group_name: str, database_url: str) -> None:
     click.echo(f"user {name} is in group {group_name}")
 
 
-@cli.group()
+@click.group()
 def token() -> None:
     """Manage users' tokens: create, list, revoke (only their hashes are stored)."""
 
@@ -374,7 +136,7 @@ def token_create(
     user_name: str, name: str, expires_in_days: float | None, database_url: str
 ) -> None:
     """Print a new token for USER (shown once: only its hash is kept)."""
-    from bulletin import admin
+    from cli import admin
 
     expires_s = None if expires_in_days is None else expires_in_days * 86400
     try:
@@ -392,7 +154,7 @@ def token_list(owner: str | None, database_url: str) -> None:
     """Tokens: id, kind, owner, label, first characters, and whether they still work."""
     import time
 
-    from bulletin import admin
+    from cli import admin
 
     now = time.time()
     for t in asyncio.run(admin.tokens(database_url, owner)):
@@ -413,7 +175,7 @@ def token_list(owner: str | None, database_url: str) -> None:
 @database_option
 def token_revoke(token_id: int, database_url: str) -> None:
     """Revoke token ID at once (its next request gets 401)."""
-    from bulletin import admin
+    from cli import admin
 
     try:
         asyncio.run(admin.revoke_token(database_url, token_id))
@@ -422,7 +184,7 @@ def token_revoke(token_id: int, database_url: str) -> None:
     click.echo(f"token {token_id} is revoked")
 
 
-@cli.group()
+@click.group()
 def group() -> None:
     """Manage groups: the quota unit of the fair scheduler (see docs/scheduling.md)."""
 
@@ -456,7 +218,8 @@ def group_set(
     database_url: str,
 ) -> None:
     """Create group NAME or change its quota (options left out keep their value)."""
-    from bulletin import admin, wire
+    from bulletin import wire
+    from cli import admin
 
     try:
         msgspec.convert(name, wire.GroupName)
@@ -480,7 +243,7 @@ def group_set(
 @database_option
 def group_list(database_url: str) -> None:
     """Groups, their quotas and how many users each has."""
-    from bulletin import admin
+    from cli import admin
 
     for g in asyncio.run(admin.groups(database_url)):
         limit = "no limit" if g.borrow_limit_gpus is None else str(g.borrow_limit_gpus)
@@ -489,12 +252,12 @@ def group_list(database_url: str) -> None:
         )
 
 
-@cli.command()
+@click.command()
 @click.option("--days", type=click.IntRange(1, 3660), default=30, show_default=True)
 @database_option
 def usage(days: int, database_url: str) -> None:
     """GPU-hours per user and group over the last DAYS days (UTC), most first."""
-    from bulletin import admin
+    from cli import admin
 
     rows = asyncio.run(admin.usage(database_url, days))
     if not rows:
@@ -503,7 +266,7 @@ def usage(days: int, database_url: str) -> None:
         click.echo(f"{r.user} ({r.group}): {r.gpu_seconds / 3600:.2f} GPU-hours, {r.calls} calls")
 
 
-@cli.group()
+@click.group()
 def node() -> None:
     """Manage nodes."""
 
@@ -513,7 +276,7 @@ def node() -> None:
 @database_option
 def node_add(name: str, database_url: str) -> None:
     """Create node NAME (if new) and print a node token for its nodelet's --token-file."""
-    from bulletin import admin
+    from cli import admin
 
     click.echo(asyncio.run(admin.add_node(database_url, name)))
 
@@ -524,7 +287,7 @@ def node_add(name: str, database_url: str) -> None:
 @database_option
 def node_drain(name: str, reason: str, database_url: str) -> None:
     """Give node NAME no new work; the calls it runs finish. Undo with 'node undrain'."""
-    from bulletin import admin
+    from cli import admin
 
     if not asyncio.run(admin.drain(database_url, name, reason or None)):
         raise click.ClickException(f"no node named {name!r} (see 'bulletin node list')")
@@ -536,7 +299,7 @@ def node_drain(name: str, reason: str, database_url: str) -> None:
 @database_option
 def node_undrain(name: str, database_url: str) -> None:
     """Let node NAME take work again (after a GPU fault is dealt with, or maintenance)."""
-    from bulletin import admin
+    from cli import admin
 
     if not asyncio.run(admin.undrain(database_url, name)):
         raise click.ClickException(f"no node named {name!r} (see 'bulletin node list')")
@@ -549,7 +312,7 @@ def node_list(database_url: str) -> None:
     """Nodes, whether they take work, and their GPUs' last reported health."""
     import time
 
-    from bulletin import admin
+    from cli import admin
     from nodelet.gpus import describe
 
     for status in asyncio.run(admin.nodes(database_url)):
@@ -566,7 +329,7 @@ def node_list(database_url: str) -> None:
             click.echo(f"  {describe(gpu)}")
 
 
-@cli.command(
+@click.command(
     context_settings={"ignore_unknown_options": True, "help_option_names": []},
     add_help_option=False,
 )
@@ -578,7 +341,3 @@ def replay(args: tuple[str, ...]) -> None:
     from scheduler.replay import main as replay_main
 
     raise SystemExit(replay_main(list(args)))
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    cli.main(args=list(argv) if argv is not None else None, prog_name="bulletin")

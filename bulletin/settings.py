@@ -1,0 +1,246 @@
+"""Settings: one definition per setting, read alike by decoding, validation and ``--help``.
+
+A component's settings are a frozen msgspec Struct (``gateway.config.GatewayConfig``,
+``nodelet.config.NodeletConfig``). Each field carries its rule and its description in
+``msgspec.Meta``::
+
+    lease_s: Annotated[float, POSITIVE, doc("How long a lease lasts without renewal.")] = 30.0
+
+msgspec enforces the rule when settings are converted (the command line, the environment);
+:func:`check`, called from the Struct's ``__post_init__``, enforces the same rules on a
+Struct built in Python and rejects floats that are not finite, so both ways fail alike,
+naming the setting. Rules between settings stay in ``__post_init__``, after :func:`check`.
+:func:`options` turns the same fields into command-line options (click is imported only
+there): ``--lease-s``, also read from ``BULLETIN_LEASE_S``, with the description and the rule
+as its help.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Rules shared by many settings.
+POSITIVE = msgspec.Meta(gt=0)
+AT_LEAST_0 = msgspec.Meta(ge=0)
+AT_LEAST_1 = msgspec.Meta(ge=1)
+
+ENV_PREFIX = "BULLETIN_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def doc(text: str) -> msgspec.Meta:
+    """A setting's description: shown by ``--help`` and published in JSON Schema."""
+    return msgspec.Meta(description=" ".join(text.split()))
+
+
+def option_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def _fields(struct: type) -> Iterator[msgspec.inspect.Field]:
+    info = msgspec.inspect.type_info(struct)
+    assert isinstance(info, msgspec.inspect.StructType)
+    yield from info.fields
+
+
+def _unwrap(kind: msgspec.inspect.Type) -> tuple[msgspec.inspect.Type, str]:
+    """The type under a field's metadata and optional ``None``, and its description."""
+    description = ""
+    if isinstance(kind, msgspec.inspect.Metadata):
+        description = str((kind.extra_json_schema or {}).get("description", ""))
+        kind = kind.type
+    if isinstance(kind, msgspec.inspect.UnionType):
+        kinds = [k for k in kind.types if not isinstance(k, msgspec.inspect.NoneType)]
+        if len(kinds) == 1:
+            inner, inner_description = _unwrap(kinds[0])
+            return inner, description or inner_description
+    return kind, description
+
+
+def rule(kind: msgspec.inspect.Type) -> str:
+    """A field's constraints in words ("above 0", "at least 1", ...); empty if none."""
+    kind, _ = _unwrap(kind)
+    words = []
+    bounds = (("gt", "above"), ("ge", "at least"), ("lt", "below"), ("le", "at most"))
+    for attribute, text in bounds:
+        bound = getattr(kind, attribute, None)
+        if bound is not None:
+            whole = float(bound).is_integer() and abs(bound) < 1e15
+            words.append(f"{text} {int(bound) if whole else bound}")
+    min_length = getattr(kind, "min_length", None)
+    if min_length:
+        words.append(f"at least {min_length} characters")
+    pattern = getattr(kind, "pattern", None)
+    if pattern:
+        words.append(f"matching {pattern}")
+    return " and ".join(words)
+
+
+def descriptions(struct: type) -> dict[str, str]:
+    """Each field's description, by name."""
+    return {field.name: _unwrap(field.type)[1] for field in _fields(struct)}
+
+
+def _breaks(kind: msgspec.inspect.Type, value: Any) -> bool:
+    kind, _ = _unwrap(kind)
+    if value is None:
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return True
+    checks = (
+        ("gt", lambda bound: value > bound),
+        ("ge", lambda bound: value >= bound),
+        ("lt", lambda bound: value < bound),
+        ("le", lambda bound: value <= bound),
+        ("min_length", lambda bound: len(value) >= bound),
+    )
+    for attribute, holds in checks:
+        bound = getattr(kind, attribute, None)
+        if bound is not None and not holds(bound):
+            return True
+    return False
+
+
+class SettingError(ValueError):
+    """A setting breaks its rule; ``setting`` names it."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
+def problems(settings: msgspec.Struct) -> list[tuple[str, str]]:
+    """(field, what is wrong) for every field of ``settings`` that breaks its rule."""
+    found = []
+    for field in _fields(type(settings)):
+        value = getattr(settings, field.name)
+        if _breaks(field.type, value):
+            words = rule(field.type)
+            if isinstance(value, float) and not math.isfinite(value):
+                words = f"a finite number {words}".strip()
+            found.append((field.name, f"{field.name} must be {words}, got {value!r}"))
+    return found
+
+
+def check(settings: msgspec.Struct, what: str, more: Sequence[str] = ()) -> None:
+    """Raise :class:`SettingError` listing every field of ``settings`` that breaks its rule,
+    and the ``more`` problems found by rules between fields (``what``: whose settings)."""
+    found = problems(settings)
+    if found or more:
+        text = "; ".join([*(message for _, message in found), *more])
+        raise SettingError(found[0][0] if found else "", f"invalid {what} config: {text}")
+
+
+def from_values(struct: type[msgspec.Struct], values: Mapping[str, Any], what: str) -> Any:
+    """``struct`` from ``values`` (None: left out), raising :class:`SettingError` (a
+    ``ValueError``) that names the setting, whichever rule it breaks."""
+    given = {name: value for name, value in values.items() if value is not None}
+    try:
+        return msgspec.convert(given, struct)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        name = text.rsplit("`$.", 1)[1].rstrip("`") if "`$." in text else ""
+        kinds = {field.name: field.type for field in _fields(struct)}
+        if name in kinds and rule(kinds[name]):
+            message = f"{name} must be {rule(kinds[name])}, got {given[name]!r}"
+            raise SettingError(name, f"invalid {what} config: {message}") from None
+        raise SettingError(name, text) from None
+
+
+def _click_type(annotation: Any) -> Any:
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        return _click_type(annotation)
+    return {int: int, float: float, str: str, bool: bool}.get(annotation, str)
+
+
+def options(struct: type, skip: Sequence[str] = ()) -> Callable[[F], F]:
+    """A decorator adding one click option per field of ``struct`` (``--name-of-it``, also
+    read from ``BULLETIN_NAME_OF_IT``), its help the field's description, rule and default.
+    Values left out are None: the Struct's defaults then apply (:func:`from_values`)."""
+    import click
+
+    hints = typing.get_type_hints(struct, include_extras=True)
+
+    def decorate(fn: F) -> F:
+        for field in reversed(list(_fields(struct))):
+            if field.name in skip:
+                continue
+            default = None if field.required else field.default
+            help_parts = [_unwrap(field.type)[1]]
+            if rule(field.type):
+                help_parts.append(f"Must be {rule(field.type)}.")
+            if default not in (None, "", msgspec.NODEFAULT):
+                help_parts.append(f"[default: {default}]")
+            fn = click.option(
+                option_name(field.name),
+                field.name,
+                type=_click_type(hints[field.name]),
+                envvar=env_name(field.name),
+                required=field.required,
+                default=None,
+                help=" ".join(part for part in help_parts if part),
+                show_envvar=True,
+            )(fn)
+        return fn
+
+    return decorate
+
+
+def build(struct: type[msgspec.Struct], values: Mapping[str, Any], what: str) -> Any:
+    """:func:`from_values` for a command: a bad setting is a usage error naming its option."""
+    import click
+
+    try:
+        return from_values(struct, values, what)
+    except SettingError as exc:
+        hint = f"{option_name(exc.setting)} / {env_name(exc.setting)}" if exc.setting else None
+        raise click.BadParameter(str(exc), param_hint=hint) from None
+
+
+def setup_logging(level: str) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root.setLevel(level.upper())
+    # Per-request lines from the HTTP stack drown out ours, even at debug.
+    for noisy in ("httpx", "httpcore", "asyncio"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def log_level_option(default: str | None = "info") -> Callable[[F], F]:
+    """``--log-level`` (``BULLETIN_LOG_LEVEL``), applied as soon as it is parsed; with
+    ``default`` None only when given (a subcommand keeps what its group set)."""
+    import click
+
+    def apply(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+        if value is not None:
+            setup_logging(value)
+        return value
+
+    return click.option(
+        "--log-level",
+        envvar="BULLETIN_LOG_LEVEL",
+        default=default,
+        show_envvar=True,
+        is_eager=True,
+        expose_value=False,
+        callback=apply,
+        type=click.Choice(LOG_LEVELS, case_sensitive=False),
+        help="How much to log.",
+    )

@@ -1,0 +1,26 @@
+"""``bulletin gateway`` (also ``python -m gateway``): run a gateway replica."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from bulletin.settings import build, log_level_option, options, setup_logging
+from gateway.config import GatewayConfig
+
+
+@click.command("gateway")
+@log_level_option(default=None)
+@options(GatewayConfig)
+def command(**values: Any) -> None:
+    """Run a gateway replica (HTTP API and scheduler host) against PostgreSQL."""
+    from gateway.server import serve
+
+    serve(build(GatewayConfig, values, "gateway"))
+
+
+def main() -> None:
+    """``python -m gateway``: the same command, logging at info unless told otherwise."""
+    setup_logging("info")
+    command.main(prog_name="python -m gateway")

@@ -1,0 +1,44 @@
+"""``bulletin nodelet`` (also ``python -m nodelet``): run the node agent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from bulletin.settings import build, log_level_option, options, setup_logging
+from nodelet.config import NodeletConfig
+
+
+@click.command("nodelet")
+@log_level_option(default=None)
+@click.option(
+    "--gateway",
+    "gateway_url",
+    envvar="BULLETIN_GATEWAY",
+    required=True,
+    show_envvar=True,
+    help="The gateway's URL, e.g. http://head:8420",
+)
+@click.option(
+    "--token-file",
+    envvar="BULLETIN_TOKEN_FILE",
+    required=True,
+    show_envvar=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="File holding this node's token (see 'bulletin node add').",
+)
+@options(NodeletConfig, skip=("gateway_url", "token"))
+def command(gateway_url: str, token_file: Path, **values: Any) -> None:
+    """Run the node agent: offer this machine's GPUs and run the work leased to it."""
+    from nodelet.agent import run
+
+    token = token_file.read_text().strip()
+    run(build(NodeletConfig, {**values, "gateway_url": gateway_url, "token": token}, "nodelet"))
+
+
+def main() -> None:
+    """``python -m nodelet``: the same command, logging at info unless told otherwise."""
+    setup_logging("info")
+    command.main(prog_name="python -m nodelet")
