@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import asyncpg
 
+from bulletin.backoff import Backoff
 from gateway import db, expiry
 from gateway.config import GatewayConfig
 from gateway.expiry import Outages
@@ -22,7 +23,6 @@ from gateway.notify import Hub
 from scheduler import Gpu, NodeCapacity, Pending, Quota, Running, Snapshot, placement
 
 log = logging.getLogger(__name__)
-LEADER_LOCK = 7242002
 #: How often the leader stores each queued call's position and reason (call.status()).
 EXPLAIN_S = 2.0
 # The leader lock lives as long as this connection. If the leader's host vanishes without
@@ -281,14 +281,19 @@ async def run(hub: Hub, config: GatewayConfig, outages: Outages) -> None:
     it knows), get a full term before any expires; a failure of another kind does not grant
     them another, so a round that keeps failing cannot hold expiry off for ever."""
     leases = Expiry(config, outages)
+    # After a failure, replicas retry at jittered times, not all at once; a standby that
+    # merely did not get the lock asks again every interval.
+    backoff = Backoff(config.schedule_interval_s, 2 * config.schedule_interval_s)
     while True:
         conn = None
+        failed = False
         try:
             conn = await asyncpg.connect(config.database_url, server_settings=_KEEPALIVE)
-            if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_LOCK):
+            if await db.try_lead(conn):
                 log.info("this gateway now leads scheduling")
                 await lead(conn, hub, config, leases)
         except Exception as exc:  # the loop must outlive any failure: nothing else schedules
+            failed = True
             # A lost database is expected (a restart, an outage): no traceback for it.
             lost = isinstance(
                 exc, OSError | asyncpg.PostgresConnectionError | asyncpg.InterfaceError
@@ -299,7 +304,11 @@ async def run(hub: Hub, config: GatewayConfig, outages: Outages) -> None:
         finally:
             if conn is not None:
                 await _close(conn)
-        await asyncio.sleep(config.schedule_interval_s)
+        if failed:
+            await backoff.sleep()
+        else:
+            backoff.reset()
+            await asyncio.sleep(config.schedule_interval_s)
 
 
 async def _close(conn: asyncpg.Connection) -> None:

@@ -1,4 +1,4 @@
-"""Rows another version stored (gateway/db.py _Stored): fields this one does not know are
+"""Rows another version stored (gateway/db/_common.py _Stored): fields this one does not know are
 ignored, never a failure of every scheduling round."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from bulletin import wire
-from gateway.db import _GPU_LIST, _HEALTH_LIST, _WARM_LIST
+from gateway.db._common import _GPU_LIST, _HEALTH_LIST, _WARM_LIST
 
 
 def test_a_stored_gpu_with_a_field_this_version_does_not_know_still_reads() -> None:

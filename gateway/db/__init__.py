@@ -1,0 +1,237 @@
+"""All of Bulletin's SQL, one typed function per statement, one module per table family.
+
+Nothing else in the project writes SQL (``tests/unit/test_sql_in_db_package.py``), and each
+statement is a triple-quoted string that pastes into ``psql`` as it is. Row locks
+(``FOR UPDATE SKIP LOCKED``) claim work; LISTEN/NOTIFY (channel ``bulletin_events``) only
+wakes waiters, who re-read the tables. Notification payloads: ``q`` (the queue or capacity
+changed: the scheduler should plan), ``n:<node_id>`` (a node has new work or revocations),
+``i:<invocation_id>`` (news of an invocation: logs, a state change). Every fenced write from
+a nodelet checks ``(id, node_id, epoch)`` in the statement that applies it, so a stale
+attempt changes nothing. Times come from the database clock only.
+
+Callers write ``from gateway import db`` and ``db.submit(...)``; the modules, lower ones
+first (a module imports only those above it):
+
+- ``_common``: the connection type, notifications, Bulletin's own log lines, stored lists
+- ``schema``: migrations (``migrations/``, building ``schema.sql``), creating a database
+- ``roles``: the gateway's own role and database, set up by a superuser
+- ``accounts``: users, node records, tokens
+- ``blobs``: chunked blobs and what a user stores
+- ``idempotency``: Idempotency-Keys
+- ``sessions``: caller sessions (cancelling the calls of a caller gone)
+- ``invocations``: submitting, reading and cancelling calls
+- ``quotas``: groups, quotas, usage accounting and fair-share usage
+- ``nodes``: the node protocol (register, deliver, heartbeat, leave, drain, take back)
+- ``attempts``: a nodelet's fenced writes of one attempt (start, logs, release, complete)
+- ``scheduling``: the leader lock, the planning snapshot, placements, lease expiry
+- ``functions``: registered functions and their JSON invocations
+- ``retention``: purging what ended long ago
+"""
+
+from gateway.db._common import CHANNEL, NOTE_PREFIX, PREEMPTING_PROTOCOL, SAFE_PROTOCOL, Conn
+from gateway.db.accounts import (
+    Principal,
+    TokenRow,
+    add_token,
+    create_node,
+    create_user,
+    find_user,
+    lookup_token,
+    revoke_token,
+    tokens,
+)
+from gateway.db.attempts import (
+    Owner,
+    PayloadSource,
+    append_logs,
+    attempt_owner,
+    complete,
+    payload_source,
+    release,
+    start,
+)
+from gateway.db.blobs import (
+    append_blob_chunk,
+    blob_chunk,
+    blob_size,
+    blob_usage,
+    create_blob,
+    delete_blob,
+    finish_blob,
+    owned_blobs,
+    storage_usage,
+)
+from gateway.db.functions import (
+    FunctionRow,
+    delete_function,
+    find_function,
+    invoke,
+    list_functions,
+    register_function,
+)
+from gateway.db.idempotency import HttpKey, KeyHeld, KeyTaken, answer_key, find_key
+from gateway.db.invocations import (
+    cancel,
+    changed,
+    get_invocations,
+    list_invocations,
+    live_payload_files,
+    logs_after,
+    mark_fetched,
+    missing,
+    submit,
+    to_invocation,
+)
+from gateway.db.nodes import (
+    Drain,
+    NodeRow,
+    NodeStatus,
+    StopOrders,
+    deliver,
+    heartbeat,
+    leave,
+    node_statuses,
+    register_node,
+    registered_nodes,
+    set_draining,
+    stop_orders,
+)
+from gateway.db.quotas import (
+    GroupRow,
+    UsageRow,
+    accrue_usage,
+    fair_usage,
+    group_exists,
+    groups,
+    now,
+    set_group,
+    set_user_group,
+    usage,
+)
+from gateway.db.retention import Purged, purge
+from gateway.db.roles import adopt_schema, is_superuser, own_database, set_login_role
+from gateway.db.scheduling import (
+    LEADER_LOCK,
+    assign,
+    expire_leases,
+    explain_waits,
+    extend_leases,
+    leases,
+    live_nodes,
+    notify_nodes,
+    preempt,
+    queued,
+    silence,
+    try_lead,
+)
+from gateway.db.schema import ensure_database, migrate, migration_files
+from gateway.db.sessions import (
+    ABANDONED,
+    CALLER_LATE,
+    abandon_callers,
+    keep_alive,
+    start_sessions,
+)
+
+__all__ = [
+    "ABANDONED",
+    "CALLER_LATE",
+    "CHANNEL",
+    "LEADER_LOCK",
+    "NOTE_PREFIX",
+    "PREEMPTING_PROTOCOL",
+    "SAFE_PROTOCOL",
+    "Conn",
+    "Drain",
+    "FunctionRow",
+    "GroupRow",
+    "HttpKey",
+    "KeyHeld",
+    "KeyTaken",
+    "NodeRow",
+    "NodeStatus",
+    "Owner",
+    "PayloadSource",
+    "Principal",
+    "Purged",
+    "StopOrders",
+    "TokenRow",
+    "UsageRow",
+    "abandon_callers",
+    "accrue_usage",
+    "add_token",
+    "adopt_schema",
+    "answer_key",
+    "append_blob_chunk",
+    "append_logs",
+    "assign",
+    "attempt_owner",
+    "blob_chunk",
+    "blob_size",
+    "blob_usage",
+    "cancel",
+    "changed",
+    "complete",
+    "create_blob",
+    "create_node",
+    "create_user",
+    "delete_blob",
+    "delete_function",
+    "deliver",
+    "ensure_database",
+    "expire_leases",
+    "explain_waits",
+    "extend_leases",
+    "fair_usage",
+    "find_function",
+    "find_key",
+    "find_user",
+    "finish_blob",
+    "get_invocations",
+    "group_exists",
+    "groups",
+    "heartbeat",
+    "invoke",
+    "is_superuser",
+    "keep_alive",
+    "leases",
+    "leave",
+    "list_functions",
+    "list_invocations",
+    "live_nodes",
+    "live_payload_files",
+    "logs_after",
+    "lookup_token",
+    "mark_fetched",
+    "migrate",
+    "migration_files",
+    "missing",
+    "node_statuses",
+    "notify_nodes",
+    "now",
+    "own_database",
+    "owned_blobs",
+    "payload_source",
+    "preempt",
+    "purge",
+    "queued",
+    "register_function",
+    "register_node",
+    "registered_nodes",
+    "release",
+    "revoke_token",
+    "set_draining",
+    "set_group",
+    "set_login_role",
+    "set_user_group",
+    "silence",
+    "start",
+    "start_sessions",
+    "stop_orders",
+    "storage_usage",
+    "submit",
+    "to_invocation",
+    "tokens",
+    "try_lead",
+    "usage",
+]

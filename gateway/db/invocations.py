@@ -1,0 +1,292 @@
+"""Invocations as their owners see them: submitting calls, reading them back (state,
+timeline, result, logs) and cancelling them."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+import asyncpg
+import msgspec
+
+from bulletin import wire
+from gateway.db._common import Conn, _f, _notify
+from gateway.db.idempotency import HttpKey, _key_made, _take_key
+
+_SUBMIT = """
+INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,
+  max_retries, timeout_s, payload, payload_blob, payload_file, payload_size,
+  priority, gpu_model, gpu_memory_mb, expected_s, caller_session)
+SELECT u.id, $1, u.key, u.fn, u.gpus, u.retries, u.timeout, u.payload, u.blob,
+  u.file, coalesce(length(u.payload), b.size, CASE WHEN u.file IS NOT NULL
+  THEN u.declared END, 0), u.priority, u.model, u.memory, u.expected, u.session
+FROM unnest($2::uuid[], $3::text[], $4::text[], $5::int[], $6::int[],
+  $7::float8[], $8::bytea[], $9::uuid[], $10::text[], $11::int[], $12::text[],
+  $13::int[], $14::float8[], $15::bigint[], $16::uuid[]) WITH ORDINALITY
+  AS u(id, key, fn, gpus, retries, timeout, payload, blob, file, priority, model,
+  memory, expected, declared, session, ord)
+LEFT JOIN blobs b ON b.id = u.blob
+-- In input order, so that seq (the queue order) follows it.
+ORDER BY u.ord
+ON CONFLICT (owner_id, idempotency_key) DO NOTHING
+"""
+
+_SUBMITTED = """
+SELECT i.id, k.ord
+FROM unnest($2::text[]) WITH ORDINALITY AS k(key, ord)
+JOIN invocations i ON i.owner_id = $1 AND i.idempotency_key = k.key
+"""
+
+_LIVE_PAYLOAD_FILES = """
+SELECT payload_file FROM invocations
+WHERE payload_file IS NOT NULL AND state IN ('queued', 'assigned', 'running')
+"""
+
+
+def _invocation_columns(result: str = "i.result") -> str:
+    """What ``to_invocation`` reads; ``result`` may be ``NULL::bytea`` where results are left
+    out (listings: the JSON result too)."""
+    result_json = "NULL::bytea" if result.startswith("NULL") else "i.result_json"
+    return f"""
+  i.id, i.state, i.function_name, i.gpus, i.attempts, i.max_retries, n.name AS node,
+  i.error_kind, i.error_type, i.error_message, i.traceback, {result} AS result,
+  i.function_version, {result_json} AS result_json, i.result_json_error,
+  i.result_blob, i.result_file, i.log_count,
+  -- Whose code made the result: a registered function's owner (unknown, NULL, for one
+  -- unregistered before it was recorded), else the caller.
+  CASE WHEN i.function_version IS NOT NULL THEN i.function_owner
+    ELSE (SELECT u.name FROM users u WHERE u.id = i.owner_id) END AS code_owner,
+  extract(epoch FROM i.submitted_at) AS t_submitted,
+  extract(epoch FROM i.scheduled_at) AS t_scheduled,
+  extract(epoch FROM i.delivered_at) AS t_delivered,
+  extract(epoch FROM i.worker_acquired_at) AS t_worker_acquired,
+  extract(epoch FROM i.code_started_at) AS t_started,
+  extract(epoch FROM i.code_finished_at) AS t_finished,
+  extract(epoch FROM i.finished_at) AS t_stored,
+  extract(epoch FROM i.fetched_at) AS t_fetched, i.warm,
+  i.priority, i.preemptions, i.preempt_reason, i.queue_position, i.wait_reason
+"""
+
+
+# The three reads of whole invocations share to_invocation's long column list: it is
+# spliced in once, here, at import (print a constant for the statement as sent).
+
+_GET_INVOCATIONS = f"""
+SELECT {_invocation_columns()}
+FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id
+WHERE i.id = ANY($1::uuid[]) AND ($2::bigint IS NULL OR i.owner_id = $2)
+"""
+
+_CHANGED = f"""
+SELECT {_invocation_columns()}
+FROM unnest($1::uuid[], $2::int[]) AS c(id, seen)
+JOIN invocations i ON i.id = c.id AND ($3::bigint IS NULL OR i.owner_id = $3)
+LEFT JOIN nodes n ON n.id = i.node_id
+WHERE i.state IN ('succeeded', 'failed', 'timed_out', 'cancelled')
+  OR i.log_count > c.seen
+"""
+
+_LIST_INVOCATIONS = f"""
+SELECT {_invocation_columns("NULL::bytea")}
+FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id
+WHERE i.owner_id = $1
+ORDER BY i.seq DESC
+LIMIT $2
+"""
+
+_MARK_FETCHED = """
+UPDATE invocations SET fetched_at = clock_timestamp()
+WHERE id = ANY($1::uuid[]) AND owner_id = $2 AND fetched_at IS NULL
+  AND state IN ('succeeded', 'failed', 'timed_out', 'cancelled')
+RETURNING id, extract(epoch FROM fetched_at) AS t
+"""
+
+_MISSING = """
+SELECT c.id
+FROM unnest($1::uuid[]) AS c(id)
+LEFT JOIN invocations i ON i.id = c.id AND i.owner_id = $2
+WHERE i.id IS NULL
+"""
+
+_LOGS_AFTER = """
+SELECT l.invocation_id, l.n, l.stream, l.data
+FROM unnest($1::uuid[], $2::int[]) AS c(id, seen)
+JOIN invocation_logs l ON l.invocation_id = c.id AND l.n > c.seen
+ORDER BY l.invocation_id, l.n
+LIMIT $3
+"""
+
+_CANCEL = """
+WITH doomed AS (
+  SELECT id, node_id FROM invocations
+  WHERE id = ANY($1::uuid[]) AND owner_id = $2
+    AND state IN ('queued', 'assigned', 'running')
+  FOR UPDATE
+)
+UPDATE invocations i SET state = 'cancelled', finished_at = clock_timestamp(),
+  lease_expires_at = NULL
+FROM doomed
+WHERE i.id = doomed.id
+RETURNING i.id, doomed.node_id
+"""
+
+
+async def submit(
+    conn: asyncpg.Connection,
+    owner_id: int,
+    calls: Sequence[wire.CallSpec],
+    key: HttpKey | None = None,
+) -> list[str]:
+    """Insert the calls (exactly once per idempotency key) and return their ids in order.
+
+    A retried batch finds its earlier rows through ``(owner_id, idempotency_key)``. With an
+    Idempotency-Key header's ``key``, the request's key is taken in the same transaction
+    (``KeyTaken`` if another request has it)."""
+    ids = [uuid.uuid4() for _ in calls]
+    async with conn.transaction():
+        await _take_key(conn, owner_id, key, answered=True)
+        await conn.execute(
+            _SUBMIT,
+            owner_id,
+            ids,
+            [c.idempotency_key for c in calls],
+            [c.function_name for c in calls],
+            [c.gpus for c in calls],
+            [c.max_retries for c in calls],
+            [c.timeout_s for c in calls],
+            [c.payload for c in calls],
+            [None if c.payload_blob is None else uuid.UUID(c.payload_blob) for c in calls],
+            [c.payload_file for c in calls],
+            [c.priority for c in calls],
+            [c.gpu_model for c in calls],
+            [c.gpu_memory_mb for c in calls],
+            [c.expected_s for c in calls],
+            [c.payload_size for c in calls],
+            [None if c.caller_session is None else uuid.UUID(c.caller_session) for c in calls],
+        )
+        rows = await conn.fetch(_SUBMITTED, owner_id, [c.idempotency_key for c in calls])
+        by_ord = {int(r["ord"]): str(r["id"]) for r in rows}
+        made = [by_ord[i + 1] for i in range(len(calls))]
+        await _key_made(conn, owner_id, key, made)
+        await _notify(conn, "q")
+    return made
+
+
+async def live_payload_files(conn: Conn) -> set[str]:
+    """Payload files (relative to the shared directory) of calls that may still run."""
+    rows = await conn.fetch(_LIVE_PAYLOAD_FILES)
+    return {r["payload_file"] for r in rows}
+
+
+def to_invocation(row: asyncpg.Record) -> wire.Invocation:
+    return wire.Invocation(
+        id=str(row["id"]),
+        state=wire.State(row["state"]),
+        function_name=row["function_name"],
+        gpus=row["gpus"],
+        attempts=row["attempts"],
+        max_retries=row["max_retries"],
+        node=row["node"],
+        error_kind=None if row["error_kind"] is None else wire.ErrorKind(row["error_kind"]),
+        error_type=row["error_type"],
+        error_message=row["error_message"],
+        traceback=row["traceback"],
+        result=None if row["result"] is None else bytes(row["result"]),
+        result_blob=None if row["result_blob"] is None else str(row["result_blob"]),
+        result_file=row["result_file"],
+        log_count=row["log_count"],
+        timeline=wire.Timeline(
+            submitted=_f(row["t_submitted"]),
+            scheduled=_f(row["t_scheduled"]),
+            delivered=_f(row["t_delivered"]),
+            worker_acquired=_f(row["t_worker_acquired"]),
+            started=_f(row["t_started"]),
+            finished=_f(row["t_finished"]),
+            stored=_f(row["t_stored"]),
+            fetched=_f(row["t_fetched"]),
+            warm=row["warm"],
+        ),
+        priority=row["priority"],
+        preemptions=row["preemptions"],
+        preempt_reason=row["preempt_reason"],
+        queue_position=row["queue_position"] if row["state"] == "queued" else None,
+        wait_reason=row["wait_reason"] if row["state"] == "queued" else None,
+        function_version=row["function_version"],
+        result_json=None if row["result_json"] is None else msgspec.Raw(row["result_json"]),
+        result_json_error=row["result_json_error"],
+        code_owner=row["code_owner"],
+    )
+
+
+async def mark_fetched(conn: Conn, owner_id: int, ids: Sequence[str]) -> dict[str, float]:
+    """Record that their owner fetched these terminal invocations (the first time only; an
+    administrator reading another user's does not count); returns when, for those that were
+    not marked before."""
+    rows = await conn.fetch(_MARK_FETCHED, [uuid.UUID(i) for i in ids], owner_id)
+    return {str(r["id"]): float(r["t"]) for r in rows}
+
+
+async def get_invocations(
+    conn: Conn, owner_id: int | None, ids: Sequence[str]
+) -> list[wire.Invocation]:
+    """The invocations among ``ids`` that ``owner_id`` owns (others' are simply absent);
+    ``owner_id`` None: anyone's (an administrator)."""
+    rows = await conn.fetch(_GET_INVOCATIONS, [uuid.UUID(i) for i in ids], owner_id)
+    return [to_invocation(r) for r in rows]
+
+
+async def missing(conn: Conn, owner_id: int, ids: Sequence[str]) -> list[str]:
+    """The ids among ``ids`` that name no invocation of ``owner_id``."""
+    rows = await conn.fetch(_MISSING, list(ids), owner_id)
+    return [str(r["id"]) for r in rows]
+
+
+async def changed(
+    conn: Conn, owner_id: int | None, cursors: Sequence[tuple[str, int]]
+) -> list[wire.Invocation]:
+    """The invocations among the cursors ``(id, log chunks seen)`` that are terminal or have
+    unseen log chunks: what a watch answers with (``owner_id`` None: anyone's)."""
+    rows = await conn.fetch(
+        _CHANGED, [i for i, _ in cursors], [seen for _, seen in cursors], owner_id
+    )
+    return [to_invocation(r) for r in rows]
+
+
+async def list_invocations(conn: Conn, owner_id: int, limit: int) -> list[wire.Invocation]:
+    """The newest invocations of ``owner_id``, without their results (fetch one by id)."""
+    rows = await conn.fetch(_LIST_INVOCATIONS, owner_id, limit)
+    return [to_invocation(r) for r in rows]
+
+
+async def logs_after(
+    conn: Conn, cursors: Sequence[tuple[str, int]], limit: int
+) -> list[wire.LogChunk]:
+    """Log chunks past each cursor ``(invocation_id, seen)``; callers pass only owned ids."""
+    rows = await conn.fetch(
+        _LOGS_AFTER,
+        [uuid.UUID(i) for i, _ in cursors],
+        [seen for _, seen in cursors],
+        limit,
+    )
+    return [
+        wire.LogChunk(
+            invocation_id=str(r["invocation_id"]),
+            n=r["n"],
+            stream=wire.Stream(r["stream"]),
+            data=bytes(r["data"]),
+        )
+        for r in rows
+    ]
+
+
+async def cancel(conn: asyncpg.Connection, owner_id: int, ids: Sequence[str]) -> list[str]:
+    """Cancel the owner's non-terminal invocations among ``ids``; returns those cancelled.
+
+    A leased attempt is cancelled at once (its GPU counts as free again) and its node is told
+    to kill the worker: the node's next poll or heartbeat lists it as revoked."""
+    async with conn.transaction():
+        rows = await conn.fetch(_CANCEL, list(ids), owner_id)
+        if rows:
+            nodes = {f"n:{r['node_id']}" for r in rows if r["node_id"] is not None}
+            await _notify(conn, *(f"i:{r['id']}" for r in rows), "q", *sorted(nodes))
+    return [str(r["id"]) for r in rows]

@@ -1,0 +1,382 @@
+"""Nodes and their protocol: registration (each start of a nodelet is a new incarnation),
+polls for work (delivery), heartbeats (liveness, GPU health, lease renewal, stop orders),
+leaving, draining; and taking back the attempts a node lost."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import asyncpg
+import msgspec
+
+from bulletin import wire
+from gateway.db._common import (
+    _GPU_LIST,
+    _HEALTH_LIST,
+    _WARM_LIST,
+    Conn,
+    _f,
+    _note,
+    _notify,
+    _preempted_note,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    id: int
+    name: str
+    gpus: list[wire.GpuInfo]
+    cpu_slots: int
+    warm: list[wire.WarmWorker] = dataclasses.field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Drain:
+    draining: bool
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    name: str
+    gpus: int
+    cpu_slots: int
+    last_heartbeat: float | None
+    draining: bool
+    drain_reason: str | None
+    gpu_health: list[wire.GpuHealthReport]
+
+
+@dataclass(frozen=True, slots=True)
+class StopOrders:
+    """What a node must stop: attempts no longer leased to it, and attempts to preempt
+    (``(attempt, reason)``)."""
+
+    revoked: list[wire.Attempt]
+    preempt: list[tuple[wire.Attempt, str]]
+
+
+_REGISTER_NODE = """
+UPDATE nodes SET gpus = $2::jsonb, cpu_slots = $3, protocol_version = $4,
+  incarnation = incarnation + 1, registered_at = clock_timestamp(),
+  last_heartbeat = clock_timestamp()
+WHERE id = $1
+RETURNING incarnation
+"""
+
+_REGISTERED_NODES = """
+SELECT id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm
+FROM nodes
+WHERE registered_at IS NOT NULL
+ORDER BY id
+"""
+
+_LEAVE = """
+UPDATE nodes SET last_heartbeat = NULL WHERE id = $1 AND incarnation = $2
+"""
+
+_HEARTBEAT_NODE = """
+UPDATE nodes SET last_heartbeat = clock_timestamp(),
+  gpu_health = CASE WHEN $2 THEN $3::jsonb ELSE gpu_health END,
+  health_at = CASE WHEN $2 THEN clock_timestamp() ELSE health_at END,
+  drain_reason = CASE WHEN $4 <> '' AND NOT draining THEN $4 ELSE drain_reason END,
+  draining = draining OR $4 <> '', warm = $5::jsonb
+WHERE id = $1 AND incarnation = $6
+RETURNING draining, drain_reason
+"""
+
+_RENEW_LEASES = """
+UPDATE invocations i
+SET lease_expires_at = clock_timestamp() + make_interval(secs => $4)
+FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)
+WHERE i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1
+  AND i.state IN ('assigned', 'running')
+RETURNING i.id, i.preempt_at IS NOT NULL AS preempt, i.preempt_reason
+"""
+
+_SET_DRAINING = """
+UPDATE nodes SET draining = $2, drain_reason = $3 WHERE name = $1
+"""
+
+_NODE_STATUSES = """
+SELECT name, jsonb_array_length(gpus) AS gpus, cpu_slots,
+  extract(epoch FROM last_heartbeat) AS heard, draining, drain_reason,
+  gpu_health::text AS health
+FROM nodes
+ORDER BY name
+"""
+
+_STOP_ORDERS = """
+SELECT a.id, i.preempt_at IS NOT NULL AS preempt, i.preempt_reason
+FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)
+JOIN invocations i ON i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1
+  AND i.state IN ('assigned', 'running')
+"""
+
+_DELIVER = """
+UPDATE invocations i SET delivered_at = coalesce(i.delivered_at, clock_timestamp()),
+  lease_expires_at = clock_timestamp() + make_interval(secs => $5)
+FROM users u
+WHERE u.id = i.owner_id AND i.node_id = $1 AND i.state = 'assigned'
+  AND EXISTS (SELECT 1 FROM nodes n WHERE n.id = $1 AND n.incarnation = $6)
+  AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)
+    WHERE a.id = i.id AND a.epoch = i.epoch)
+RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,
+  i.owner_id, i.payload_file, i.arguments, i.function_owner,
+  u.name AS owner_name, u.is_admin AS owner_admin,
+  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload
+"""
+
+#: Which held attempts ``register_node`` takes back (``$1``: the node).
+_ON_NODE = "node_id = $1"
+
+
+def _take_back_sql(where: str, order: str, lock: str) -> str:
+    """The statement of :func:`_take_back`. Built per caller: which held attempts
+    (``where``), in which order (with a literal LIMIT when capped: see ``_queued_sql``), and
+    whether locked ones are skipped differ; the rest is the same. (``'{}'`` below is the
+    empty array, its braces doubled for the f-string.)"""
+    return f"""
+WITH lost AS (
+  SELECT id, preempt_at IS NOT NULL AS preempted,
+    -- An attempt never delivered never ran: like a preempted one, it is not counted.
+    preempt_at IS NOT NULL OR (state = 'assigned' AND delivered_at IS NULL) AS uncounted
+  FROM invocations
+  WHERE state IN ('assigned', 'running') AND ({where})
+  {order}
+  FOR UPDATE{lock}
+), e AS (
+  SELECT i.id, e.uncounted OR i.attempts <= i.max_retries AS requeue,
+    e.preempted, e.uncounted
+  FROM invocations i JOIN lost e ON e.id = i.id
+)
+UPDATE invocations i SET
+  state = CASE WHEN e.requeue THEN 'queued' ELSE 'failed' END,
+  attempts = i.attempts - e.uncounted::int,
+  preemptions = i.preemptions + e.preempted::int,
+  error_kind = CASE WHEN e.requeue THEN NULL ELSE 'node_lost' END,
+  error_message = CASE WHEN e.requeue THEN NULL ELSE $2
+    || ' after ' || i.attempts || ' attempt(s); raise max_retries to retry more' END,
+  finished_at = CASE WHEN e.requeue THEN NULL ELSE clock_timestamp() END,
+  scheduled_at = CASE WHEN e.requeue THEN NULL ELSE i.scheduled_at END,
+  node_id = NULL, gpu_indices = '{{}}', lease_expires_at = NULL,
+  borrowed = false, preempt_at = NULL
+FROM e
+WHERE i.id = e.id
+RETURNING i.id, i.state, e.preempted, e.uncounted,
+  i.preempt_reason, i.attempts, i.max_retries
+"""
+
+
+_JSON = msgspec.json.Encoder()
+
+
+def _node_row(r: asyncpg.Record) -> NodeRow:
+    return NodeRow(
+        r["id"],
+        r["name"],
+        _GPU_LIST.decode(r["gpus"]),
+        r["cpu_slots"],
+        _WARM_LIST.decode(r["warm"]),
+    )
+
+
+def _attempt_arrays(running: Sequence[wire.Attempt]) -> tuple[list[str], list[int]]:
+    """Attempts as two parallel arrays, for ``unnest($n::uuid[], $m::int[])``."""
+    return [a.invocation_id for a in running], [a.epoch for a in running]
+
+
+def _orders(running: Sequence[wire.Attempt], kept: dict[str, asyncpg.Record]) -> StopOrders:
+    """``kept``: the rows (``preempt``, ``preempt_reason``) of attempts still leased."""
+    return StopOrders(
+        revoked=[a for a in running if a.invocation_id not in kept],
+        preempt=[
+            (a, kept[a.invocation_id]["preempt_reason"] or "")
+            for a in running
+            if a.invocation_id in kept and kept[a.invocation_id]["preempt"]
+        ],
+    )
+
+
+async def register_node(
+    conn: asyncpg.Connection,
+    node_id: int,
+    gpus: list[wire.GpuInfo],
+    cpu_slots: int,
+    protocol_version: int,
+) -> tuple[int, list[tuple[str, str]]]:
+    """A new incarnation of the node (a nodelet started): returns its number, and what its
+    earlier incarnations held (``(invocation_id, new_state)``), taken back in the same
+    transaction. Nothing leased to an earlier incarnation is delivered to this one: it went
+    back to the queue with its attempt counted (or failed ``node_lost``), and the next
+    assignment moves its epoch on."""
+    async with conn.transaction():
+        incarnation = await conn.fetchval(
+            _REGISTER_NODE,
+            node_id,
+            msgspec.json.encode(gpus).decode(),
+            cpu_slots,
+            protocol_version,
+        )
+        taken = await _take_back(
+            conn,
+            _ON_NODE,
+            "the nodelet running this call restarted, and what it ran was lost (node lost)",
+            node_id,
+            skip_locked=False,
+        )
+        await _notify(conn, "q")
+    return int(incarnation), taken
+
+
+async def registered_nodes(conn: Conn) -> list[NodeRow]:
+    """Every node that has registered, draining or not, live or not: what the cluster has."""
+    return [_node_row(r) for r in await conn.fetch(_REGISTERED_NODES)]
+
+
+async def leave(conn: Conn, node_id: int, incarnation: int) -> None:
+    """The node's ``incarnation`` is stopping: no more work goes to it until it registers
+    again (not if a later incarnation registered meanwhile)."""
+    await conn.execute(_LEAVE, node_id, incarnation)
+
+
+async def _take_back(
+    conn: asyncpg.Connection,
+    where: str,
+    lost: str,
+    arg: object,
+    *,
+    most: int | None = None,
+    skip_locked: bool = True,
+) -> list[tuple[str, str]]:
+    """Take back the held attempts matching ``where`` (SQL on ``invocations``, ``$1`` being
+    ``arg``): requeue those being preempted without using a retry, the others while retries
+    remain; fail the rest ``node_lost``, saying ``lost`` (what happened to the node) first.
+    An attempt its node never got (assigned, not delivered) never ran: it is requeued
+    uncounted too. At most ``most``, those expired longest first (a literal LIMIT: see
+    _queued_sql). Each call's log says what happened (:func:`_note`). The caller holds a
+    transaction."""
+    # In id order (and expired longest first when capped): concurrent takers lock alike.
+    order = "ORDER BY id" if most is None else f"ORDER BY lease_expires_at, id LIMIT {int(most)}"
+    lock = " SKIP LOCKED" if skip_locked else ""
+    rows = await conn.fetch(_take_back_sql(where, order, lock), arg, lost)
+    if rows:
+        await _note(conn, [(str(r["id"]), _requeue_note(r, lost)) for r in rows])
+        await _notify(conn, *(f"i:{r['id']}" for r in rows), "q")
+    return [(str(r["id"]), r["state"]) for r in rows]
+
+
+def _requeue_note(row: asyncpg.Record, lost: str) -> str:
+    """What a call's log says when its attempt was taken back."""
+    if row["preempted"]:
+        return _preempted_note(row["preempt_reason"])
+    if row["uncounted"]:
+        return f"{lost} before the call reached it: queued again; no attempt is counted"
+    if row["state"] == "queued":
+        return (
+            f"{lost}: queued again to run from the start (attempt {row['attempts'] + 1} of "
+            f"at most {row['max_retries'] + 1})"
+        )
+    return f"{lost}: no retries left (max_retries={row['max_retries']}); the call failed"
+
+
+async def heartbeat(
+    conn: asyncpg.Connection,
+    node_id: int,
+    incarnation: int,
+    running: Sequence[wire.Attempt],
+    lease_s: float,
+    health: Sequence[wire.GpuHealthReport] = (),
+    warm: Sequence[wire.WarmWorker] = (),
+) -> tuple[StopOrders, Drain]:
+    """Mark the node alive, store its GPUs' health (a critical GPU drains the node), renew
+    the leases it still holds; return the attempts it must stop and whether it drains. The
+    node row is written only for its current ``incarnation`` (a heartbeat of an earlier one
+    in flight across a new registration changes nothing of it)."""
+    critical = "; ".join(f"GPU {h.index}: {h.critical}" for h in health if h.critical)
+    async with conn.transaction():
+        row = await conn.fetchrow(
+            _HEARTBEAT_NODE,
+            node_id,
+            bool(health),
+            _JSON.encode(list(health)).decode(),
+            critical,
+            _JSON.encode(list(warm)).decode(),
+            incarnation,
+        )
+        held = await conn.fetch(_RENEW_LEASES, node_id, *_attempt_arrays(running), lease_s)
+    orders = _orders(running, {str(r["id"]): r for r in held})
+    drain = Drain(bool(row["draining"]), row["drain_reason"]) if row else Drain(False, None)
+    return orders, drain
+
+
+async def set_draining(conn: Conn, name: str, draining: bool, reason: str | None) -> bool:
+    """Drain (no new work) or undrain a node by name; False if there is no such node."""
+    status = await conn.execute(_SET_DRAINING, name, draining, reason if draining else None)
+    if status.endswith(" 1") and not draining:
+        await _notify(conn, "q")  # it may take work again
+    return status.endswith(" 1")
+
+
+async def node_statuses(conn: Conn) -> list[NodeStatus]:
+    rows = await conn.fetch(_NODE_STATUSES)
+    return [
+        NodeStatus(
+            r["name"],
+            r["gpus"],
+            r["cpu_slots"],
+            _f(r["heard"]),
+            r["draining"],
+            r["drain_reason"],
+            _HEALTH_LIST.decode(r["health"]),
+        )
+        for r in rows
+    ]
+
+
+async def stop_orders(conn: Conn, node_id: int, running: Sequence[wire.Attempt]) -> StopOrders:
+    """Of the attempts in ``running``: those no longer leased to this node, and those the
+    scheduler preempts."""
+    if not running:
+        return StopOrders([], [])
+    rows = await conn.fetch(_STOP_ORDERS, node_id, *_attempt_arrays(running))
+    return _orders(running, {str(r["id"]): r for r in rows})
+
+
+async def deliver(
+    conn: Conn,
+    node_id: int,
+    incarnation: int,
+    running: Sequence[wire.Attempt],
+    inline_limit: int,
+    lease_s: float,
+) -> list[wire.Assignment]:
+    """Assigned work of this node that it does not already run, if ``incarnation`` is still
+    the node's (a poll that waited while a new start registered gets nothing). Redelivered
+    until the node starts it, so a lost poll answer loses nothing. Delivery renews the lease:
+    the node starts its own lease clock on receipt, and must never believe in more lease than
+    it has."""
+    rows = await conn.fetch(
+        _DELIVER, node_id, *_attempt_arrays(running), inline_limit, lease_s, incarnation
+    )
+    return [
+        wire.Assignment(
+            invocation_id=str(r["id"]),
+            epoch=r["epoch"],
+            gpu_indices=list(r["gpu_indices"]),
+            timeout_s=r["timeout_s"],
+            function_name=r["function_name"],
+            payload_size=r["payload_size"],
+            payload=None if r["payload"] is None else bytes(r["payload"]),
+            payload_file=r["payload_file"],
+            owner=str(r["owner_id"]),
+            owner_name=r["owner_name"] or "",
+            owner_admin=bool(r["owner_admin"]),
+            function_owner=r["function_owner"] or "",
+            arguments=None if r["arguments"] is None else bytes(r["arguments"]),
+        )
+        for r in rows
+    ]

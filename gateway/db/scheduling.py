@@ -1,0 +1,263 @@
+"""What the scheduler loop reads and commits: the leader lock, its snapshot (live nodes,
+leases, each user's queue head), placements and preemptions, why calls wait, and lease
+expiry (taking back what nodes stopped renewing)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+
+import asyncpg
+
+from gateway.db._common import PREEMPTING_PROTOCOL, SAFE_PROTOCOL, Conn, _notify
+from gateway.db.nodes import NodeRow, _node_row, _take_back
+from scheduler import Pending, Running
+
+#: The session advisory lock the scheduling leader holds (migrations take 7242001).
+LEADER_LOCK = 7242002
+
+_TRY_LEAD = """
+-- Held for as long as the session lasts: the leader's connection dropping frees it.
+SELECT pg_try_advisory_lock($1)
+"""
+
+# The protocol numbers in the next two statements are Python's constants (_common), put in
+# as literals at import.
+
+_LIVE_NODES = f"""
+SELECT id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm
+FROM nodes
+WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) AND NOT draining
+  AND protocol_version >= {SAFE_PROTOCOL}
+ORDER BY id
+"""
+
+_LIVE_NODES_LOCKED = f"""
+SELECT id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm
+FROM nodes
+WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) AND NOT draining
+  AND protocol_version >= {SAFE_PROTOCOL}
+ORDER BY id
+FOR UPDATE
+"""
+
+_LEASES = f"""
+SELECT i.id::text AS id, i.node_id, i.gpu_indices, u.name AS "user",
+  u.group_name AS "group", i.function_name AS function, i.priority, i.borrowed,
+  i.preempt_at IS NOT NULL AS preempting,
+  extract(epoch FROM coalesce(i.scheduled_at, i.submitted_at))::float8 AS start_time,
+  coalesce(i.expected_s, i.timeout_s) AS expected_s,
+  -- Preempting frees GPUs only; nodelets before protocol 2 cannot be told to.
+  i.gpus > 0 AND n.protocol_version >= {PREEMPTING_PROTOCOL} AS preemptible
+FROM invocations i
+JOIN users u ON u.id = i.owner_id
+JOIN nodes n ON n.id = i.node_id
+WHERE i.state IN ('assigned', 'running')
+"""
+
+_ASSIGN = """
+UPDATE invocations i SET state = 'assigned', node_id = d.node_id,
+  gpu_indices = d.gpus::int[], attempts = i.attempts + 1, epoch = i.epoch + 1,
+  log_ack = -1, scheduled_at = clock_timestamp(), delivered_at = NULL, started_at = NULL,
+  worker_acquired_at = NULL, code_started_at = NULL, code_finished_at = NULL, warm = NULL,
+  borrowed = d.borrowed, preempt_at = NULL, queue_position = NULL, wait_reason = NULL,
+  lease_expires_at = clock_timestamp() + make_interval(secs => $4)
+FROM unnest($1::uuid[], $2::bigint[], $3::text[], $5::bool[])
+  AS d(id, node_id, gpus, borrowed)
+WHERE i.id = d.id AND i.state = 'queued'
+RETURNING i.id, i.node_id
+"""
+
+_PREEMPT = """
+UPDATE invocations i SET preempt_at = clock_timestamp(), preempt_reason = p.reason
+FROM unnest($1::uuid[], $2::text[]) AS p(id, reason)
+WHERE i.id = p.id AND i.state IN ('assigned', 'running') AND i.preempt_at IS NULL
+RETURNING i.id, i.node_id
+"""
+
+_EXPLAIN_WAITS = """
+UPDATE invocations i SET queue_position = w.position, wait_reason = w.reason
+FROM unnest($1::uuid[], $2::int[], $3::text[]) AS w(id, position, reason)
+WHERE i.id = w.id AND i.state = 'queued'
+  AND (i.queue_position, i.wait_reason) IS DISTINCT FROM (w.position, w.reason)
+"""
+
+#: Which held attempts ``expire_leases`` takes back (``$1``: how old a preemption is overdue).
+_EXPIRED = (
+    "lease_expires_at < clock_timestamp()"
+    " OR preempt_at < clock_timestamp() - make_interval(secs => $1)"
+)
+
+_SILENCE = """
+SELECT count(*) FILTER (WHERE i.lease_expires_at < clock_timestamp()) AS overdue,
+  count(DISTINCT i.node_id) AS holding,
+  count(DISTINCT i.node_id) FILTER (WHERE n.last_heartbeat IS NULL
+    OR n.last_heartbeat < clock_timestamp() - make_interval(secs => $1)) AS silent
+FROM invocations i JOIN nodes n ON n.id = i.node_id
+WHERE i.state IN ('assigned', 'running')
+"""
+
+_EXTEND_LEASES = """
+WITH held AS (
+  SELECT id FROM invocations
+  WHERE state IN ('assigned', 'running')
+    AND lease_expires_at < clock_timestamp() + make_interval(secs => $1)
+  ORDER BY id
+  FOR UPDATE SKIP LOCKED
+)
+UPDATE invocations i SET lease_expires_at = clock_timestamp() + make_interval(secs => $1)
+FROM held
+WHERE i.id = held.id
+"""
+
+
+def _queued_sql(per_user: int, most: int, late_s: float) -> str:
+    # The LIMITs are literals on purpose: as prepared-statement parameters PostgreSQL
+    # switched to a generic plan that ran for minutes on a 120k-row backlog. Per user, through
+    # the (owner_id, seq) index: a long backlog of one user must not hide everyone else's
+    # calls; the users' heads are taken in turns up to ``most``, then put in queue order.
+    return f"""
+SELECT id, gpus, "user", "group", function, priority, gpu_model, min_memory_mib,
+  submit_time, expected_s
+FROM (
+  SELECT q.id::text AS id, q.gpus, u.name AS "user", u.group_name AS "group",
+    q.function_name AS function, q.priority, q.gpu_model,
+    coalesce(q.gpu_memory_mb, 0) AS min_memory_mib,
+    extract(epoch FROM q.submitted_at)::float8 AS submit_time,
+    coalesce(q.expected_s, q.timeout_s) AS expected_s, q.seq, q.turn
+  FROM users u CROSS JOIN LATERAL (
+    SELECT id, gpus, function_name, priority, gpu_model, gpu_memory_mb, seq, submitted_at,
+      expected_s, timeout_s, row_number() OVER (ORDER BY seq) AS turn
+    FROM invocations i
+    WHERE owner_id = u.id AND state = 'queued' AND (caller_session IS NULL
+      -- A call whose caller is late is not started: it is cancelled if the caller is gone.
+      -- (A session row a database crash lost, written without waiting for the WAL, leaves
+      -- its calls as if detached.)
+      OR NOT EXISTS (SELECT 1 FROM caller_sessions s WHERE s.owner_id = u.id
+        AND s.id = i.caller_session
+        AND s.seen_at < clock_timestamp() - make_interval(secs => {float(late_s)!r})))
+    ORDER BY seq LIMIT {int(per_user)}
+  ) q
+  ORDER BY q.turn, q.seq LIMIT {int(most)}
+) heads
+ORDER BY seq
+"""
+
+
+async def try_lead(conn: asyncpg.Connection) -> bool:
+    """Take the scheduling leader lock if no other session holds it; it stays this
+    connection's until the connection closes."""
+    return bool(await conn.fetchval(_TRY_LEAD, LEADER_LOCK))
+
+
+async def live_nodes(
+    conn: Conn, heartbeat_timeout_s: float, *, lock: bool = False
+) -> list[NodeRow]:
+    """Nodes heard from within the timeout and not draining: those that may get new work.
+    With ``lock``, their rows stay locked until the transaction ends (the scheduler plans and
+    commits under these locks)."""
+    rows = await conn.fetch(_LIVE_NODES_LOCKED if lock else _LIVE_NODES, heartbeat_timeout_s)
+    return [_node_row(r) for r in rows]
+
+
+async def leases(conn: Conn) -> list[Running]:
+    """Every call holding resources on a node (assigned or running), as the scheduler sees
+    it; ``start_time`` is when it got them (database clock)."""
+    rows = await conn.fetch(_LEASES)
+    return [Running(**{**r, "gpu_indices": tuple(r["gpu_indices"])}) for r in rows]
+
+
+async def queued(conn: Conn, per_user: int, most: int, late_s: float = 1e9) -> list[Pending]:
+    """The first ``per_user`` queued calls of every user, at most ``most`` in all (the
+    users' heads in turns), in queue (submission) order, as the scheduler sees them; not
+    those whose caller session has not kept alive for ``late_s``."""
+    if per_user <= 0 or most <= 0:
+        return []
+    return [Pending(**r) for r in await conn.fetch(_queued_sql(per_user, most, late_s))]
+
+
+async def assign(
+    conn: asyncpg.Connection,
+    decisions: Sequence[tuple[str, int, Sequence[int], bool]],
+    lease_s: float,
+) -> list[tuple[str, int]]:
+    """Lease still-queued invocations to nodes: ``(invocation_id, node_id, gpu_indices,
+    borrowed)``. Returns the (invocation_id, node_id) pairs actually assigned (a call
+    cancelled meanwhile is skipped). The caller holds the node rows locked
+    (``live_nodes(lock=True)``) and computed capacity under that lock, in the same
+    transaction."""
+    rows = await conn.fetch(
+        _ASSIGN,
+        [uuid.UUID(d[0]) for d in decisions],
+        [d[1] for d in decisions],
+        ["{" + ",".join(map(str, d[2])) + "}" for d in decisions],
+        lease_s,
+        [d[3] for d in decisions],
+    )
+    return [(str(r["id"]), int(r["node_id"])) for r in rows]
+
+
+async def preempt(
+    conn: asyncpg.Connection, preemptions: Sequence[tuple[str, str]]
+) -> list[tuple[str, int]]:
+    """Tell the nodes running these calls to stop them: ``(invocation_id, reason)``. Their
+    nodes see it in their next poll or heartbeat, give the call its grace, then hand it back
+    (``release``) and it is queued again. Returns (invocation_id, node_id) of those marked."""
+    if not preemptions:
+        return []
+    rows = await conn.fetch(
+        _PREEMPT, [uuid.UUID(p[0]) for p in preemptions], [p[1] for p in preemptions]
+    )
+    await _notify(conn, *(f"i:{r['id']}" for r in rows))
+    return [(str(r["id"]), int(r["node_id"])) for r in rows]
+
+
+async def explain_waits(conn: Conn, waits: Sequence[tuple[str, int, str]]) -> None:
+    """Store where queued calls stand and why they wait: ``(id, position, reason)``."""
+    if not waits:
+        return
+    await conn.execute(
+        _EXPLAIN_WAITS,
+        [uuid.UUID(w[0]) for w in waits],
+        [w[1] for w in waits],
+        [w[2] for w in waits],
+    )
+
+
+async def notify_nodes(conn: Conn, node_ids: Iterable[int]) -> None:
+    await _notify(conn, *(f"n:{n}" for n in sorted(set(node_ids))))
+
+
+async def expire_leases(
+    conn: asyncpg.Connection, preempt_overdue_s: float | None = None, most: int | None = None
+) -> list[tuple[str, str]]:
+    """Return at most ``most`` attempts whose lease ran out to the queue (epoch moves on at
+    the next assignment) while retries remain, else fail them as ``node_lost``. An attempt
+    being preempted is queued again without using a retry, as if handed back; so is one whose
+    preemption is more than ``preempt_overdue_s`` old (its node never handed it back: it
+    sees it revoked). Returns (invocation_id, new_state) pairs."""
+    overdue = 1e9 if preempt_overdue_s is None else preempt_overdue_s
+    async with conn.transaction():
+        return await _take_back(
+            conn,
+            _EXPIRED,
+            "the node running this call stopped renewing its lease (node lost)",
+            overdue,
+            most=most,
+        )
+
+
+async def silence(conn: Conn, silent_s: float) -> tuple[int, int, int]:
+    """Of the held attempts (assigned or running), how many leases ran out; how many nodes
+    hold attempts; and how many of those have not been heard from for ``silent_s`` (or
+    left)."""
+    row = await conn.fetchrow(_SILENCE, silent_s)
+    assert row is not None
+    return int(row["overdue"]), int(row["holding"]), int(row["silent"])
+
+
+async def extend_leases(conn: Conn, lease_s: float) -> int:
+    """Give every held attempt at least a full lease from now: while the database was away
+    no node could renew, and none may lose its work for that. Returns how many."""
+    status = await conn.execute(_EXTEND_LEASES, lease_s)
+    return int(status.split()[-1])
