@@ -72,10 +72,8 @@ def own_cgroup_dir(version: int, pid: int, controller: str = "memory") -> str:
     """The directory of process ``pid``'s cgroup in the v2 hierarchy, or in the v1 hierarchy
     of ``controller``; LimitUnavailable when there is none or it is not visible."""
     try:
-        with open(f"/proc/{pid}/mountinfo") as file:
-            mounts = cgroup_mounts(file.read())
-        with open(f"/proc/{pid}/cgroup") as file:
-            paths = own_cgroups(file.read())
+        mounts = cgroup_mounts(procs.mountinfo(pid))
+        paths = own_cgroups(procs.cgroup_membership(pid))
     except OSError as exc:
         raise LimitUnavailable(f"cannot read this process's cgroups: {why(exc)}") from None
     key = "" if version == 2 else controller
@@ -98,8 +96,7 @@ def own_cgroup_dir(version: int, pid: int, controller: str = "memory") -> str:
 def on_v1(controller: str, pid: int) -> bool:
     """Whether ``controller`` is bound to a mounted cgroup v1 hierarchy."""
     try:
-        with open(f"/proc/{pid}/mountinfo") as file:
-            mounts = cgroup_mounts(file.read())
+        mounts = cgroup_mounts(procs.mountinfo(pid))
     except OSError:
         return False
     return any(m.version == 1 and controller in m.controllers for m in mounts)
@@ -186,7 +183,7 @@ def sweep(here: str) -> None:
             prefix, _, owner = name.rpartition("-")
             if prefix not in ("bulletin", "bulletin-nodelet") or not owner.isdigit():
                 continue
-            if os.path.exists(f"/proc/{owner}"):
+            if procs.exists(owner):
                 continue
             with contextlib.suppress(OSError):
                 remove_tree(os.path.join(here, name))

@@ -349,8 +349,7 @@ def _is_a_nodelet_cgroup(directory: str) -> bool:
     if not os.path.basename(directory).startswith("bulletin-") or os.path.islink(directory):
         return False
     try:
-        with open("/proc/self/mountinfo") as file:
-            mounts = cgroups.cgroup_mounts(file.read())
+        mounts = cgroups.cgroup_mounts(procs.mountinfo())
     except OSError:
         return False
     return os.path.isdir(directory) and any(

@@ -610,7 +610,7 @@ class WorkerPool:
         if self.max_calls and worker.calls >= self.max_calls:
             return f"it ran {worker.calls} calls (worker_max_calls)"
         if self.max_rss_mb:
-            rss = _rss_mb(worker.pid)
+            rss = procs.rss_mb(worker.pid)
             if rss is not None and rss > self.max_rss_mb:
                 return f"{rss} MiB resident, over {self.max_rss_mb} MiB (worker_max_rss_mb)"
         return None
@@ -777,15 +777,3 @@ class WorkerPool:
             worker.returncode,
             stderr.decode(errors="replace").strip()[-2000:] or "no output",
         )
-
-
-def _rss_mb(pid: int) -> int | None:
-    """A process's resident memory in MiB (VmRSS), or None if it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) // 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

@@ -197,16 +197,53 @@ def _is(stat: Stat | None, start: int) -> bool:
     return stat is not None and stat.alive and stat.start == start
 
 
-def uids(pid: int) -> tuple[int, ...] | None:
-    """Process ``pid``'s real, effective, saved and filesystem uids, or None if it is gone."""
+def status_field(pid: int | str, name: str) -> list[str] | None:
+    """The words of field ``name`` (e.g. ``Uid``) of ``/proc/PID/status``, or None if the
+    process is gone or has no such field."""
+    prefix = name.encode() + b":"
     try:
         with open(f"/proc/{pid}/status", "rb") as file:
             for line in file:
-                if line.startswith(b"Uid:"):
-                    return tuple(int(field) for field in line.split()[1:])
-    except (OSError, ValueError):
+                if line.startswith(prefix):
+                    return line.decode("ascii", "replace").split()[1:]
+    except OSError:
         return None
     return None
+
+
+def uids(pid: int) -> tuple[int, ...] | None:
+    """Process ``pid``'s real, effective, saved and filesystem uids, or None if it is gone."""
+    try:
+        return tuple(int(field) for field in status_field(pid, "Uid") or ()) or None
+    except ValueError:
+        return None
+
+
+def rss_mb(pid: int) -> int | None:
+    """Process ``pid``'s resident memory in MiB (VmRSS), or None if it cannot be read."""
+    words = status_field(pid, "VmRSS")
+    try:
+        return int(words[0]) // 1024 if words else None
+    except ValueError:
+        return None
+
+
+def exists(pid: int | str) -> bool:
+    """Whether a process ``pid`` exists (any state, zombies too)."""
+    return os.path.exists(f"/proc/{pid}")
+
+
+def mountinfo(pid: int | str = "self") -> str:
+    """``/proc/PID/mountinfo`` (what that process sees mounted); OSError if unreadable."""
+    with open(f"/proc/{pid}/mountinfo") as file:
+        return file.read()
+
+
+def cgroup_membership(pid: int | str = "self") -> str:
+    """``/proc/PID/cgroup`` (that process's cgroup in each hierarchy); OSError if
+    unreadable."""
+    with open(f"/proc/{pid}/cgroup") as file:
+        return file.read()
 
 
 def ancestors(pid: int) -> list[int]:

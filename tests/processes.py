@@ -1,8 +1,9 @@
 """Processes as the tests see them: alive or gone, and what a call starts to outlive it.
 
-A process is alive while ``/proc/PID/stat`` says it runs; a zombie waiting to be reaped is
-dead. :func:`start_escapees` runs inside calls (it is pickled by value), so it imports what
-it uses itself.
+A process is alive while its ``/proc/PID/stat`` (read by :mod:`nodelet.procs`, the one
+reader of ``/proc``) says it runs; a zombie waiting to be reaped is dead.
+:func:`start_escapees` runs inside calls (it is pickled by value), so it imports what it
+uses itself.
 """
 
 from __future__ import annotations
@@ -11,17 +12,15 @@ import sys
 
 import cloudpickle
 
+from nodelet import procs
+
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def state(pid: int) -> str | None:
     """The process's state letter (``R``, ``S``, ``Z``...), None when there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-            return stat.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return None
+    stat = procs.read_stat(pid)
+    return None if stat is None else stat.state
 
 
 def alive(pid: int) -> bool:
@@ -31,8 +30,9 @@ def alive(pid: int) -> bool:
 
 def parent(pid: int) -> int:
     """The process's parent pid."""
-    with open(f"/proc/{pid}/stat", "rb") as stat:
-        return int(stat.read().rsplit(b")", 1)[1].split()[1])
+    stat = procs.read_stat(pid)
+    assert stat is not None, f"process {pid} is gone"
+    return stat.ppid
 
 
 def start_escapees(seconds: float) -> list[int]:

@@ -170,3 +170,46 @@ def test_a_process_without_children_is_childless_and_one_with_a_zombie_is_not(
     assert parent.stdout is not None and parent.stdout.readline() == b"ready\n"
     assert not procs.childless(parent.pid)  # its child is a zombie it never reaps
     assert set(procs.tree({parent.pid: procs.start_time(parent.pid) or 0})) == {parent.pid}
+
+
+def test_status_fields_memory_and_mounts_come_from_one_reader() -> None:
+    me = os.getpid()
+    uids = procs.uids(me)
+    assert uids is not None and uids[:3] == os.getresuid()
+    rss = procs.rss_mb(me)
+    assert rss is not None and rss > 1
+    assert procs.status_field(me, "NoSuchField") is None
+    assert procs.rss_mb(2**22 + 7) is None  # beyond pid_max: never a process
+    assert procs.exists(me) and not procs.exists(2**22 + 7)
+    assert " / " in procs.mountinfo()
+    assert procs.cgroup_membership().strip()
+
+
+def test_no_module_but_procs_reads_proc() -> None:
+    """`/proc` is parsed in one place (nodelet/procs.py): the others ask it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for package in ("bulletin", "gateway", "nodelet", "sdk", "scheduler", "cli"):
+        for path in (root / package).rglob("*.py"):
+            if path == root / "nodelet" / "procs.py":
+                continue
+            tree = ast.parse(path.read_text())
+            docstrings = {
+                id(node.body[0].value)
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Module | ast.FunctionDef | ast.ClassDef)
+                and node.body
+                and isinstance(node.body[0], ast.Expr)
+            }
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Constant)
+                    and isinstance(node.value, str)
+                    and id(node) not in docstrings
+                    and node.value.startswith("/proc")
+                ):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, f"/proc read outside nodelet/procs.py: {found}"
