@@ -35,15 +35,29 @@ OCTET_STREAM = "application/octet-stream"
 
 # Constrained types for what clients send: values PostgreSQL can store (int4, text without
 # NUL bytes, uuid), rejected with a 422 at decoding rather than failing deep in the database.
+# The constraints and descriptions (msgspec.Meta) of the Structs' fields are the one statement
+# of each rule: decoding enforces them, openapi.yaml publishes them (scripts/openapi.py
+# generates its schemas), and the gateway's 422 quotes a field's description, so a
+# description says the rule in words. Rules across fields (exactly one of the payloads) and
+# rules that depend on the cluster or the caller (the inline limit, an administrator's
+# priority) are checked by the gateway's routes.
 Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+#: A count or a position: 0 or more, and an int4.
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+#: A size in bytes, small enough that the database can add many of them up.
+ByteSize = Annotated[int, msgspec.Meta(ge=0, le=2**62, description="A size in bytes: 0 or more.")]
 #: A time as seconds since the epoch that PostgreSQL can store (no NaN, no infinity).
-Epoch = Annotated[float, msgspec.Meta(ge=0, le=1e11)]
+Epoch = Annotated[
+    float,
+    msgspec.Meta(ge=0, le=1e11, description="A time in seconds since the epoch (0 to 1e11)."),
+]
 Text = Annotated[str, msgspec.Meta(pattern="^[^\\x00]*$")]
 Name = Annotated[str, msgspec.Meta(pattern="^[^\\x00]*$", max_length=200)]
 Id = Annotated[
     str,
     msgspec.Meta(
-        pattern="^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
+        pattern="^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$",
+        description="A UUID (32 hex digits; the hyphens are optional).",
     ),
 ]
 
@@ -125,9 +139,20 @@ class _Request(_Msg, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
 # ---------------------------------------------------------------- user side (sdk <-> gateway)
 
+#: The most calls one SubmitRequest may carry, and invocations one watch or cancel may name.
+MAX_SUBMIT = 1000
+MAX_WATCH = 1000
+MAX_RETRIES = 10
 
 #: A name that is also a path segment (users, groups, registered functions).
 SLUG = "[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+#: Slug's rule, in words for error messages.
+SLUG_RULE = "use letters, digits, '.', '_' and '-' (at most 64, starting with a letter or digit)"
+Slug = Annotated[str, msgspec.Meta(pattern=f"^{SLUG}$", description=f"A name: {SLUG_RULE}.")]
+#: A group's name: also a path segment of the admin API.
+GroupName = Slug
+#: A registered function's name: also a path segment.
+FunctionName = Slug
 #: Paths inside the cluster's shared directory (the NAS) that calls may name, relative to
 #: its root: payload files written by the owner's sdk and result files written by the
 #: owner's worker, each in its owner's directory (bulletin/shared.py).
@@ -137,14 +162,78 @@ SharedPayload = Annotated[
     str, msgspec.Meta(pattern=rf"^bulletin/users/{SLUG}/payload-{_STEM}\.bin$")
 ]
 SharedResult = Annotated[str, msgspec.Meta(pattern=rf"^bulletin/users/{SLUG}/result-{_STEM}\.bin$")]
-#: A GPU model name to match, as NVML reports it ("NVIDIA A100-SXM4-80GB" matches "A100").
-GpuModel = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9 _.-]{1,64}$")]
-MAX_RETRIES = 10
-#: What a call asks for, as the gateway takes it (the published schema says exactly this):
-#: a GPU count (0: CPU only), retries on infrastructure failure, and positive seconds.
-GpuCount = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
-Retries = Annotated[int, msgspec.Meta(ge=0, le=MAX_RETRIES)]
+
+# What a call asks for, as the gateway takes it: CallSpec, and FunctionResources for every
+# invocation of a registered function.
+GpuCount = Annotated[
+    int,
+    msgspec.Meta(
+        ge=0,
+        le=2**31 - 1,
+        description="The number of GPUs the call needs: 0 (CPU only) or more.",
+    ),
+]
+Retries = Annotated[
+    int,
+    msgspec.Meta(
+        ge=0,
+        le=MAX_RETRIES,
+        description=(
+            "How often the call may run again when its infrastructure failed (its node was "
+            f"lost, its worker died): 0 to {MAX_RETRIES}. An exception the call raised is "
+            "never retried."
+        ),
+    ),
+]
+#: A positive number of seconds.
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
+TimeLimit = Annotated[
+    Seconds | None,
+    msgspec.Meta(
+        description=(
+            "The call's time limit in seconds, more than 0 and at most 1e9 (a call still "
+            "running then ends `timed_out`); null: no limit."
+        )
+    ),
+]
+ExpectedSeconds = Annotated[
+    Seconds | None,
+    msgspec.Meta(
+        description=(
+            "How long the call is expected to run, in seconds (more than 0, at most 1e9): "
+            "lets FIFO backfill past it. Null: its time limit (`timeout_s`) is used."
+        )
+    ),
+]
+Priority = Annotated[
+    int,
+    msgspec.Meta(
+        ge=-1000,
+        le=1000,
+        description=(
+            "Higher goes first, before fair share: -1000 to 1000. Users may only lower it "
+            "(below 0, to let others go first, like SLURM's nice); administrators may raise it."
+        ),
+    ),
+]
+#: What a GpuModel is: part of a GPU model name.
+GPU_MODEL = "^[A-Za-z0-9 _.-]{1,64}$"
+#: A GPU model name to match, as NVML reports it ("NVIDIA A100-SXM4-80GB" matches "A100").
+GpuModel = Annotated[
+    Annotated[str, msgspec.Meta(pattern=GPU_MODEL)] | None,
+    msgspec.Meta(
+        description=(
+            "Only GPUs whose model name contains this (case-insensitive), e.g. `A100`: 1 to 64 "
+            "letters, digits, spaces, '.', '_' and '-'. Null: any model."
+        )
+    ),
+]
+GpuMemory = Annotated[
+    Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None,
+    msgspec.Meta(
+        description="Only GPUs with at least this much memory, in MiB (0 or more). Null: any."
+    ),
+]
 
 
 class CallSpec(_Request, frozen=True, kw_only=True):
@@ -152,43 +241,114 @@ class CallSpec(_Request, frozen=True, kw_only=True):
     first) and ``payload_file`` (written to the shared directory, relative to its root)
     carries the pickled call (an envelope: ``bulletin/pickling/envelope.py``)."""
 
-    idempotency_key: Name = ""
-    function_name: Name = ""
+    idempotency_key: Annotated[
+        Name,
+        msgspec.Meta(
+            description=(
+                "Submission is exactly-once per key per user: a call whose key this user "
+                "already submitted is not queued again, and answers that invocation's id. At "
+                "most 200 characters, distinct within one request; empty: the gateway makes "
+                "one up (so a retry cannot be recognised)."
+            )
+        ),
+    ] = ""
+    function_name: Annotated[
+        Name,
+        msgspec.Meta(
+            description=(
+                "The function the call runs, as listings show it (the sdk sends its qualified "
+                "name; warm workers are kept per function): at most 200 characters."
+            )
+        ),
+    ] = ""
     gpus: GpuCount = 0
     max_retries: Retries = 2
-    timeout_s: Seconds | None = None
-    payload: bytes | None = None
-    payload_blob: Id | None = None
-    payload_file: SharedPayload | None = None
-    #: Higher goes first, before fair share; default 0. Users may only lower it (down to
-    #: -1000, to let others go first, like SLURM's nice); administrators may raise it to 1000.
-    priority: Annotated[int, msgspec.Meta(ge=-1000, le=1000)] = 0
-    #: Only GPUs whose model name contains this (case-insensitive), e.g. "A100".
-    gpu_model: GpuModel | None = None
-    #: Only GPUs with at least this much memory, in MiB.
-    gpu_memory_mb: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
-    #: How long the call is expected to run, in seconds: lets FIFO backfill past it (the
-    #: time limit, ``timeout_s``, is used when this is not given).
-    expected_s: Seconds | None = None
-    #: With ``payload_file``: its size in bytes, which counts towards the owner's storage
-    #: limit while the call may run (the gateway cannot read the owner's directory).
-    payload_size: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
-    #: The caller session waiting for this call (an sdk's blocking call or ``map`` item): it
-    #: keeps it alive (``POST /v1/sessions/{id}/keepalive``), and when it has not for the
-    #: gateway's ``caller_timeout_s`` the call is cancelled, freeing its GPU. None: detached
-    #: (``spawn``, plain HTTP): the call runs whether anyone waits for it or not.
-    caller_session: Id | None = None
+    timeout_s: TimeLimit = None
+    payload: Annotated[
+        bytes | None,
+        msgspec.Meta(
+            description=(
+                "The pickled call, inline: at most the cluster's inline limit "
+                "(`ClusterInfo.inline_limit`); upload a bigger one as a blob."
+            )
+        ),
+    ] = None
+    payload_blob: Annotated[
+        Id | None,
+        msgspec.Meta(
+            description=(
+                "The id of a complete blob of the caller's (`PUT /v1/blobs`) that holds the "
+                "pickled call."
+            )
+        ),
+    ] = None
+    payload_file: Annotated[
+        SharedPayload | None,
+        msgspec.Meta(
+            description=(
+                "A file in the caller's own directory of the cluster's shared directory that "
+                "holds the pickled call, relative to its root: "
+                "`bulletin/users/<user>/payload-<name>.bin`, `<user>` being `ClusterInfo.user` "
+                "and `<name>` 1 to 100 letters, digits, '_' and '-'."
+            )
+        ),
+    ] = None
+    priority: Priority = 0
+    gpu_model: GpuModel = None
+    gpu_memory_mb: GpuMemory = None
+    expected_s: ExpectedSeconds = None
+    payload_size: Annotated[
+        ByteSize,
+        msgspec.Meta(
+            description=(
+                "With `payload_file`: its size in bytes (0 or more), which counts towards the "
+                "owner's storage limit while the call may run (the gateway cannot read the "
+                "owner's directory)."
+            )
+        ),
+    ] = 0
+    caller_session: Annotated[
+        Id | None,
+        msgspec.Meta(
+            description=(
+                "The caller session waiting for this call (an sdk's blocking call or `map` "
+                "item): it keeps it alive (`POST /v1/sessions/{id}/keepalive`), and when it has "
+                "not for the gateway's `caller_timeout_s` the call is cancelled, freeing its "
+                "GPU. Null: detached (`spawn`, plain HTTP): the call runs whether anyone waits "
+                "for it or not."
+            )
+        ),
+    ] = None
 
 
 class SubmitRequest(_Request, frozen=True, kw_only=True):
-    calls: list[CallSpec]
+    calls: Annotated[
+        list[CallSpec],
+        msgspec.Meta(
+            min_length=1,
+            max_length=MAX_SUBMIT,
+            description=f"The calls to queue: 1 to {MAX_SUBMIT} per request.",
+        ),
+    ]
 
 
 class SubmitResponse(_Msg, frozen=True, kw_only=True):
-    ids: list[str]
-    #: How often a caller session must keep its calls alive (seconds); None when the
-    #: gateway cancels no call for want of its caller.
-    keepalive_s: float | None = None
+    ids: Annotated[
+        list[str], msgspec.Meta(description="The invocation ids, one per call, in input order.")
+    ]
+    keepalive_s: Annotated[
+        float | None,
+        msgspec.Meta(
+            description=(
+                "How often a caller session must keep its calls alive (seconds); null when "
+                "the gateway cancels no call for want of its caller."
+            )
+        ),
+    ] = None
+
+
+#: A time in seconds since the epoch that an answer reports, None where not reached.
+_When = float | None
 
 
 class Timeline(_Msg, frozen=True, kw_only=True):
@@ -196,17 +356,32 @@ class Timeline(_Msg, frozen=True, kw_only=True):
     None where not reached. ``worker_acquired``, ``started`` and ``finished`` are the node's
     clock, the rest the database's."""
 
-    submitted: float | None = None
-    scheduled: float | None = None
-    delivered: float | None = None  # the node took the assignment
-    worker_acquired: float | None = None  # the node had a worker process for it
-    started: float | None = None  # the user's code started
-    finished: float | None = None  # the user's code returned or raised
-    stored: float | None = None  # the outcome was committed (the call became terminal)
-    fetched: float | None = None  # the caller first fetched the terminal invocation
-    #: Whether the worker was already running when the call arrived (a spare or a worker
-    #: kept warm from an earlier call); False: a process was started for it.
-    warm: bool | None = None
+    submitted: _When = None
+    scheduled: _When = None
+    delivered: Annotated[_When, msgspec.Meta(description="The node took the assignment.")] = None
+    worker_acquired: Annotated[
+        _When, msgspec.Meta(description="The node had a worker process for it.")
+    ] = None
+    started: Annotated[_When, msgspec.Meta(description="The user's code started.")] = None
+    finished: Annotated[
+        _When, msgspec.Meta(description="The user's code returned or raised.")
+    ] = None
+    stored: Annotated[
+        _When,
+        msgspec.Meta(description="The outcome was committed (the call became terminal)."),
+    ] = None
+    fetched: Annotated[
+        _When, msgspec.Meta(description="The caller first fetched the terminal invocation.")
+    ] = None
+    warm: Annotated[
+        bool | None,
+        msgspec.Meta(
+            description=(
+                "Whether the worker was already running when the call arrived (a spare or a "
+                "worker kept warm from an earlier call); false: a process was started for it."
+            )
+        ),
+    ] = None
 
 
 class Invocation(_Msg, frozen=True, kw_only=True):
@@ -216,68 +391,139 @@ class Invocation(_Msg, frozen=True, kw_only=True):
     state: State
     function_name: str = ""
     gpus: int = 0
-    attempts: int = 0
+    attempts: Annotated[
+        int, msgspec.Meta(description="Attempts counted against its retries (node assignments).")
+    ] = 0
     max_retries: int = 0
-    node: str | None = None
+    node: Annotated[
+        str | None, msgspec.Meta(description="The node of its last attempt.")
+    ] = None
     error_kind: ErrorKind | None = None
     error_type: str | None = None
     error_message: str | None = None
     traceback: str | None = None
-    # Present only on terminal invocations; result_blob (or result_file, relative to the
-    # shared directory) when the result was too big to inline.
-    result: bytes | None = None
-    result_blob: str | None = None
-    result_file: str | None = None
-    log_count: int = 0
+    result: Annotated[
+        bytes | None,
+        msgspec.Meta(
+            description=(
+                "Terminal invocations: the pickled result, inline (else in `result_blob` or "
+                "`result_file`)."
+            )
+        ),
+    ] = None
+    result_blob: Annotated[
+        str | None,
+        msgspec.Meta(description="The blob holding a result too big to inline."),
+    ] = None
+    result_file: Annotated[
+        str | None,
+        msgspec.Meta(
+            description=(
+                "The file of the shared directory (relative to its root) holding a result too "
+                "big to inline."
+            )
+        ),
+    ] = None
+    log_count: Annotated[int, msgspec.Meta(description="How many log chunks it has.")] = 0
     timeline: Timeline = msgspec.field(default_factory=Timeline)
     priority: int = 0
-    #: How often the call was preempted (stopped and queued again for a group's guarantee),
-    #: and why the last time.
-    preemptions: int = 0
-    preempt_reason: str | None = None
-    #: While queued: its place in the scheduler's order (1 is next) and why it waits, as of
-    #: the last scheduling round that looked at it; None before one has.
-    queue_position: int | None = None
-    wait_reason: str | None = None
-    #: Registered functions: the version that ran.
-    function_version: str | None = None
-    #: JSON invocations (``POST /v1/functions/{name}/invoke``) once they succeeded: the value
-    #: the function returned, as JSON. When it is not JSON-serialisable, ``result_json_error``
-    #: says why, and the pickled result is still in ``result`` / ``result_blob`` (also at
-    #: ``GET /v1/invocations/{id}/result``).
-    result_json: Any = None
+    preemptions: Annotated[
+        int,
+        msgspec.Meta(
+            description=(
+                "How often the call was preempted (stopped and queued again for a group's "
+                "guarantee)."
+            )
+        ),
+    ] = 0
+    preempt_reason: Annotated[
+        str | None, msgspec.Meta(description="Why it was preempted the last time.")
+    ] = None
+    queue_position: Annotated[
+        int | None,
+        msgspec.Meta(
+            description=(
+                "While queued: its place in the scheduler's order (1 is next), as of the last "
+                "scheduling round that looked at it; null before one has."
+            )
+        ),
+    ] = None
+    wait_reason: Annotated[
+        str | None,
+        msgspec.Meta(
+            description=(
+                "While queued: why it waits, as of the last scheduling round that looked at "
+                "it; null before one has."
+            )
+        ),
+    ] = None
+    function_version: Annotated[
+        str | None, msgspec.Meta(description="Registered functions: the version that ran.")
+    ] = None
+    result_json: Annotated[
+        Any,
+        msgspec.Meta(
+            description=(
+                "JSON invocations (`POST /v1/functions/{name}/invoke`) once they succeeded: "
+                "the value the function returned, as JSON. When it is not JSON-serialisable, "
+                "`result_json_error` says why, and the pickled result is still in `result` / "
+                "`result_blob` (also at `GET /v1/invocations/{id}/result`)."
+            )
+        ),
+    ] = None
     result_json_error: str | None = None
-    #: Whose code made the result: the owner of the registered function that ran (None when
-    #: not known), else the invocation's owner. Unpickling a result runs code its maker
-    #: chose, so the sdk loads one made by another user's code only when told to trust them.
-    code_owner: str | None = None
+    code_owner: Annotated[
+        str | None,
+        msgspec.Meta(
+            description=(
+                "Whose code made the result: the owner of the registered function that ran "
+                "(null when not known), else the invocation's owner. Unpickling a result runs "
+                "code its maker chose, so the sdk loads one made by another user's code only "
+                "when told to trust them."
+            )
+        ),
+    ] = None
 
 
-#: A name that is also a path segment (users, groups, registered functions).
-Slug = Annotated[str, msgspec.Meta(pattern=f"^{SLUG}$")]
-#: Slug's rule, in words for error messages.
-SLUG_RULE = "use letters, digits, '.', '_' and '-' (at most 64, starting with a letter or digit)"
-#: A group's name: also a path segment of the admin API.
-GroupName = Slug
+_GpuLimit = Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
 
 
 class GroupQuota(_Request, frozen=True, kw_only=True):
     """A group's quota: GPUs it can always get back (preempting other groups' borrowed
     work), and how many more it may borrow while they are idle (None: no limit)."""
 
-    guaranteed_gpus: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
-    borrow_limit_gpus: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None = None
+    guaranteed_gpus: Annotated[
+        _GpuLimit,
+        msgspec.Meta(
+            description=(
+                "GPUs the group can always get back, preempting other groups' borrowed work: "
+                "0 to 1000000."
+            )
+        ),
+    ] = 0
+    borrow_limit_gpus: Annotated[
+        _GpuLimit | None,
+        msgspec.Meta(
+            description=(
+                "How many more GPUs it may borrow while others leave them idle: 0 to 1000000; "
+                "null: no limit."
+            )
+        ),
+    ] = None
 
 
 class Group(_Msg, frozen=True, kw_only=True):
     name: str
     guaranteed_gpus: int
     borrow_limit_gpus: int | None
-    users: int
+    users: Annotated[int, msgspec.Meta(description="How many users are in the group.")]
 
 
 class UserGroup(_Request, frozen=True, kw_only=True):
-    group: GroupName
+    group: Annotated[
+        GroupName,
+        msgspec.Meta(description=f"The group to put the user in (it must exist): {SLUG_RULE}."),
+    ]
 
 
 class UsageEntry(_Msg, frozen=True, kw_only=True):
@@ -290,8 +536,6 @@ class UsageEntry(_Msg, frozen=True, kw_only=True):
     calls: int
 
 
-#: A registered function's name: also a path segment.
-FunctionName = Slug
 #: A registered function's version: the first 16 hex digits of a SHA-256 of its content.
 FunctionVersion = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{16}$")]
 #: Who may see and invoke a registered function besides its owner.
@@ -303,11 +547,11 @@ class FunctionResourcesInfo(_Msg, frozen=True, kw_only=True):
     gateway reports it (``FunctionInfo``)."""
 
     gpus: GpuCount = 0
-    gpu_model: GpuModel | None = None
-    gpu_memory_mb: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
-    timeout_s: Seconds | None = None
+    gpu_model: GpuModel = None
+    gpu_memory_mb: GpuMemory = None
+    timeout_s: TimeLimit = None
     max_retries: Retries = 2
-    expected_s: Seconds | None = None
+    expected_s: ExpectedSeconds = None
 
 
 class FunctionResources(
@@ -322,29 +566,75 @@ class FunctionRegistration(_Request, frozen=True, kw_only=True):
     """Register a function by value: its pickled envelope (``(function, (), {})``, inline or
     uploaded first as a blob) and what its invocations ask for."""
 
-    payload: bytes | None = None
-    payload_blob: Id | None = None
+    payload: Annotated[
+        bytes | None,
+        msgspec.Meta(
+            description=(
+                "The pickled envelope, inline: at most the cluster's inline limit. Exactly one "
+                "of `payload` and `payload_blob`."
+            )
+        ),
+    ] = None
+    payload_blob: Annotated[
+        Id | None,
+        msgspec.Meta(description="The id of a complete blob of the caller's holding it."),
+    ] = None
     resources: FunctionResources = msgspec.field(default_factory=FunctionResources)
-    visibility: Visibility = "private"
-    description: Annotated[str, msgspec.Meta(pattern="^[^\\x00]*$", max_length=2000)] = ""
+    visibility: Annotated[
+        Visibility,
+        msgspec.Meta(
+            description=(
+                "Who may see and invoke it besides its owner: `private` (nobody), `group` "
+                "(the owner's group) or `cluster` (every user)."
+            )
+        ),
+    ] = "private"
+    description: Annotated[
+        str,
+        msgspec.Meta(
+            pattern="^[^\\x00]*$",
+            max_length=2000,
+            description="What the function does, for those who list it: at most 2000 characters.",
+        ),
+    ] = ""
 
 
 class FunctionInfo(_Msg, frozen=True, kw_only=True):
     """One version of a registered function."""
 
     name: str
-    version: str
+    version: Annotated[
+        str,
+        msgspec.Meta(
+            description="16 hex digits of the SHA-256 of its envelope and resources."
+        ),
+    ]
     owner: str
     visibility: Visibility
     description: str
     resources: FunctionResourcesInfo
     payload_size: int
-    #: When this version was first registered, and last registered again (seconds since the
-    #: epoch); the latest version is the one registered last.
-    created: float
-    registered: float
-    #: Whether this is the version an invocation without ``?version=`` runs.
-    latest: bool
+    created: Annotated[
+        float,
+        msgspec.Meta(
+            description="When this version was first registered (seconds since the epoch)."
+        ),
+    ]
+    registered: Annotated[
+        float,
+        msgspec.Meta(
+            description=(
+                "When this version was last registered (seconds since the epoch): the latest "
+                "version is the one registered last."
+            )
+        ),
+    ]
+    latest: Annotated[
+        bool,
+        msgspec.Meta(
+            description="Whether this is the version an invocation without `?version=` runs."
+        ),
+    ]
 
 
 class InvokeRequest(_Request, frozen=True, kw_only=True):
@@ -355,8 +645,16 @@ class InvokeRequest(_Request, frozen=True, kw_only=True):
 
 
 class WatchItem(_Request, frozen=True, kw_only=True):
-    id: Id
-    log_after: Int32 = 0  # number of log chunks the caller has already seen
+    id: Annotated[Id, msgspec.Meta(description="An invocation of the caller's (a UUID).")]
+    log_after: Annotated[
+        Count,
+        msgspec.Meta(
+            description=(
+                "How many of its log chunks the caller has already seen (0 or more): only "
+                "later ones are sent."
+            )
+        ),
+    ] = 0
 
 
 class WatchRequest(_Request, frozen=True, kw_only=True):
@@ -366,20 +664,37 @@ class WatchRequest(_Request, frozen=True, kw_only=True):
     ``timeout_s`` (capped by the gateway) and returns whatever there is then.
     """
 
-    items: list[WatchItem]
-    timeout_s: float = 10.0
+    items: Annotated[
+        list[WatchItem],
+        msgspec.Meta(
+            min_length=1,
+            max_length=MAX_WATCH,
+            description=f"The invocations to watch: 1 to {MAX_WATCH}.",
+        ),
+    ]
+    timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            description=(
+                "How long to wait for news, in seconds: capped by the gateway's `long_poll_s`; "
+                "0 or less answers at once."
+            )
+        ),
+    ] = 10.0
 
 
 class LogChunk(_Msg, frozen=True, kw_only=True):
     invocation_id: str
-    n: int  # 1-based position in the invocation's log
+    n: Annotated[int, msgspec.Meta(description="Its 1-based position in the invocation's log.")]
     stream: Stream
     data: bytes
 
 
 class WatchResponse(_Msg, frozen=True, kw_only=True):
-    # Invocations that changed: terminal ones carry their result.
-    invocations: list[Invocation]
+    invocations: Annotated[
+        list[Invocation],
+        msgspec.Meta(description="Invocations that changed: terminal ones carry their result."),
+    ]
     logs: list[LogChunk]
 
 
@@ -403,12 +718,25 @@ class LogEnd(_Msg, frozen=True, kw_only=True):
 class CancelRequest(_Request, frozen=True, kw_only=True):
     """Cancel up to ``MAX_WATCH`` invocations at once (e.g. the rest of an interrupted map)."""
 
-    ids: list[Id]
+    ids: Annotated[
+        list[Id],
+        msgspec.Meta(
+            min_length=1,
+            max_length=MAX_WATCH,
+            description=f"The invocations to cancel: 1 to {MAX_WATCH}.",
+        ),
+    ]
 
 
 class CancelResponse(_Msg, frozen=True, kw_only=True):
-    # The ids this request cancelled; finished, unknown and others' ids are left out.
-    cancelled: list[str]
+    cancelled: Annotated[
+        list[str],
+        msgspec.Meta(
+            description=(
+                "The ids this request cancelled; finished, unknown and others' ids are left out."
+            )
+        ),
+    ]
 
 
 class BlobRef(_Msg, frozen=True, kw_only=True):
@@ -422,8 +750,13 @@ class Problem(_Msg, frozen=True, kw_only=True):
     type: str = "about:blank"
     title: str
     status: int
-    detail: str = ""
-    code: str = ""
+    detail: Annotated[str, msgspec.Meta(description="What went wrong, and what to do.")] = ""
+    code: Annotated[
+        str,
+        msgspec.Meta(
+            description="A machine-readable code a client may branch on (docs/http-api.md)."
+        ),
+    ] = ""
 
 
 # ---------------------------------------------------------------- node side (nodelet <-> gateway)
@@ -432,45 +765,104 @@ class Problem(_Msg, frozen=True, kw_only=True):
 class ClusterInfo(_Msg, frozen=True, kw_only=True):
     """What a client needs to know of the cluster before it sends calls."""
 
-    #: Payloads and results up to this size travel inline in JSON.
-    inline_limit: int
-    #: Largest payload or result (pickled call or returned state) accepted, in bytes.
-    max_state_bytes: int
-    #: The shared directory (NAS) every node mounts at this path, if the cluster has one.
-    shared_dir: str | None = None
-    #: Content of ``<shared_dir>/bulletin/cluster-id``: a client that reads the same there
-    #: sees the same directory, and may pass payloads and take results through it.
-    shared_dir_id: str | None = None
-    #: The caller's user name: their files of the shared directory go in its directory
-    #: ``bulletin/users/<user>/`` (bulletin/shared.py), which only their account may write.
-    user: str | None = None
-    #: Files left in the shared directory longer than this (seconds) are deleted.
-    shared_ttl_s: float | None = None
+    inline_limit: Annotated[
+        int,
+        msgspec.Meta(description="Payloads and results up to this size travel inline in JSON."),
+    ]
+    max_state_bytes: Annotated[
+        int,
+        msgspec.Meta(
+            description=(
+                "Largest payload or result (pickled call or returned state) accepted, in bytes."
+            )
+        ),
+    ]
+    shared_dir: Annotated[
+        str | None,
+        msgspec.Meta(
+            description=(
+                "The shared directory (NAS) every node mounts at this path, if the cluster "
+                "has one."
+            )
+        ),
+    ] = None
+    shared_dir_id: Annotated[
+        str | None,
+        msgspec.Meta(
+            description=(
+                "Content of `<shared_dir>/bulletin/cluster-id`: a client that reads the same "
+                "there sees the same directory, and may pass payloads and take results "
+                "through it."
+            )
+        ),
+    ] = None
+    user: Annotated[
+        str | None,
+        msgspec.Meta(
+            description=(
+                "The caller's user name: their files of the shared directory go in its "
+                "directory `bulletin/users/<user>/`, which only their account may write."
+            )
+        ),
+    ] = None
+    shared_ttl_s: Annotated[
+        float | None,
+        msgspec.Meta(
+            description="Files left in the shared directory longer than this (seconds) are deleted."
+        ),
+    ] = None
 
 
 class GpuInfo(_Request, frozen=True, kw_only=True):
     index: Int32
     uuid: Name
-    name: Name
-    memory_mb: int
-    fake: bool = False
-    #: GPUs of a node sharing this number are connected by NVLink (directly or through
-    #: NVSwitches); None: no NVLink, or unknown.
-    nvlink_group: int | None = None
+    name: Annotated[Name, msgspec.Meta(description="The model name, as NVML reports it.")]
+    memory_mb: Annotated[int, msgspec.Meta(description="Its memory, in MiB.")]
+    fake: Annotated[
+        bool, msgspec.Meta(description="A fake GPU (a nodelet on a machine without NVIDIA).")
+    ] = False
+    nvlink_group: Annotated[
+        int | None,
+        msgspec.Meta(
+            description=(
+                "GPUs of a node sharing this number are connected by NVLink (directly or "
+                "through NVSwitches); null: no NVLink, or unknown."
+            )
+        ),
+    ] = None
 
 
 class RegisterRequest(_Request, frozen=True, kw_only=True):
-    name: Name
+    name: Annotated[Name, msgspec.Meta(description="The node's name, as its token has it.")]
     gpus: list[GpuInfo]
-    cpu_slots: Int32
-    protocol_version: Int32 = PROTOCOL_VERSION
+    cpu_slots: Annotated[
+        Count,
+        msgspec.Meta(description="How many CPU-only calls (gpus 0) it runs at once: 0 or more."),
+    ]
+    # Not a minimum here: an older nodelet is refused with a problem that says to upgrade it.
+    protocol_version: Annotated[
+        Int32,
+        msgspec.Meta(
+            description=(
+                f"The nodelet's PROTOCOL_VERSION: the gateway takes {MIN_PROTOCOL_VERSION} to "
+                f"{PROTOCOL_VERSION}."
+            )
+        ),
+    ] = PROTOCOL_VERSION
 
 
 class RegisterResponse(_Msg, frozen=True, kw_only=True):
     node_id: int
-    #: This start of the nodelet: send it as INCARNATION_HEADER on every later request.
-    #: Attempts an earlier incarnation held were taken back when it registered.
-    incarnation: int
+    incarnation: Annotated[
+        int,
+        msgspec.Meta(
+            description=(
+                f"This start of the nodelet: send it as `{INCARNATION_HEADER}` on every later "
+                "request. Attempts an earlier incarnation held were taken back when it "
+                "registered."
+            )
+        ),
+    ]
     lease_s: float
     heartbeat_s: float
     long_poll_s: float
@@ -496,22 +888,59 @@ class Assignment(_Msg, frozen=True, kw_only=True):
     timeout_s: float | None = None
     payload: bytes | None = None
     payload_size: int = 0
-    # Set when the payload is a file in the shared directory (relative to its root).
-    payload_file: str | None = None
+    payload_file: Annotated[
+        str | None,
+        msgspec.Meta(
+            description=(
+                "Set when the payload is a file in the shared directory (relative to its root)."
+            )
+        ),
+    ] = None
     function_name: str = ""
-    # Whose call this is: warm workers are reused only for the same owner and GPU set.
-    owner: str = ""
-    # The owner's user name (nodes may run calls as the Unix account of that name).
-    owner_name: str = ""
-    # Whether the owner is an administrator: a single-tenant node runs only calls of
-    # administrators and of the users it is told to trust (protocol 4).
-    owner_admin: bool = False
-    # A registered function of another user than the owner: whose code runs (a worker that
-    # ran it never runs the owner's own calls, which that code could have tampered with).
-    function_owner: str = ""
-    # JSON invocations: ``{"args": [...], "kwargs": {...}}`` to call the payload's function
-    # with (protocol 3; the payload then holds ``(function, (), {})``).
-    arguments: bytes | None = None
+    owner: Annotated[
+        str,
+        msgspec.Meta(
+            description=(
+                "Whose call this is: warm workers are reused only for the same owner and GPU set."
+            )
+        ),
+    ] = ""
+    owner_name: Annotated[
+        str,
+        msgspec.Meta(
+            description=(
+                "The owner's user name (nodes may run calls as the Unix account of that name)."
+            )
+        ),
+    ] = ""
+    owner_admin: Annotated[
+        bool,
+        msgspec.Meta(
+            description=(
+                "Whether the owner is an administrator: a single-tenant node runs only calls of "
+                "administrators and of the users it is told to trust (protocol 4)."
+            )
+        ),
+    ] = False
+    function_owner: Annotated[
+        str,
+        msgspec.Meta(
+            description=(
+                "A registered function of another user than the owner: whose code runs (a "
+                "worker that ran it never runs the owner's own calls, which that code could "
+                "have tampered with)."
+            )
+        ),
+    ] = ""
+    arguments: Annotated[
+        bytes | None,
+        msgspec.Meta(
+            description=(
+                'JSON invocations: `{"args": [...], "kwargs": {...}}` to call the payload\'s '
+                "function with (protocol 3; the payload then holds `(function, (), {})`)."
+            )
+        ),
+    ] = None
 
 
 class GpuHealthReport(_Request, frozen=True, kw_only=True):
@@ -523,8 +952,14 @@ class GpuHealthReport(_Request, frozen=True, kw_only=True):
     temperature_c: Int32 | None = None
     ecc_double_bit: Int32 | None = None
     xid_errors: list[Int32] = msgspec.field(default_factory=list)
-    #: Why the GPU must leave service (a critical XID, uncorrectable ECC errors, lost).
-    critical: Name | None = None
+    critical: Annotated[
+        Name | None,
+        msgspec.Meta(
+            description=(
+                "Why the GPU must leave service (a critical XID, uncorrectable ECC errors, lost)."
+            )
+        ),
+    ] = None
 
 
 class HeartbeatRequest(_Request, frozen=True, kw_only=True):
@@ -533,9 +968,15 @@ class HeartbeatRequest(_Request, frozen=True, kw_only=True):
 
     running: list[Attempt]
     gpu_health: list[GpuHealthReport] = msgspec.field(default_factory=list)
-    #: The warm workers the node keeps, as (owner's user name, function name): the scheduler
-    #: prefers this node for those calls, among equally good nodes.
-    warm: list[WarmWorker] = msgspec.field(default_factory=list)
+    warm: Annotated[
+        list[WarmWorker],
+        msgspec.Meta(
+            description=(
+                "The warm workers the node keeps, as (owner's user name, function name): the "
+                "scheduler prefers this node for those calls, among equally good nodes."
+            )
+        ),
+    ] = msgspec.field(default_factory=list)
 
 
 class WarmWorker(_Request, frozen=True, kw_only=True):
@@ -555,21 +996,52 @@ class Preemption(_Msg, frozen=True, kw_only=True):
 
 
 class HeartbeatResponse(_Msg, frozen=True, kw_only=True):
-    # Attempts the node must stop: cancelled, reassigned or no longer leased to it.
-    revoked: list[Attempt]
+    revoked: Annotated[
+        list[Attempt],
+        msgspec.Meta(
+            description=(
+                "Attempts the node must stop: cancelled, reassigned or no longer leased to it."
+            )
+        ),
+    ]
     lease_s: float
-    # Whether the node gets no new work (an admin drained it, or a GPU failed), and why.
-    draining: bool = False
+    draining: Annotated[
+        bool,
+        msgspec.Meta(
+            description="Whether the node gets no new work (an admin drained it, or a GPU failed)."
+        ),
+    ] = False
     drain_reason: str | None = None
-    #: Attempts to preempt (repeated until they are handed back; acting on one is idempotent).
-    preempt: list[Preemption] = msgspec.field(default_factory=list)
+    preempt: Annotated[
+        list[Preemption],
+        msgspec.Meta(
+            description=(
+                "Attempts to preempt (repeated until they are handed back; acting on one is "
+                "idempotent)."
+            )
+        ),
+    ] = msgspec.field(default_factory=list)
 
 
 class PollRequest(_Request, frozen=True, kw_only=True):
     running: list[Attempt]
-    timeout_s: float = 20.0
-    #: Attempts of ``running`` already being preempted: not news, so not answered again.
-    preempting: list[Attempt] = msgspec.field(default_factory=list)
+    timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            description=(
+                "How long to wait for work, in seconds: capped by the gateway's `long_poll_s`; "
+                "0 or less answers at once."
+            )
+        ),
+    ] = 20.0
+    preempting: Annotated[
+        list[Attempt],
+        msgspec.Meta(
+            description=(
+                "Attempts of `running` already being preempted: not news, so not answered again."
+            )
+        ),
+    ] = msgspec.field(default_factory=list)
 
 
 class PollResponse(_Msg, frozen=True, kw_only=True):
@@ -613,16 +1085,28 @@ class CompleteRequest(_Request, frozen=True, kw_only=True):
     result: bytes | None = None
     result_blob: Id | None = None
     result_file: SharedResult | None = None
-    # With result_file: its size in bytes (it counts towards the owner's storage limit).
-    result_size: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
+    result_size: Annotated[
+        ByteSize,
+        msgspec.Meta(
+            description=(
+                "With `result_file`: its size in bytes (it counts towards the owner's storage "
+                "limit)."
+            )
+        ),
+    ] = 0
     # The node's clock: when it had a worker, when the user's code started and finished.
     worker_acquired: Epoch | None = None
     started: Epoch | None = None
     finished: Epoch | None = None
     warm: bool | None = None
-    # JSON invocations: the returned value as JSON, or why it is not JSON-serialisable.
-    result_json: bytes | None = None
-    result_json_error: Text | None = None
+    result_json: Annotated[
+        bytes | None,
+        msgspec.Meta(description="JSON invocations: the returned value as JSON."),
+    ] = None
+    result_json_error: Annotated[
+        Text | None,
+        msgspec.Meta(description="JSON invocations: why the returned value is not JSON."),
+    ] = None
 
 
 # ------------------------------------------------------------- worker process (nodelet <-> worker)
@@ -717,6 +1201,3 @@ class ClientConfig(_Msg, frozen=True, kw_only=True):
     url: str
     token: str
 
-
-MAX_WATCH = 1000
-MAX_SUBMIT = 1000

@@ -14,6 +14,7 @@ from typing import Any, BinaryIO, TypeVar
 
 import asyncpg
 import msgspec
+import msgspec.inspect
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -68,7 +69,7 @@ async def body(request: Request, type_: type[T]) -> T:
     try:
         result: T = _decoder(type_).decode(data)  # type: ignore[arg-type]
     except msgspec.ValidationError as exc:
-        raise _not_json(data) or _invalid(exc) from None
+        raise _not_json(data) or _invalid(exc, type_) from None
     except msgspec.DecodeError as exc:
         raise _undecodable(data, exc) from None
     except RecursionError:
@@ -107,7 +108,19 @@ _UNKNOWN_FIELD = re.compile(
 _FIELD_SHOWN = 100
 
 
-def _invalid(exc: msgspec.ValidationError) -> Unprocessable:
+#: Where msgspec's message says the value is (absent: the body itself), and the field a
+#: message says is missing.
+_AT = re.compile(r" - at `(?P<at>\$[^`]*)`$")
+_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]*)`")
+#: A step of such a path: `.name` (a field) or `[0]`, `[...]` (an item of a list or dict).
+_STEP = re.compile(r"\.(\w+)|\[[^\]]*\]")
+
+
+def _invalid(exc: msgspec.ValidationError, type_: Any) -> Unprocessable:
+    """The 422 of a body that is JSON but not a ``type_``: msgspec's message (what it
+    expected, and where: ``Expected `int` >= 0 - at `$.calls[0].gpus```), then the field's
+    rule in words (its ``msgspec.Meta`` description in bulletin/wire.py, as openapi.yaml
+    publishes it) and what to do."""
     message = str(exc)
     if unknown := _UNKNOWN_FIELD.fullmatch(message):
         return _unknown_field(unknown["field"], unknown["at"] or "$")
@@ -116,7 +129,68 @@ def _invalid(exc: msgspec.ValidationError) -> Unprocessable:
         return Unprocessable(
             f"invalid request body: {STRING_RULE} - at {where or '`$`'}", code="invalid_string"
         )
-    return Unprocessable(f"invalid request body: {message}", code="invalid_body")
+    at = _AT.search(message)
+    path = at["at"] if at else "$"
+    if missing := _MISSING.match(message):
+        path += f".{missing['field']}"
+    steps = _STEP.findall(path)  # a field's name, or "" for an item
+    rule = _description(type_, steps)
+    said = f" `{steps[-1]}`: {rule}" if steps and steps[-1] and rule else ""
+    what = getattr(type_, "__name__", "message")
+    fix = "Add that field" if missing else "Fix that field" if steps else f"Send a {what}"
+    return Unprocessable(
+        f"invalid request body: {message}.{said} {fix} (the fields of every message and their "
+        "rules are in the API contract, GET /openapi.yaml)",
+        code="invalid_body",
+    )
+
+
+@functools.cache
+def _type_info(type_: Any) -> msgspec.inspect.Type:
+    return msgspec.inspect.type_info(type_)
+
+
+def _description(type_: Any, steps: list[str]) -> str:
+    """The description of what is at ``steps`` (``["calls", "", "gpus"]``: ``$.calls[0].gpus``)
+    in a ``type_``; "" when it has none."""
+    node: msgspec.inspect.Type | None = _type_info(type_)
+    for name in steps:
+        if node is None:
+            break
+        node = next(filter(None, (_step(kind, name) for kind in _kinds(node))), None)
+    return _described(node) if node is not None and steps else ""
+
+
+def _step(kind: msgspec.inspect.Type, name: str) -> msgspec.inspect.Type | None:
+    """What is in a ``kind`` at the field ``name`` ("": at an item); None if nothing is."""
+    if name and isinstance(kind, msgspec.inspect.StructType):
+        return next((f.type for f in kind.fields if f.encode_name == name), None)
+    if not name and isinstance(kind, msgspec.inspect.ListType):
+        return kind.item_type
+    if not name and isinstance(kind, msgspec.inspect.DictType):
+        return kind.value_type
+    return None
+
+
+def _kinds(node: msgspec.inspect.Type) -> list[msgspec.inspect.Type]:
+    """The types a value at ``node`` may be: its union's members, without their metadata."""
+    while isinstance(node, msgspec.inspect.Metadata):
+        node = node.type
+    if isinstance(node, msgspec.inspect.UnionType):
+        return [kind for member in node.types for kind in _kinds(member)]
+    return [node]
+
+
+def _described(node: msgspec.inspect.Type) -> str:
+    """The outermost description of ``node``: the field's own before its type alias's."""
+    while isinstance(node, msgspec.inspect.Metadata):
+        description = (node.extra_json_schema or {}).get("description")
+        if description:
+            return str(description)
+        node = node.type
+    if isinstance(node, msgspec.inspect.UnionType):
+        return next(filter(None, map(_described, node.types)), "")
+    return ""
 
 
 def _unknown_field(field: str, at: str) -> Unprocessable:

@@ -40,8 +40,6 @@ async def register(request: Request) -> Response:
         )
     if req.name != node.name:
         raise Conflict(f"this token belongs to node {node.name!r}, not {req.name!r}")
-    if req.cpu_slots < 0:
-        raise Unprocessable("cpu_slots must be 0 or more")
     assert node.node_id is not None
     async with request.app.state.pool.acquire() as conn:
         incarnation, taken = await db.register_node(

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, NoReturn, ParamSpec, TypeVar, overload
 
 import msgspec
+import msgspec.inspect
 
-from bulletin import wire
+from bulletin import settings, wire
 from sdk import _fanout, _serialize
 from sdk._call import Call, Prepared, submit
 from sdk._client import Client
@@ -348,20 +349,27 @@ def _whole(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _checked(name: str, value: Any, kind: Any, unit: str = "") -> Any:
+    """``value`` if it passes the gateway's own rule for it: ``kind``, a type of
+    :mod:`bulletin.wire` whose ``msgspec.Meta`` the gateway decodes with (one source for both
+    sides); else a ValueError that says the rule."""
+    try:
+        return msgspec.convert(value, kind)
+    except msgspec.ValidationError:
+        words = settings.rule(msgspec.inspect.type_info(kind))
+        raise ValueError(f"{name} must be {words}{unit}, got {value!r}") from None
+
+
 def _gpus(value: Any) -> int:
     if not _whole(value):
         raise TypeError(f"gpus must be an int (a number of GPUs), got {value!r}")
-    if value < 0:
-        raise ValueError(f"gpus must be 0 (CPU only) or more, got {value}")
-    return int(value)
+    return int(_checked("gpus", int(value), wire.GpuCount))
 
 
 def _max_retries(value: Any) -> int:
     if not _whole(value):
         raise TypeError(f"max_retries must be an int, got {value!r}")
-    if not 0 <= value <= MAX_RETRIES:
-        raise ValueError(f"max_retries must be between 0 and {MAX_RETRIES}, got {value}")
-    return int(value)
+    return int(_checked("max_retries", int(value), wire.Retries))
 
 
 def _timeout(value: Any) -> float | None:
@@ -373,10 +381,7 @@ def _seconds_or_none(name: str, value: Any, unit: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of {unit} or None, got {value!r}")
-    amount = float(value)
-    if not (amount > 0 and math.isfinite(amount)):
-        raise ValueError(f"{name} must be a positive number of {unit} or None, got {value}")
-    return amount
+    return float(_checked(name, float(value), wire.Seconds, f" {unit} (or None)"))
 
 
 def _gpu_model(value: Any) -> str | None:
@@ -386,7 +391,7 @@ def _gpu_model(value: Any) -> str | None:
         raise TypeError(
             f"gpu names a GPU model, such as gpu='A100'; for a number of GPUs use gpus={value}"
         )
-    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9 _.-]{1,64}", value):
+    if not isinstance(value, str) or not re.search(wire.GPU_MODEL, value):
         raise ValueError(
             f"gpu must be part of a GPU model name such as 'A100' or 'H100' (letters, digits, "
             f"spaces, '.', '_', '-'; at most 64), got {value!r}"
@@ -397,9 +402,7 @@ def _gpu_model(value: Any) -> str | None:
 def _priority(value: Any) -> int:
     if not _whole(value):
         raise TypeError(f"priority must be an int, got {value!r}")
-    if not -1000 <= value <= 1000:
-        raise ValueError(f"priority must be between -1000 and 1000, got {value}")
-    return int(value)
+    return int(_checked("priority", int(value), wire.Priority))
 
 
 def _flag(name: str, value: Any) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import hypothesis
 import msgspec
+import pytest
 from hypothesis import strategies as st
 
 from bulletin import wire
@@ -42,6 +43,12 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+@pytest.fixture(scope="module")
+def gateway(module_gateway: Cluster) -> Cluster:
+    """One gateway for the module: every test here is refused, or reads."""
+    return module_gateway
+
+
 def test_a_user_request_with_an_unknown_field_gets_422_naming_it(gateway: Cluster) -> None:
     user = client(gateway, gateway.token)
     call = {"payload": b64(b"call"), "gpuz": 1}
@@ -49,10 +56,12 @@ def test_a_user_request_with_an_unknown_field_gets_422_naming_it(gateway: Cluste
     assert "unknown field `gpuz`" in detail
     assert user.get("/v1/invocations").json() == []  # nothing was submitted
     # At the top, and in the other user messages.
-    assert_unknown(user.post("/v1/invocations", json={"calls": [], "dry_run": True}), "$.dry_run")
+    submit = {"calls": [{"payload": ""}], "dry_run": True}
+    assert_unknown(user.post("/v1/invocations", json=submit), "$.dry_run")
     watch = {"items": [{"id": str(uuid.uuid4()), "log_before": 3}]}
     assert_unknown(user.post("/v1/invocations/watch", json=watch), "$.items[0].log_before")
-    assert_unknown(user.post("/v1/invocations/cancel", json={"ids": [], "all": 1}), "$.all")
+    cancel = {"ids": [str(uuid.uuid4())], "all": 1}
+    assert_unknown(user.post("/v1/invocations/cancel", json=cancel), "$.all")
     # A registration's resources, nested: nothing is registered.
     registration = {"payload": b64(b"fn"), "resources": {"gpus": 1, "gpu": "A100"}}
     assert_unknown(user.put("/v1/functions/f", json=registration), "$.resources.gpu")
@@ -113,7 +122,7 @@ _VALID: list[tuple[str, str, dict[str, Any], list[str]]] = [
         {"items": [{"id": str(uuid.uuid4())}], "timeout_s": 0},
         ["", "items.0"],
     ),
-    ("POST", "/v1/invocations/cancel", {"ids": []}, [""]),
+    ("POST", "/v1/invocations/cancel", {"ids": [str(uuid.uuid4())]}, [""]),
     ("PUT", "/v1/functions/g", {"payload": "", "resources": {}}, ["", "resources"]),
 ]
 _FIELD_NAMES = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40).filter(
