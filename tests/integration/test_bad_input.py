@@ -58,6 +58,22 @@ def healthy(cluster: Cluster) -> bool:
     return httpx.get(f"{cluster.url}/healthz", timeout=5).status_code == 200
 
 
+@pytest.fixture(scope="module")
+def gateway(module_gateway: Cluster) -> Cluster:
+    """One gateway for the tests of this module that are refused or only read: they cannot
+    disturb each other (tests that need a cluster of their own start one)."""
+    return module_gateway
+
+
+@pytest.fixture
+def own_gateway(
+    database_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
+    """A gateway of this test alone: for a test that must find the queue empty."""
+    with running(Cluster(database_url, tmp_path), request) as cluster:
+        yield cluster
+
+
 @pytest.fixture
 def small(database_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     """A gateway whose JSON bodies may be at most SMALL_JSON_BODY bytes."""
@@ -522,7 +538,8 @@ def test_each_token_kind_gets_403_on_the_other_kinds_routes(gateway: Cluster) ->
     assert_problem(r, 403, "wrong_token")
 
 
-def test_a_node_cannot_act_on_an_attempt_leased_to_another_node(gateway: Cluster) -> None:
+def test_a_node_cannot_act_on_an_attempt_leased_to_another_node(own_gateway: Cluster) -> None:
+    gateway = own_gateway
     user = user_client(gateway)
     mine = node_client(gateway, "n1")
     register(mine, "n1")
