@@ -33,8 +33,8 @@ from pathlib import Path
 
 import httpx
 
-from cli import admin
-from cli.pgserver import EmbeddedPostgres, free_port
+from bulletin import admin
+from bulletin.pgserver import EmbeddedPostgres, free_port
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-OURS = ("bulletin", "gateway", "scheduler", "nodelet", "sdk", "cli")
+OURS = ("bulletin_core", "bulletin", "gateway", "scheduler", "nodelet", "sdk")
 
 #: name -> code to run. Each older layout is tried in turn where the module moved.
 ENTRY_POINTS = {
@@ -26,11 +26,11 @@ ENTRY_POINTS = {
     "import sdk": ["import sdk"],
     "worker process imports": ["import nodelet.worker_main", "import nodelet.worker"],
     "bulletin nodelet --help": [
-        "from cli import main\ntry: main(['nodelet', '--help'])\nexcept SystemExit: pass",
+        "from bulletin import main\ntry: main(['nodelet', '--help'])\nexcept SystemExit: pass",
         "from bulletin.cli import main\ntry: main(['nodelet', '--help'])\nexcept SystemExit: pass",
     ],
     "bulletin gateway --help": [
-        "from cli import main\ntry: main(['gateway', '--help'])\nexcept SystemExit: pass",
+        "from bulletin import main\ntry: main(['gateway', '--help'])\nexcept SystemExit: pass",
         "from bulletin.cli import main\ntry: main(['gateway', '--help'])\nexcept SystemExit: pass",
     ],
 }

@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from bulletin import wire
+from bulletin_core import wire
 from gateway import auth, db
 from gateway.errors import NotFound, Unprocessable
 from gateway.http import body, checked, int_param, reply

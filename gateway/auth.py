@@ -13,7 +13,7 @@ import secrets
 
 from starlette.requests import Request
 
-from bulletin import wire
+from bulletin_core import wire
 from gateway import badtokens, db, ratelimit
 from gateway.errors import Conflict, Forbidden, Unauthorized, Unprocessable
 

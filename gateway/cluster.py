@@ -1,5 +1,5 @@
 """What clients are told of the cluster (``GET /v1/cluster``), and the upkeep of its shared
-directory: the gateway makes its layout and id at start (:func:`bulletin.shared.prepare`) and
+directory: the gateway makes its layout and id at start (:func:`bulletin_core.shared.prepare`) and
 sweeps the payload and result files callers left behind."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from bulletin import shared, wire
+from bulletin_core import shared, wire
 from gateway import auth, db
 from gateway.config import GatewayConfig
 from gateway.http import reply

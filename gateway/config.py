@@ -7,7 +7,7 @@ from typing import Annotated
 
 import msgspec
 
-from bulletin.settings import AT_LEAST_0, AT_LEAST_1, POSITIVE, check, doc
+from bulletin_core.settings import AT_LEAST_0, AT_LEAST_1, POSITIVE, check, doc
 from scheduler import POLICIES, Policy, policies
 
 

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Match, Route
 
-from bulletin import wire
+from bulletin_core import wire
 
 log = logging.getLogger(__name__)
 PROBLEM = "application/problem+json"

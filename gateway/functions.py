@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Match, Route
 
-from bulletin import wire
+from bulletin_core import wire
 from gateway import auth, db, idempotency, invocations
 from gateway.errors import NotFound, PayloadTooLarge, Unprocessable
 from gateway.http import JSON, body, checked, reply, room_for_calls

@@ -18,7 +18,7 @@ import msgspec.inspect
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from bulletin import wire
+from bulletin_core import wire
 from gateway import db
 from gateway.errors import (
     ApiError,
@@ -119,7 +119,7 @@ _STEP = re.compile(r"\.(\w+)|\[[^\]]*\]")
 def _invalid(exc: msgspec.ValidationError, type_: Any) -> Unprocessable:
     """The 422 of a body that is JSON but not a ``type_``: msgspec's message (what it
     expected, and where: ``Expected `int` >= 0 - at `$.calls[0].gpus```), then the field's
-    rule in words (its ``msgspec.Meta`` description in bulletin/wire.py, as openapi.yaml
+    rule in words (its ``msgspec.Meta`` description in bulletin_core/wire.py, as openapi.yaml
     publishes it) and what to do."""
     message = str(exc)
     if unknown := _UNKNOWN_FIELD.fullmatch(message):

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from bulletin import shared, wire
+from bulletin_core import shared, wire
 from gateway import auth, db, idempotency, scheduling
 from gateway.config import GatewayConfig
 from gateway.errors import Conflict, Forbidden, NotFound, PayloadTooLarge, Unprocessable

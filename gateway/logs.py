@@ -55,7 +55,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from bulletin import wire
+from bulletin_core import wire
 from gateway import db
 from gateway.errors import BadRequest
 from gateway.http import int_param

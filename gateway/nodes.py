@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from bulletin import shared, wire
+from bulletin_core import shared, wire
 from gateway import auth, db
 from gateway.errors import Conflict, NotFound, Unprocessable
 from gateway.http import body, int_param, reply, store_blob, stream_blob

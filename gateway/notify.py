@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import asyncpg
 
-from bulletin.backoff import Backoff
+from bulletin_core.backoff import Backoff
 from gateway.db import CHANNEL
 from gateway.errors import ServiceUnavailable
 

@@ -9,7 +9,7 @@ import logging
 
 import asyncpg
 
-from bulletin import shared
+from bulletin_core import shared
 from gateway import db
 from gateway.config import GatewayConfig
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import asyncpg
 
-from bulletin.backoff import Backoff
+from bulletin_core.backoff import Backoff
 from gateway import db, expiry
 from gateway.config import GatewayConfig
 from gateway.expiry import Outages

@@ -34,7 +34,7 @@ import uvicorn
 from starlette.applications import Starlette
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from bulletin import wire
+from bulletin_core import wire
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.errors import PROBLEM

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from bulletin import wire
+from bulletin_core import wire
 
 SAME_NAME = "same-name"
 

@@ -18,8 +18,8 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from bulletin import shared, wire
-from bulletin.backoff import Backoff
+from bulletin_core import shared, wire
+from bulletin_core.backoff import Backoff
 from nodelet.accounts import Accounts, unreachable
 from nodelet.attempt import Attempt, NodeFacts, removals_done
 from nodelet.client import GatewayClient

@@ -32,8 +32,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from bulletin import shared, wire
-from bulletin.backoff import Backoff
+from bulletin_core import shared, wire
+from bulletin_core.backoff import Backoff
 from nodelet.accounts import AccountError, Accounts
 from nodelet.client import GatewayClient
 from nodelet.errors import (
@@ -81,7 +81,7 @@ class NodeFacts:
     gpus: GpuProvider
     #: The cluster's shared directory as the gateway names it, whether this node sees it or not.
     cluster_shared_dir: str | None = None
-    #: The same, only when this node sees it (``bulletin.shared.sees``).
+    #: The same, only when this node sees it (``bulletin_core.shared.sees``).
     shared_dir: str | None = None
     #: Whose Unix account runs a call (single-tenant: the nodelet's own).
     accounts: Accounts = field(default_factory=Accounts)

@@ -15,7 +15,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
-from bulletin import wire
+from bulletin_core import wire
 from nodelet import userfiles
 from nodelet.errors import (
     AuthRejected,

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from bulletin.settings import build, log_level_option, options, setup_logging
+from bulletin_core.settings import build, log_level_option, options, setup_logging
 from nodelet.config import NodeletConfig
 
 

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import msgspec
 
-from bulletin.settings import AT_LEAST_0, POSITIVE, check, doc
+from bulletin_core.settings import AT_LEAST_0, POSITIVE, check, doc
 from nodelet.limits import TRACKING
 
 

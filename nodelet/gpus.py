@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import msgspec
 import pynvml
 
-from bulletin import wire
+from bulletin_core import wire
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import json
 import re
 from typing import Any
 
-from bulletin.pickling.pickler import human, type_name
+from bulletin_core.pickling.pickler import human, type_name
 
 
 def arguments(raw: bytes) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -13,8 +13,8 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from bulletin import wire
-from bulletin.backoff import Backoff
+from bulletin_core import wire
+from bulletin_core.backoff import Backoff
 from nodelet.client import GatewayClient
 from nodelet.errors import GatewayUnavailable, NodeletError, StaleAttempt
 

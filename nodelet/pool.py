@@ -35,8 +35,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from bulletin import wire
-from bulletin.backoff import Backoff
+from bulletin_core import wire
+from bulletin_core.backoff import Backoff
 from nodelet import procs
 from nodelet.config import worker_env_names
 from nodelet.leftovers import NodeState, base_name, open_state

@@ -1,10 +1,10 @@
 """The worker process: runs calls handed to it on stdin, one at a time.
 
 Started as ``python -m nodelet.worker_main`` by :mod:`nodelet.pool`. It reads length-prefixed
-msgpack :class:`~bulletin.wire.WorkerTask`s from stdin, checks and unpickles each call (the
-only place on a node where user data is unpickled; see :mod:`bulletin.pickling.remote`),
+msgpack :class:`~bulletin_core.wire.WorkerTask`s from stdin, checks and unpickles each call (the
+only place on a node where user data is unpickled; see :mod:`bulletin_core.pickling.remote`),
 moves its tensors to the call's device, runs it with stdout/stderr on the nodelet's pipes, and
-leaves a :class:`~bulletin.wire.WorkerOutcome` at ``task.result_path``: the pickled return
+leaves a :class:`~bulletin_core.wire.WorkerOutcome` at ``task.result_path``: the pickled return
 value (or exception) and the globals the call changed, inline or in a file. After a call it kills
 what the call spawned, restores its environment, working directory and ``sys.path``, and
 writes the task's end marker to both pipes; a task without an end marker is its last.
@@ -43,9 +43,9 @@ from typing import IO, Any
 
 import msgspec
 
-from bulletin import shared, wire
-from bulletin.pickling import envelope, remote
-from bulletin.pickling.pickler import type_name
+from bulletin_core import shared, wire
+from bulletin_core.pickling import envelope, remote
+from bulletin_core.pickling.pickler import type_name
 from nodelet import jsoncall, limits, procs
 
 #: Longest error message or traceback kept (the middle of a longer one is cut).

@@ -1,7 +1,7 @@
 """Regenerate the ``components/schemas`` of ``openapi.yaml`` from the wire Structs.
 
 The message schemas of the HTTP contract are what msgspec generates for the Structs of
-``bulletin/wire.py``, constraints and descriptions (``msgspec.Meta``) included; the rest of
+``bulletin_core/wire.py``, constraints and descriptions (``msgspec.Meta``) included; the rest of
 the file (info, paths, parameters, responses, security schemes) is written by hand and left
 byte for byte as it is. Run it after changing a wire Struct, from the repository root::
 
@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:  # run as a script: the repository's packages
 import msgspec  # noqa: E402
 import yaml  # noqa: E402
 
-from bulletin import wire  # noqa: E402
+from bulletin_core import wire  # noqa: E402
 
 SPEC_PATH = ROOT / "openapi.yaml"
 REF_TEMPLATE = "#/components/schemas/{name}"

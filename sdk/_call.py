@@ -9,8 +9,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
-from bulletin import shared, wire
-from bulletin.pickling import caller
+from bulletin_core import shared, wire
+from bulletin_core.pickling import caller
 from sdk import _outcome
 from sdk._client import Client
 from sdk._config import default_client

@@ -1,7 +1,7 @@
 """The HTTP client of the gateway's user routes (``docs/protocol.md``).
 
 Every request goes through ``Client._request``: it retries transport errors, 502/503/504 and
-429 (the per-user rate limit) with the project's backoff (``bulletin.backoff``: exponential,
+429 (the per-user rate limit) with the project's backoff (``bulletin_core.backoff``: exponential,
 full jitter) until a deadline, waiting at least what an answer's ``Retry-After`` asks (every
 user route is idempotent: submissions carry idempotency keys, the rest read or cancel), and
 ``error_for`` turns every other error answer into an sdk exception, so no httpx exception
@@ -25,8 +25,8 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
-from bulletin import shared, wire
-from bulletin.backoff import Backoff
+from bulletin_core import shared, wire
+from bulletin_core.backoff import Backoff
 from sdk._errors import (
     AuthError,
     ConfigError,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 
-from bulletin import wire
+from bulletin_core import wire
 from sdk._client import Client
 from sdk._errors import ConfigError
 

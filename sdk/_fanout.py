@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from bulletin import wire
+from bulletin_core import wire
 from sdk import _outcome
 from sdk._call import Prepared, cancel_quietly, submit
 from sdk._client import Client

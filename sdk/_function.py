@@ -17,7 +17,7 @@ from typing import Any, Generic, NoReturn, ParamSpec, TypeVar, overload
 import msgspec
 import msgspec.inspect
 
-from bulletin import settings, wire
+from bulletin_core import settings, wire
 from sdk import _fanout, _serialize
 from sdk._call import Call, Prepared, submit
 from sdk._client import Client
@@ -351,7 +351,7 @@ def _whole(value: Any) -> bool:
 
 def _checked(name: str, value: Any, kind: Any, unit: str = "") -> Any:
     """``value`` if it passes the gateway's own rule for it: ``kind``, a type of
-    :mod:`bulletin.wire` whose ``msgspec.Meta`` the gateway decodes with (one source for both
+    :mod:`bulletin_core.wire` whose ``msgspec.Meta`` the gateway decodes with (one source for both
     sides); else a ValueError that says the rule."""
     try:
         return msgspec.convert(value, kind)

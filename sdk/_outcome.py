@@ -8,8 +8,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from bulletin import shared, wire
-from bulletin.pickling import caller, envelope
+from bulletin_core import shared, wire
+from bulletin_core.pickling import caller, envelope
 from sdk._client import Client
 from sdk._errors import (
     BulletinError,

@@ -1,6 +1,6 @@
 """Pickling calls for the cluster, with errors that name the variable at fault.
 
-The payload of a call is an envelope (``bulletin.pickling``) of ``(fn, args, kwargs)`` with
+The payload of a call is an envelope (``bulletin_core.pickling``) of ``(fn, args, kwargs)`` with
 ``fn`` the user's original function: cloudpickle ships it by value together with the globals
 it references (and local helper modules), installed modules by reference, tensors and arrays
 as out-of-band buffers. When pickling fails, the object graph is probed piece by piece to name
@@ -19,8 +19,8 @@ from typing import Any
 
 import cloudpickle
 
-from bulletin.pickling import caller
-from bulletin.pickling.pickler import human, reason, size_of, type_name
+from bulletin_core.pickling import caller
+from bulletin_core.pickling.pickler import human, reason, size_of, type_name
 from sdk._errors import SerializationError, StateTooLarge
 
 _ADVICE = (

@@ -14,8 +14,8 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 
-from bulletin import wire
-from bulletin.backoff import Backoff
+from bulletin_core import wire
+from bulletin_core.backoff import Backoff
 from sdk._client import Client
 from sdk._errors import GatewayUnreachable
 

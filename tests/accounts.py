@@ -31,7 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 BASE = Path("/opt/bulletin-test")
 #: An interpreter every account may run (the default one lives under /root).
 SYSTEM_PYTHON = "/usr/bin/python3.11"
-PACKAGES = ("bulletin", "gateway", "scheduler", "nodelet", "sdk")
+#: This checkout's packages: every top-level directory with an __init__.py but the tests'
+#: and the benchmarks'.
+PACKAGES = tuple(
+    sorted(
+        p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name not in ("tests", "bench")
+    )
+)
 
 
 class SetupFailed(RuntimeError):

@@ -22,8 +22,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from cli import admin, local
-from cli.pgserver import EmbeddedPostgres, free_port
+from bulletin import admin, local
+from bulletin.pgserver import EmbeddedPostgres, free_port
 from gateway import db
 from nodelet import leftovers
 from tests import accounts
@@ -127,7 +127,7 @@ class GatewayExited(Exception):
     """The gateway process exited instead of serving."""
 
 
-#: Stop a child: SIGTERM (or ``sig``), then SIGKILL of its process group (cli/local.py).
+#: Stop a child: SIGTERM (or ``sig``), then SIGKILL of its process group (bulletin/local.py).
 stop_process = local.stop
 
 

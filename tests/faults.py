@@ -24,7 +24,7 @@ from typing import Any
 import cloudpickle
 
 import sdk
-from bulletin import wire
+from bulletin_core import wire
 from tests.processes import alive
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import threading
 
-from cli.pgserver import free_port
+from bulletin.pgserver import free_port
 
 
 class FaultProxy:

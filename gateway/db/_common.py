@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeAlias, TypeVar
 import asyncpg
 import msgspec
 
-from bulletin import wire
+from bulletin_core import wire
 
 CHANNEL = "bulletin_events"
 #: The first nodelet protocol that acts on preemption orders.

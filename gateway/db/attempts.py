@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from bulletin import wire
+from bulletin_core import wire
 from gateway.db._common import Conn, _note, _notify, _preempted_note
 
 

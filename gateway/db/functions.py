@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from bulletin import wire
+from bulletin_core import wire
 from gateway.db._common import Conn, _notify
 from gateway.db.accounts import Principal
 from gateway.db.idempotency import HttpKey, _key_made, _take_key

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import asyncpg
 import msgspec
 
-from bulletin import wire
+from bulletin_core import wire
 from gateway.db._common import Conn, _f, _notify
 from gateway.db.idempotency import HttpKey, _key_made, _take_key
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import asyncpg
 import msgspec
 
-from bulletin import wire
+from bulletin_core import wire
 from gateway.db._common import (
     _GPU_LIST,
     _HEALTH_LIST,

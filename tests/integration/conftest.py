@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import sdk
-from bulletin import wire
+from bulletin_core import wire
 from tests.accounts import Portable, traversable_dir
 from tests.conftest import Cluster
 from tests.integration.test_gateway_api import Http

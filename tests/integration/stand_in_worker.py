@@ -23,7 +23,7 @@ from typing import IO
 
 import msgspec
 
-from bulletin import shared, wire
+from bulletin_core import shared, wire
 
 CHUNK = 1 << 20
 

@@ -173,7 +173,7 @@ def forge(token_file: str, url: str, victim: str, ran: str) -> str:
     import httpx
     import msgspec
 
-    from bulletin import wire
+    from bulletin_core import wire
 
     Path(ran).touch()
     token = Path(token_file).read_text().strip()
@@ -219,7 +219,7 @@ def test_a_user_name_that_could_name_another_path_is_refused(database_url: str, 
     # a Unix account: nothing else may be made of it.
     import asyncio
 
-    from cli import admin
+    from bulletin import admin
 
     with pytest.raises(admin.AdminError, match="is not one: use letters, digits"):
         asyncio.run(admin.add_user(database_url, name))

@@ -19,7 +19,7 @@ import httpx
 import msgspec
 import pytest
 
-from bulletin import wire
+from bulletin_core import wire
 from tests.conftest import Cluster, running, wait_until
 from tests.proxy import FaultProxy
 

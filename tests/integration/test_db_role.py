@@ -17,8 +17,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from cli import admin
-from cli.pgserver import EmbeddedPostgres
+from bulletin import admin
+from bulletin.pgserver import EmbeddedPostgres
 from gateway import db
 
 
@@ -119,7 +119,7 @@ def test_another_role_of_the_server_cannot_connect_to_bulletins_database(
 
 def setup_command(server_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cli", "db", "setup", *args],
+        [sys.executable, "-m", "bulletin", "db", "setup", *args],
         env={**os.environ, "BULLETIN_SUPERUSER_URL": server_url},
         capture_output=True,
         text=True,

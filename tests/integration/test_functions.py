@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 import sdk
-from bulletin import wire
+from bulletin_core import wire
 from tests.conftest import Cluster, running, wait_until
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

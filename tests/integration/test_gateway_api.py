@@ -10,7 +10,7 @@ import httpx
 import msgspec
 import pytest
 
-from bulletin import wire
+from bulletin_core import wire
 from tests.conftest import Cluster, wait_until
 
 
@@ -365,7 +365,7 @@ def test_tokens_expire_are_revoked_and_all_unusable_ones_get_the_same_401(
 ) -> None:
     import asyncio
 
-    from cli import admin
+    from bulletin import admin
 
     db_url = gateway.database_url
     fresh = asyncio.run(admin.create_token(db_url, "alice", name="laptop"))
@@ -398,10 +398,10 @@ def test_tokens_expire_are_revoked_and_all_unusable_ones_get_the_same_401(
 def test_the_token_commands(gateway: Cluster) -> None:
     from click.testing import CliRunner
 
-    from cli import bulletin
+    from bulletin import cli
 
     env = {"BULLETIN_DATABASE_URL": gateway.database_url}
-    run = lambda *args: CliRunner().invoke(bulletin, list(args), env=env)  # noqa: E731
+    run = lambda *args: CliRunner().invoke(cli, list(args), env=env)  # noqa: E731
     made = run("token", "create", "alice", "--name", "ci", "--expires-in-days", "2")
     token = made.output.strip()
     assert made.exit_code == 0 and token.startswith("bu_")

@@ -10,7 +10,7 @@ import sys
 import time
 
 import sdk
-from cli import admin
+from bulletin import admin
 from gateway.db import NodeStatus
 from tests.conftest import Cluster, wait_until
 
@@ -21,7 +21,7 @@ def double(x: int) -> int:
 
 def bulletin(cluster: Cluster, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "cli", *args],
+        [sys.executable, "-m", "bulletin", *args],
         env={**os.environ, "BULLETIN_DATABASE_URL": cluster.database_url},
         capture_output=True,
         text=True,

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 import sdk
-from bulletin import wire
+from bulletin_core import wire
 from nodelet.accounts import Accounts
 from nodelet.attempt import Attempt, NodeFacts
 from nodelet.client import GatewayClient

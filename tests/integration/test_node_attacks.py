@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 import sdk
-from bulletin import wire
+from bulletin_core import wire
 from tests.integration.conftest import Tenants, wait_until_running
 from tests.integration.test_gateway_api import status
 
@@ -30,7 +30,7 @@ def own_outcome(result_path: str) -> None:
 
     import msgspec
 
-    from bulletin import wire
+    from bulletin_core import wire
 
     outcome = wire.WorkerOutcome(ok=True, result_path=result_path)
     with open("outcome.msgpack.x", "wb") as file:
@@ -133,7 +133,7 @@ def unacceptable_outcome(ran: str) -> None:
 
     import msgspec
 
-    from bulletin import wire
+    from bulletin_core import wire
 
     with open(ran, "a") as runs:
         runs.write("ran\n")

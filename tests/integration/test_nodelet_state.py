@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from bulletin import shared, wire
+from bulletin_core import shared, wire
 from nodelet.accounts import Accounts
 from nodelet.agent import shared_dir_seen
 from nodelet.attempt import Attempt, NodeFacts, removals_done

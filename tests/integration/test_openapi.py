@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode, checks
 from starlette.routing import Route
 
-from bulletin import wire
+from bulletin_core import wire
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from scripts import openapi
@@ -137,7 +137,7 @@ def test_the_published_constraints_are_what_the_gateway_enforces() -> None:
 def test_requests_refuse_unknown_fields_and_answers_ignore_them() -> None:
     """What the gateway decodes from clients says ``additionalProperties: false`` (it answers
     422 ``unknown_field``); what clients decode from the gateway does not, so that answers
-    may gain fields without breaking older sdks and nodelets (bulletin/wire.py)."""
+    may gain fields without breaking older sdks and nodelets (bulletin_core/wire.py)."""
     spec = load_spec()
     requests: set[str] = set()
     for op in operations(spec).values():

@@ -27,7 +27,7 @@ import httpx
 import msgspec
 import pytest
 
-from bulletin import wire
+from bulletin_core import wire
 from tests.conftest import Cluster, running
 
 PROBLEM = "application/problem+json"
@@ -252,7 +252,7 @@ def test_a_bad_token_sent_again_costs_no_lookup_and_gets_the_same_401(
 
 
 def test_a_revoked_token_stops_working_at_once(gateway: Cluster) -> None:
-    from cli import admin
+    from bulletin import admin
 
     token = asyncio.run(admin.create_token(gateway.database_url, "alice", name="laptop"))
     client = httpx.Client(base_url=gateway.url, headers=bearer(token), timeout=10)

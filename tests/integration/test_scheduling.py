@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 import sdk
-from cli import admin
+from bulletin import admin
 from tests.conftest import Cluster, running, wait_until
 
 
@@ -174,10 +174,10 @@ def test_a_call_too_big_for_every_live_node_waits_without_holding_gpus(
 def test_group_quotas_change_only_what_the_admin_says(fair: Cluster) -> None:
     from click.testing import CliRunner
 
-    from cli import bulletin
+    from bulletin import cli
 
     env = {"BULLETIN_DATABASE_URL": fair.database_url}
-    run = lambda *args: CliRunner().invoke(bulletin, list(args), env=env)  # noqa: E731
+    run = lambda *args: CliRunner().invoke(cli, list(args), env=env)  # noqa: E731
     assert run("group", "set", "vision", "--guaranteed", "4", "--borrow-limit", "8").exit_code == 0
     out = run("group", "set", "vision", "--guaranteed", "6").output
     assert "6 GPUs guaranteed, borrows up to 8 more" in out

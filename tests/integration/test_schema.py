@@ -20,7 +20,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from cli.pgserver import EmbeddedPostgres, binaries
+from bulletin.pgserver import EmbeddedPostgres, binaries
 from gateway import db
 from tests.accounts import traversable_dir
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from bulletin import shared, wire
+from bulletin_core import shared, wire
 from tests.accounts import Portable, traversable_dir
 from tests.conftest import Cluster, running
 from tests.integration.conftest import killed_after
@@ -191,7 +191,7 @@ print(json.dumps({"id": call.id}))
         f"""
 def steal(path):
     import msgspec
-    from bulletin import wire
+    from bulletin_core import wire
     outcome = wire.WorkerOutcome(ok=True, result_path=path)
     with open("outcome.msgpack", "wb") as file:
         file.write(msgspec.msgpack.encode(outcome))

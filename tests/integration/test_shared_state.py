@@ -15,7 +15,7 @@ import httpx
 import msgspec
 import pytest
 
-from bulletin import shared, wire
+from bulletin_core import shared, wire
 from tests.conftest import Cluster, GatewayExited, running, wait_until
 from tests.integration.test_gateway_api import Http, call, poll, register, status, submit
 

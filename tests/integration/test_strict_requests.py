@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from hypothesis import strategies as st
 
-from bulletin import wire
+from bulletin_core import wire
 from tests.conftest import Cluster
 
 PROBLEM = "application/problem+json"

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from bulletin.backoff import Backoff
+from bulletin_core.backoff import Backoff
 
 
 def test_delays_stay_under_a_cap_that_doubles_to_the_maximum() -> None:
@@ -39,7 +39,7 @@ def test_clients_that_failed_together_do_not_retry_together() -> None:
 
 def test_a_server_asked_wait_is_a_floor(monkeypatch: pytest.MonkeyPatch) -> None:
     slept = []
-    monkeypatch.setattr("bulletin.backoff.time.sleep", slept.append)
+    monkeypatch.setattr("bulletin_core.backoff.time.sleep", slept.append)
     backoff = Backoff(0.01, 0.02, rng=random.Random(0))
     backoff.sleep_sync(at_least_s=3.0)
     backoff.sleep_sync()

@@ -8,7 +8,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from cli import bulletin
+from bulletin import cli
 from gateway.config import GatewayConfig
 from gateway.ratelimit import MAX_BUCKETS, RateLimiter
 
@@ -89,7 +89,7 @@ def test_a_rate_limit_of_0_is_off() -> None:
 
 
 def test_the_new_settings_are_gateway_options() -> None:
-    result = CliRunner().invoke(bulletin, ["gateway", "--help"], terminal_width=200)
+    result = CliRunner().invoke(cli, ["gateway", "--help"], terminal_width=200)
     assert result.exit_code == 0, result.output
     for option in (
         "--rate-limit-per-s",

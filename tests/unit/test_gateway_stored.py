@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from bulletin import wire
+from bulletin_core import wire
 from gateway.db._common import _GPU_LIST, _HEALTH_LIST, _WARM_LIST
 
 

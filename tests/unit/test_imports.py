@@ -1,11 +1,12 @@
 """The layers of docs/architecture.md, checked on the source with no exemptions.
 
-- ``bulletin`` (wire types, pickling, shared-directory layout, settings, backoff) is the
-  leaf: it imports nothing of ours but itself.
+- ``bulletin_core`` (wire types, pickling, shared-directory layout, settings, backoff) is
+  the leaf: it imports nothing of ours but itself.
 - ``scheduler`` is pure: nothing of ours, no I/O library.
 - ``sdk``, ``nodelet`` and ``gateway`` stand on the leaf (the gateway also on the
   scheduler), never on each other.
-- ``cli`` (the ``bulletin`` command, ``bulletin up``) is the top: it may import anything.
+- ``bulletin`` (the ``bulletin`` command, ``bulletin up``) is the top: it may import
+  anything.
 """
 
 from __future__ import annotations
@@ -18,21 +19,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = {"bulletin", "gateway", "scheduler", "nodelet", "sdk", "cli"}
+OURS = {"bulletin_core", "gateway", "scheduler", "nodelet", "sdk", "bulletin"}
 MAY_IMPORT = {
-    "bulletin": set(),
+    "bulletin_core": set(),
     "scheduler": set(),
-    "sdk": {"bulletin"},
-    "nodelet": {"bulletin"},
-    "gateway": {"bulletin", "scheduler"},
-    "cli": OURS,
+    "sdk": {"bulletin_core"},
+    "nodelet": {"bulletin_core"},
+    "gateway": {"bulletin_core", "scheduler"},
+    "bulletin": OURS,
 }
 FORBIDDEN_THIRD_PARTY = {
     "scheduler": {"asyncpg", "starlette", "httpx", "uvicorn", "click"},
     # What every component imports stays light: no web framework, database driver or CLI
-    # library at import time (bulletin.settings imports click inside the functions that
+    # library at import time (bulletin_core.settings imports click inside the functions that
     # need it).
-    "bulletin": {"asyncpg", "starlette", "httpx", "uvicorn", "click"},
+    "bulletin_core": {"asyncpg", "starlette", "httpx", "uvicorn", "click"},
 }
 
 
@@ -80,13 +81,14 @@ def loaded_by(code: str) -> set[str]:
 def test_a_subcommand_loads_only_what_it_runs() -> None:
     # What `bulletin nodelet` imports before it runs: its own command and config, never
     # the gateway or the scheduler (it used to import 13 scheduler modules).
-    loaded = loaded_by("from cli import bulletin\nbulletin.get_command(None, 'nodelet')")
+    loaded = loaded_by("from bulletin import cli\ncli.get_command(None, 'nodelet')")
     assert "nodelet.command" in loaded
     assert not {m for m in loaded if m.split(".")[0] in {"gateway", "scheduler", "sdk"}}
     loaded = loaded_by("import nodelet.agent")
-    assert not {m for m in loaded if m.split(".")[0] in {"gateway", "scheduler", "sdk", "cli"}}
+    assert not {m for m in loaded if m.split(".")[0] in {"gateway", "scheduler", "sdk", "bulletin"}}
 
 
 def test_the_sdk_loads_no_cluster_side_code() -> None:
     loaded = loaded_by("import sdk")
-    assert not {m for m in loaded if m.split(".")[0] in {"gateway", "scheduler", "nodelet", "cli"}}
+    cluster_side = {"gateway", "scheduler", "nodelet", "bulletin"}
+    assert not {m for m in loaded if m.split(".")[0] in cluster_side}

@@ -1,4 +1,4 @@
-"""The local-cluster harness (cli/local.py) that `bulletin up` and the tests share: what a
+"""The local-cluster harness (bulletin/local.py) that `bulletin up` and the tests share: what a
 child inherits, how it is found healthy and stopped."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cli import local
+from bulletin import local
 
 
 def test_a_child_inherits_no_bulletin_setting_but_those_it_is_given(

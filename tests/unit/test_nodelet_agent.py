@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bulletin import wire
+from bulletin_core import wire
 from nodelet.agent import serve
 from nodelet.attempt import EOF_GRACE_S, Attempt, describe_exit
 from nodelet.config import NodeletConfig

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from bulletin.settings import from_values
+from bulletin_core.settings import from_values
 from nodelet.config import NodeletConfig
 
 GOOD: dict[str, Any] = {"gateway_url": "http://127.0.0.1:8000", "token": "bn_secret"}

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from bulletin import wire
-from bulletin.wire import GpuHealthReport
+from bulletin_core import wire
+from bulletin_core.wire import GpuHealthReport
 from nodelet import gpus
 from nodelet.gpus import (
     FAKE_GPU_TEMPERATURE_C,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bulletin import wire
+from bulletin_core import wire
 from nodelet.logs import LogShipper
 
 MARKER = b"\x00\x00bulletin-end-0123\x00"

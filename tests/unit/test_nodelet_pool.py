@@ -13,8 +13,8 @@ import cloudpickle
 import msgspec
 import pytest
 
-from bulletin import wire
-from bulletin.pickling import caller, envelope
+from bulletin_core import wire
+from bulletin_core.pickling import caller, envelope
 from nodelet import pool as pool_module
 from nodelet import procs
 from nodelet.agent import spare_gpu_sets

@@ -192,7 +192,7 @@ def test_no_module_but_procs_reads_proc() -> None:
 
     root = Path(__file__).resolve().parents[2]
     found = []
-    for package in ("bulletin", "gateway", "nodelet", "sdk", "scheduler", "cli"):
+    for package in ("bulletin_core", "gateway", "nodelet", "sdk", "scheduler", "bulletin"):
         for path in (root / package).rglob("*.py"):
             if path == root / "nodelet" / "procs.py":
                 continue

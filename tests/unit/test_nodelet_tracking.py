@@ -19,8 +19,8 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from bulletin import wire
-from bulletin.pickling import caller
+from bulletin_core import wire
+from bulletin_core.pickling import caller
 from nodelet import procs
 from nodelet.cgroups import Cgroup, LimitUnavailable, make_base, own_cgroup_dir
 from nodelet.limits import Limiter

@@ -13,8 +13,8 @@ import cloudpickle
 import msgspec
 import pytest
 
-from bulletin import wire
-from bulletin.pickling import caller, envelope, pickler
+from bulletin_core import wire
+from bulletin_core.pickling import caller, envelope, pickler
 from nodelet.limits import RLIMIT_ENV
 from nodelet.worker_main import LIFELINE_ENV, frame
 from tests.processes import alive, state
@@ -426,7 +426,7 @@ def big_shared_result(tmp_path: Path, root: Path, name: str) -> Finished:
 def test_big_result_goes_to_the_shared_directory_when_the_caller_reads_it(
     tmp_path: Path,
 ) -> None:
-    from bulletin import shared
+    from bulletin_core import shared
 
     root = tmp_path / "nas"
     root.mkdir()
@@ -454,7 +454,7 @@ def test_a_big_result_avoids_a_user_directory_that_is_not_the_owners(tmp_path: P
     """Someone else made the owner's directory of the shared directory before the owner did:
     the result is not written where they could read or replace it, but spilled (the nodelet
     uploads it), and the call's output says why."""
-    from bulletin import shared
+    from bulletin_core import shared
 
     root = tmp_path / "nas"
     root.mkdir()

@@ -1,5 +1,5 @@
 """Notebook state round trips through the real envelope code: the caller packs a call, the
-"worker" side (bulletin.pickling.remote, in this process) loads, runs and packs the outcome,
+"worker" side (bulletin_core.pickling.remote, in this process) loads, runs and packs the outcome,
 and the caller applies it. Objects on the two sides are distinct (everything is unpickled),
 as they are across machines; transport is covered by the cluster and notebook tests."""
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bulletin import wire
-from bulletin.pickling import caller, envelope, remote
+from bulletin_core import wire
+from bulletin_core.pickling import caller, envelope, remote
 
 
 def remote_run(fn: Any, *args: Any, device: str = "cpu", **flags: Any) -> caller.Returned:

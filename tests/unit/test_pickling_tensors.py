@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bulletin.pickling import caller, envelope, remote, tensors
+from bulletin_core.pickling import caller, envelope, remote, tensors
 from tests.unit.test_pickling_sync import notebook, remote_run
 
 torch = pytest.importorskip("torch")

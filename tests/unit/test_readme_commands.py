@@ -39,10 +39,10 @@ def test_the_up_script_starts_bulletin_up_and_the_test_script_runs_pytest() -> N
 def test_every_daemon_option_is_described_in_help() -> None:
     import click
 
-    from cli import bulletin
+    from bulletin import cli
 
     for name in ("gateway", "nodelet", "up"):
-        command = bulletin.get_command(click.Context(bulletin), name)
+        command = cli.get_command(click.Context(cli), name)
         assert command is not None
         bare = [
             p.name

@@ -131,13 +131,13 @@ def test_a_preempted_job_keeps_its_gpus_for_the_grace_then_resumes() -> None:
 def test_bulletin_replay_runs_the_simulator(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from cli import bulletin
+    from bulletin import cli
 
     path = write(tmp_path, "t.csv", "submit_time,duration,num_gpus,group\n0,10,2,a\n1,5,2,b\n")
     args = ["replay", str(path), "--policy", "fifo", "--nodes", "1", "--gpus-per-node", "2"]
-    result = CliRunner().invoke(bulletin, [*args, "--format", "json"])
+    result = CliRunner().invoke(cli, [*args, "--format", "json"])
     assert result.exit_code == 0, result.output
     metrics = json.loads(result.output)
     assert set(metrics) >= KEYS
     assert metrics["avg_jct_s"] == pytest.approx((10 + (15 - 1)) / 2)  # b waits for a
-    assert "usage: bulletin replay" in CliRunner().invoke(bulletin, ["replay", "--help"]).output
+    assert "usage: bulletin replay" in CliRunner().invoke(cli, ["replay", "--help"]).output

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from bulletin import wire
+from bulletin_core import wire
 from sdk._watcher import LogPrinter, Watcher
 
 OUT, ERR = wire.Stream.STDOUT, wire.Stream.STDERR

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 import sdk
-from bulletin import wire
-from bulletin.pickling import pickler
+from bulletin_core import wire
+from bulletin_core.pickling import pickler
 from sdk import _outcome as outcome
 
 TRACEBACK = "Traceback (most recent call last):\n  File \"<cell>\", line 3\nKeyError: 'lr'\n"

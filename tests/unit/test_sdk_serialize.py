@@ -13,7 +13,7 @@ import cloudpickle
 import pytest
 
 import sdk
-from bulletin.pickling import caller, remote
+from bulletin_core.pickling import caller, remote
 from sdk._serialize import pack_call
 
 lock = threading.Lock()

@@ -16,9 +16,9 @@ import pytest
 import respx
 
 import sdk
-from bulletin import wire
-from bulletin.backoff import Backoff
-from bulletin.pickling import remote
+from bulletin_core import wire
+from bulletin_core.backoff import Backoff
+from bulletin_core.pickling import remote
 from sdk import _client
 from sdk import _config as config
 from sdk._client import UPLOAD_CHUNK, error_for, retry_after

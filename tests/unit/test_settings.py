@@ -10,8 +10,8 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from bulletin import settings
-from cli import bulletin
+from bulletin import cli
+from bulletin_core import settings
 from gateway.config import GatewayConfig
 from nodelet.config import NodeletConfig
 
@@ -59,7 +59,7 @@ def test_every_setting_is_described_once_and_published() -> None:
 
 
 def test_help_shows_the_description_the_rule_and_the_default() -> None:
-    result = CliRunner().invoke(bulletin, ["gateway", "--help"], terminal_width=400)
+    result = CliRunner().invoke(cli, ["gateway", "--help"], terminal_width=400)
     assert result.exit_code == 0, result.output
     line = next(line for line in result.output.splitlines() if "--lease-s" in line)
     assert settings.descriptions(GatewayConfig)["lease_s"] in line
@@ -69,14 +69,14 @@ def test_help_shows_the_description_the_rule_and_the_default() -> None:
 
 def test_a_bad_option_names_the_option_and_its_variable() -> None:
     result = CliRunner().invoke(
-        bulletin, ["gateway", "--database-url", "postgresql:///x", "--lease-s", "-1"]
+        cli, ["gateway", "--database-url", "postgresql:///x", "--lease-s", "-1"]
     )
     assert result.exit_code == 2
     assert "--lease-s / BULLETIN_LEASE_S" in result.output
     assert "lease_s must be above 0, got -1.0" in result.output
     # From the environment, the same rule and the same words.
     result = CliRunner().invoke(
-        bulletin,
+        cli,
         ["gateway"],
         env={"BULLETIN_DATABASE_URL": "postgresql:///x", "BULLETIN_HEARTBEAT_S": "nan"},
     )

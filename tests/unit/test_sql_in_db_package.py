@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("bulletin", "cli", "gateway", "scheduler", "nodelet", "sdk")
+PACKAGES = ("bulletin_core", "bulletin", "gateway", "scheduler", "nodelet", "sdk")
 DB_PACKAGE = ROOT / "gateway" / "db"
 #: Upper-case keywords only (as every statement here is written): prose says "select".
 SQL = re.compile(

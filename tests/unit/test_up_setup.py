@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from cli import admin
-from cli.pgserver import Account, blocking_directory
-from cli.secretfiles import SecretFileError, read_secret, write_secret
-from cli.up import UpError, UpSettings, check_user_mapping, node_mode
+from bulletin import admin
+from bulletin.pgserver import Account, blocking_directory
+from bulletin.secretfiles import SecretFileError, read_secret, write_secret
+from bulletin.up import UpError, UpSettings, check_user_mapping, node_mode
 
 
 def test_a_user_mapping_without_root_is_refused_saying_what_to_do() -> None:

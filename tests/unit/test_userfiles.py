@@ -1,6 +1,6 @@
 """Reading what a user's account left, as root, without trusting it: the nodelet's
 ``out`` directory (nodelet/userfiles.py) and the shared directory's user directories
-(bulletin/shared.py). Each case is a file a user could plant."""
+(bulletin_core/shared.py). Each case is a file a user could plant."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bulletin import shared
+from bulletin_core import shared
 from nodelet.userfiles import UntrustedFile, make_private_dir, open_owned, read_owned
 
 

@@ -39,9 +39,9 @@ from typing import Any
 import click
 import platformdirs
 
-from cli import admin, local
-from cli.pgserver import EmbeddedPostgres, PostgresError, free_port
-from cli.secretfiles import write_secret
+from bulletin import admin, local
+from bulletin.pgserver import EmbeddedPostgres, PostgresError, free_port
+from bulletin.secretfiles import write_secret
 
 DATABASE = "bulletin"
 #: The role the gateway, the migrations and the admin commands connect as.

@@ -155,7 +155,7 @@ GroupName = Slug
 FunctionName = Slug
 #: Paths inside the cluster's shared directory (the NAS) that calls may name, relative to
 #: its root: payload files written by the owner's sdk and result files written by the
-#: owner's worker, each in its owner's directory (bulletin/shared.py).
+#: owner's worker, each in its owner's directory (bulletin_core/shared.py).
 _STEM = "[A-Za-z0-9_-]{1,100}"
 SHARED_FILE = rf"^bulletin/users/(?P<user>{SLUG})/(?P<kind>payload|result)-(?P<stem>{_STEM})\.bin$"
 SharedPayload = Annotated[
@@ -239,7 +239,7 @@ GpuMemory = Annotated[
 class CallSpec(_Request, frozen=True, kw_only=True):
     """One call to submit. Exactly one of ``payload`` (inline), ``payload_blob`` (uploaded
     first) and ``payload_file`` (written to the shared directory, relative to its root)
-    carries the pickled call (an envelope: ``bulletin/pickling/envelope.py``)."""
+    carries the pickled call (an envelope: ``bulletin_core/pickling/envelope.py``)."""
 
     idempotency_key: Annotated[
         Name,
@@ -1179,7 +1179,7 @@ class WorkerOutcome(_Request, frozen=True, kw_only=True):
 
 
 class PickleHeader(_Msg, frozen=True, kw_only=True):
-    """Leads every envelope (a pickled call or result, ``bulletin/pickling/envelope.py``): read
+    """Leads every envelope (a pickled call or result, ``bulletin_core/pickling/envelope.py``): read
     and checked before anything is unpickled."""
 
     python: str  # "3.11": pickled code objects only load on the same minor version

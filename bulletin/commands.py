@@ -1,5 +1,5 @@
 """The administration commands (``bulletin migrate``, ``db``, ``user``, ``token``, ``group``,
-``usage``, ``node``) and ``bulletin replay``: thin click commands over :mod:`cli.admin` and
+``usage``, ``node``) and ``bulletin replay``: thin click commands over :mod:`bulletin.admin` and
 :mod:`scheduler.replay`, each importing what it runs only when it runs."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ database_option = click.option(
 @database_option
 def migrate(database_url: str) -> None:
     """Apply the schema migrations the database lacks."""
-    from cli import admin
+    from bulletin import admin
 
     applied = asyncio.run(admin.migrate(database_url))
     click.echo("applied: " + ", ".join(applied) if applied else "the schema is up to date")
@@ -56,8 +56,8 @@ def db_setup(superuser_url: str, role: str, database: str, password_file: Path) 
     print its URL without the password. Idempotent: run it on every deploy."""
     import secrets
 
-    from cli import admin
-    from cli.secretfiles import SecretFileError, read_secret, write_secret
+    from bulletin import admin
+    from bulletin.secretfiles import SecretFileError, read_secret, write_secret
 
     try:
         if password_file.exists():
@@ -93,7 +93,7 @@ def user() -> None:
 @database_option
 def user_add(name: str, is_admin: bool, group: str | None, database_url: str) -> None:
     """Create user NAME (if new) and print a new token for them."""
-    from cli import admin
+    from bulletin import admin
 
     try:
         token = asyncio.run(admin.add_user(database_url, name, is_admin=is_admin, group=group))
@@ -108,7 +108,7 @@ def user_add(name: str, is_admin: bool, group: str | None, database_url: str) ->
 @database_option
 def user_set_group(name: str, group_name: str, database_url: str) -> None:
     """Move user NAME to GROUP (their queued and later calls count against its quota)."""
-    from cli import admin
+    from bulletin import admin
 
     try:
         asyncio.run(admin.set_user_group(database_url, name, group_name))
@@ -136,7 +136,7 @@ def token_create(
     user_name: str, name: str, expires_in_days: float | None, database_url: str
 ) -> None:
     """Print a new token for USER (shown once: only its hash is kept)."""
-    from cli import admin
+    from bulletin import admin
 
     expires_s = None if expires_in_days is None else expires_in_days * 86400
     try:
@@ -154,7 +154,7 @@ def token_list(owner: str | None, database_url: str) -> None:
     """Tokens: id, kind, owner, label, first characters, and whether they still work."""
     import time
 
-    from cli import admin
+    from bulletin import admin
 
     now = time.time()
     for t in asyncio.run(admin.tokens(database_url, owner)):
@@ -175,7 +175,7 @@ def token_list(owner: str | None, database_url: str) -> None:
 @database_option
 def token_revoke(token_id: int, database_url: str) -> None:
     """Revoke token ID at once (its next request gets 401)."""
-    from cli import admin
+    from bulletin import admin
 
     try:
         asyncio.run(admin.revoke_token(database_url, token_id))
@@ -218,8 +218,8 @@ def group_set(
     database_url: str,
 ) -> None:
     """Create group NAME or change its quota (options left out keep their value)."""
-    from bulletin import wire
-    from cli import admin
+    from bulletin import admin
+    from bulletin_core import wire
 
     try:
         msgspec.convert(name, wire.GroupName)
@@ -243,7 +243,7 @@ def group_set(
 @database_option
 def group_list(database_url: str) -> None:
     """Groups, their quotas and how many users each has."""
-    from cli import admin
+    from bulletin import admin
 
     for g in asyncio.run(admin.groups(database_url)):
         limit = "no limit" if g.borrow_limit_gpus is None else str(g.borrow_limit_gpus)
@@ -257,7 +257,7 @@ def group_list(database_url: str) -> None:
 @database_option
 def usage(days: int, database_url: str) -> None:
     """GPU-hours per user and group over the last DAYS days (UTC), most first."""
-    from cli import admin
+    from bulletin import admin
 
     rows = asyncio.run(admin.usage(database_url, days))
     if not rows:
@@ -276,7 +276,7 @@ def node() -> None:
 @database_option
 def node_add(name: str, database_url: str) -> None:
     """Create node NAME (if new) and print a node token for its nodelet's --token-file."""
-    from cli import admin
+    from bulletin import admin
 
     click.echo(asyncio.run(admin.add_node(database_url, name)))
 
@@ -287,7 +287,7 @@ def node_add(name: str, database_url: str) -> None:
 @database_option
 def node_drain(name: str, reason: str, database_url: str) -> None:
     """Give node NAME no new work; the calls it runs finish. Undo with 'node undrain'."""
-    from cli import admin
+    from bulletin import admin
 
     if not asyncio.run(admin.drain(database_url, name, reason or None)):
         raise click.ClickException(f"no node named {name!r} (see 'bulletin node list')")
@@ -299,7 +299,7 @@ def node_drain(name: str, reason: str, database_url: str) -> None:
 @database_option
 def node_undrain(name: str, database_url: str) -> None:
     """Let node NAME take work again (after a GPU fault is dealt with, or maintenance)."""
-    from cli import admin
+    from bulletin import admin
 
     if not asyncio.run(admin.undrain(database_url, name)):
         raise click.ClickException(f"no node named {name!r} (see 'bulletin node list')")
@@ -312,7 +312,7 @@ def node_list(database_url: str) -> None:
     """Nodes, whether they take work, and their GPUs' last reported health."""
     import time
 
-    from cli import admin
+    from bulletin import admin
     from nodelet.gpus import describe
 
     for status in asyncio.run(admin.nodes(database_url)):

@@ -1,5 +1,5 @@
 """Gateways and nodelets as child processes of this machine: how they are started, found
-healthy and stopped. The one harness of ``bulletin up`` (:mod:`cli.up`) and of the tests
+healthy and stopped. The one harness of ``bulletin up`` (:mod:`bulletin.up`) and of the tests
 (``tests/conftest.py``).
 
 A child leads its own session (a terminal's Ctrl-C reaches only its parent, which stops the
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from bulletin.settings import ENV_PREFIX
+from bulletin_core.settings import ENV_PREFIX
 
 
 class ChildExited(RuntimeError):

@@ -21,8 +21,8 @@ from typing import Any
 
 import cloudpickle
 
-from bulletin.pickling import envelope
-from bulletin.pickling.pickler import pack
+from bulletin_core.pickling import envelope
+from bulletin_core.pickling.pickler import pack
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "<unbound>"})()
 #: Our own packages: always pickled by reference (the envelope's helpers live in them).

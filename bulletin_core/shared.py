@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from bulletin import wire
+from bulletin_core import wire
 
 MARKER = "bulletin/cluster-id"
 USERS = "bulletin/users"

@@ -29,8 +29,8 @@ from typing import Any
 
 import cloudpickle
 
-from bulletin.pickling import envelope, tensors
-from bulletin.pickling.pickler import Pickler, human, pack, reason, size_of, type_name
+from bulletin_core.pickling import envelope, tensors
+from bulletin_core.pickling.pickler import Pickler, human, pack, reason, size_of, type_name
 
 _MISSING = object()
 _IMMUTABLE = ("tuple", "frozenset")

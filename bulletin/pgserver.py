@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cli.secretfiles import write_secret
+from bulletin.secretfiles import write_secret
 
 log = logging.getLogger(__name__)
 SYSTEM_USER = "embedded_postgres"  # PostgreSQL refuses to run as root

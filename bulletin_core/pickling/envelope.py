@@ -22,7 +22,7 @@ from typing import Any
 import cloudpickle
 import msgspec
 
-from bulletin import wire
+from bulletin_core import wire
 
 MAGIC = b"BLTNENV1"
 ALIGN = 64

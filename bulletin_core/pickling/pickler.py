@@ -11,7 +11,7 @@ from typing import Any
 
 import cloudpickle
 
-from bulletin.pickling import envelope, tensors
+from bulletin_core.pickling import envelope, tensors
 
 PROTOCOL = 5
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 import asyncpg
 
-from bulletin import wire
+from bulletin_core import wire
 from gateway import auth, db
 
 

@@ -1,0 +1,3 @@
+from bulletin import main
+
+main()
