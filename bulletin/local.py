@@ -3,9 +3,10 @@ healthy and stopped. The one harness of ``bulletin up`` (:mod:`bulletin.up`) and
 (``tests/conftest.py``).
 
 A child leads its own session (a terminal's Ctrl-C reaches only its parent, which stops the
-children in order) and inherits none of the parent's ``BULLETIN_*`` settings: it gets the
-ones it is given, so a database URL in the parent's environment never reaches a nodelet, or
-the workers that run users' code.
+children in order). It inherits the parent's environment, ``BULLETIN_*`` settings included
+(``BULLETIN_PROCESS_TRACKING=subreaper bulletin up`` sets the nodelet's), but none of the
+secrets in :data:`SECRETS`: a child gets those only when it is given them, so a database URL
+in the parent's environment never reaches a nodelet, or the workers that run users' code.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from pathlib import Path
 
 import httpx
 
-from bulletin_core.settings import ENV_PREFIX
-
 
 class ChildExited(RuntimeError):
     """A child exited while it was being waited for; ``returncode`` is its status."""
@@ -32,9 +31,14 @@ class ChildExited(RuntimeError):
         self.returncode = returncode
 
 
+#: Settings that hold secrets: never inherited by a child (the gateway is given its
+#: database URL; a nodelet reads its token from a file).
+SECRETS = frozenset({"BULLETIN_DATABASE_URL", "BULLETIN_SUPERUSER_URL", "BULLETIN_TOKEN"})
+
+
 def child_env(env: Mapping[str, str]) -> dict[str, str]:
-    """This process's environment without its ``BULLETIN_*`` settings, plus ``env``."""
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    """This process's environment without :data:`SECRETS`, plus ``env``."""
+    inherited = {k: v for k, v in os.environ.items() if k not in SECRETS}
     return {**inherited, **env}
 
 

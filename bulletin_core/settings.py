@@ -223,9 +223,10 @@ def setup_logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
-def log_level_option(default: str | None = "info") -> Callable[[F], F]:
-    """``--log-level`` (``BULLETIN_LOG_LEVEL``), applied as soon as it is parsed; with
-    ``default`` None only when given (a subcommand keeps what its group set)."""
+def log_level_option(default: str | None = "info", *, from_env: bool = True) -> Callable[[F], F]:
+    """``--log-level``, applied as soon as it is parsed; read from ``BULLETIN_LOG_LEVEL`` when
+    ``from_env``. A subcommand's has ``default`` None and ``from_env`` False: it applies only
+    when given, so the group's (its flag, else the variable) stands otherwise."""
     import click
 
     def apply(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
@@ -235,12 +236,22 @@ def log_level_option(default: str | None = "info") -> Callable[[F], F]:
 
     return click.option(
         "--log-level",
-        envvar="BULLETIN_LOG_LEVEL",
+        envvar="BULLETIN_LOG_LEVEL" if from_env else None,
         default=default,
-        show_envvar=True,
+        show_envvar=from_env,
         is_eager=True,
         expose_value=False,
         callback=apply,
         type=click.Choice(LOG_LEVELS, case_sensitive=False),
-        help="How much to log.",
+        help="How much to log." if from_env else "How much to log [default: the group's].",
     )
+
+
+def env_log_level(environ: Mapping[str, str]) -> str:
+    """``BULLETIN_LOG_LEVEL`` from ``environ`` (default info), for a command run on its own
+    (``python -m gateway``); ValueError, naming the variable, if it is not a level."""
+    level = environ.get("BULLETIN_LOG_LEVEL", "info").lower()
+    if level not in LOG_LEVELS:
+        choices = ", ".join(LOG_LEVELS)
+        raise ValueError(f"BULLETIN_LOG_LEVEL must be one of {choices}, got {level!r}")
+    return level

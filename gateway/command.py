@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import click
 
-from bulletin_core.settings import build, log_level_option, options, setup_logging
+from bulletin_core.settings import (
+    build,
+    env_log_level,
+    log_level_option,
+    options,
+    setup_logging,
+)
 from gateway.config import GatewayConfig
 
 
 @click.command("gateway")
-@log_level_option(default=None)
+@log_level_option(default=None, from_env=False)
 @options(GatewayConfig)
 def command(**values: Any) -> None:
     """Run a gateway replica (HTTP API and scheduler host) against PostgreSQL."""
@@ -21,6 +28,10 @@ def command(**values: Any) -> None:
 
 
 def main() -> None:
-    """``python -m gateway``: the same command, logging at info unless told otherwise."""
-    setup_logging("info")
+    """``python -m gateway``: the same command, logging at ``BULLETIN_LOG_LEVEL`` (default
+    info) unless ``--log-level`` says otherwise."""
+    try:
+        setup_logging(env_log_level(os.environ))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     command.main(prog_name="python -m gateway")

@@ -281,9 +281,10 @@ async def run(hub: Hub, config: GatewayConfig, outages: Outages) -> None:
     it knows), get a full term before any expires; a failure of another kind does not grant
     them another, so a round that keeps failing cannot hold expiry off for ever."""
     leases = Expiry(config, outages)
-    # After a failure, replicas retry at jittered times, not all at once; a standby that
-    # merely did not get the lock asks again every interval.
-    backoff = Backoff(config.schedule_interval_s, 2 * config.schedule_interval_s)
+    # After a failure, replicas retry at jittered times within one interval (never later
+    # than they used to), not all at once; a standby that merely did not get the lock asks
+    # again every interval.
+    backoff = Backoff(config.schedule_interval_s, config.schedule_interval_s)
     while True:
         conn = None
         failed = False

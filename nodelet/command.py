@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import click
 
-from bulletin_core.settings import build, log_level_option, options, setup_logging
+from bulletin_core.settings import (
+    build,
+    env_log_level,
+    log_level_option,
+    options,
+    setup_logging,
+)
 from nodelet.config import NodeletConfig
 
 
 @click.command("nodelet")
-@log_level_option(default=None)
+@log_level_option(default=None, from_env=False)
 @click.option(
     "--gateway",
     "gateway_url",
@@ -39,6 +46,10 @@ def command(gateway_url: str, token_file: Path, **values: Any) -> None:
 
 
 def main() -> None:
-    """``python -m nodelet``: the same command, logging at info unless told otherwise."""
-    setup_logging("info")
+    """``python -m nodelet``: the same command, logging at ``BULLETIN_LOG_LEVEL`` (default
+    info) unless ``--log-level`` says otherwise."""
+    try:
+        setup_logging(env_log_level(os.environ))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     command.main(prog_name="python -m nodelet")

@@ -89,6 +89,13 @@ class _Retry(Exception):
         self.final = final
 
 
+def retry_schedule(initial_s: float, max_s: float) -> Backoff:
+    """The backoff of ``Client.backoff_initial_s`` and ``backoff_max_s``, whatever a user set
+    them to: a first delay above the maximum waits the maximum, none waits a millisecond."""
+    most = max(0.001, max_s)
+    return Backoff(min(max(0.001, initial_s), most), most)
+
+
 class Client:
     """A connection to one gateway, authenticated by a user token. Thread-safe.
 
@@ -359,7 +366,7 @@ class Client:
         """Send one request, retrying transient failures with backoff until the deadline."""
         budget = self.retry_deadline_s if deadline_s is None else deadline_s
         start = time.monotonic()
-        backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
+        backoff = retry_schedule(self.backoff_initial_s, self.backoff_max_s)
         if deadline_s is not None:
             timeout = min(timeout or self.timeout, deadline_s)
         while True:

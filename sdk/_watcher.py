@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 from bulletin_core import wire
 from bulletin_core.backoff import Backoff
-from sdk._client import Client
+from sdk._client import Client, retry_schedule
 from sdk._errors import GatewayUnreachable
 
 _log = logging.getLogger("sdk")
@@ -117,7 +117,9 @@ class Watcher:
         if now - self._outage_since >= self._client.outage_patience_s:
             raise exc
         if self._backoff is None:
-            self._backoff = Backoff(self._client.backoff_initial_s, self._client.backoff_max_s)
+            self._backoff = retry_schedule(
+                self._client.backoff_initial_s, self._client.backoff_max_s
+            )
         self._backoff.sleep_sync()
 
     def _poll(self, ids: Sequence[str], timeout_s: float) -> dict[str, wire.Invocation]:

@@ -26,7 +26,7 @@ from bulletin_core.pickling.pickler import pack
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "<unbound>"})()
 #: Our own packages: always pickled by reference (the envelope's helpers live in them).
-_OURS = frozenset({"bulletin", "sdk", "nodelet", "gateway", "scheduler"})
+_OURS = frozenset({"bulletin_core", "bulletin", "sdk", "nodelet", "gateway", "scheduler"})
 
 
 @dataclass
@@ -166,7 +166,7 @@ class SyncError(pickle.UnpicklingError):
     """The outcome refers to objects this process does not have."""
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(envelope.RenamingUnpickler):
     def __init__(self, file: io.BytesIO, buffers: list[memoryview], sync: Sync | None) -> None:
         super().__init__(file, buffers=buffers)
         self._sync = sync

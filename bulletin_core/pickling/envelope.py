@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import pickle
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -215,3 +216,38 @@ def skew(theirs: wire.PickleHeader, *, they: str, we: str) -> str | None:
 
 def _minor(version: str) -> tuple[str, ...]:
     return tuple(version.split(".")[:2])
+
+
+#: Modules of ours that were renamed, old name -> new: a pickle names the globals it uses
+#: (the tensor rebuild helper, the sdk's classes) by module, so an envelope made before the
+#: rename (a call still queued at an upgrade, a registered function) names the old ones.
+RENAMED_MODULES = {
+    "bulletin.pickling": "bulletin_core.pickling",
+    "bulletin.wire": "bulletin_core.wire",
+    "bulletin.shared": "bulletin_core.shared",
+    "bulletin.pickling.frame": "bulletin_core.pickling.envelope",
+}
+#: sdk modules made private (``sdk.errors`` is ``sdk._errors``; its public names are also on
+#: ``sdk`` itself).
+_SDK_MODULES = frozenset(
+    {"call", "client", "config", "errors", "fanout", "function", "liveness", "outcome"}
+    | {"serialize", "watcher"}
+)
+
+
+def current_module(module: str, name: str) -> str:
+    """Where global ``name`` of ``module``, as an older Bulletin pickled it, lives now."""
+    top, _, rest = module.partition(".")
+    if top == "sdk" and rest in _SDK_MODULES:
+        return f"sdk._{rest}"  # where every name of the old module is still defined
+    for old, new in sorted(RENAMED_MODULES.items(), key=lambda item: -len(item[0])):
+        if module == old or module.startswith(old + "."):
+            return new + module[len(old) :]
+    return module
+
+
+class RenamingUnpickler(pickle.Unpickler):
+    """An unpickler that finds the globals of our renamed modules under their new names."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(current_module(module, name), name)

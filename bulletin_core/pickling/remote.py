@@ -75,7 +75,9 @@ class RemoteCall:
 
     def load(self) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
         """Unpickle the call (the only place a worker unpickles user data)."""
-        unpickler = pickle.Unpickler(io.BytesIO(self._opened.pickle), buffers=self._opened.buffers)
+        unpickler = envelope.RenamingUnpickler(
+            io.BytesIO(self._opened.pickle), buffers=self._opened.buffers
+        )
         loaded = unpickler.load()
         if not (isinstance(loaded, tuple) and len(loaded) == 3 and callable(loaded[0])):
             raise BadCall(f"the payload is a pickled {type(loaded).__name__}, not a call")

@@ -14,17 +14,21 @@ import pytest
 from bulletin import local
 
 
-def test_a_child_inherits_no_bulletin_setting_but_those_it_is_given(
+def test_a_child_inherits_settings_but_no_secret_it_is_not_given(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A database URL (a secret) in the parent's environment must not reach a nodelet, and
-    # so the workers that run users' code.
+    # so the workers that run users' code; a setting meant for the children does.
     monkeypatch.setenv("BULLETIN_DATABASE_URL", "postgresql://bulletin:secret@db/bulletin")
-    monkeypatch.setenv("BULLETIN_FAKE_GPUS", "7")
+    monkeypatch.setenv("BULLETIN_TOKEN", "bu_secret")
+    monkeypatch.setenv("BULLETIN_PROCESS_TRACKING", "subreaper")
     monkeypatch.setenv("LANG", "C.UTF-8")
     env = local.child_env({"BULLETIN_LOG_LEVEL": "debug"})
-    assert not {k for k in env if k.startswith("BULLETIN_")} - {"BULLETIN_LOG_LEVEL"}
-    assert env["LANG"] == "C.UTF-8"
+    assert "BULLETIN_DATABASE_URL" not in env and "BULLETIN_TOKEN" not in env
+    assert env["BULLETIN_PROCESS_TRACKING"] == "subreaper"
+    assert env["BULLETIN_LOG_LEVEL"] == "debug" and env["LANG"] == "C.UTF-8"
+    given = local.child_env({"BULLETIN_DATABASE_URL": "postgresql:///given"})
+    assert given["BULLETIN_DATABASE_URL"] == "postgresql:///given"
 
 
 def test_a_gateway_that_exits_while_starting_is_reported_with_its_status(

@@ -5,6 +5,9 @@ as they are across machines; transport is covered by the cluster and notebook te
 
 from __future__ import annotations
 
+import importlib
+import io
+import pickle
 import textwrap
 from typing import Any
 
@@ -520,3 +523,24 @@ def test_everything_but_tensors_works_without_torch() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.stdout == "ok\n", done.stderr
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "now"),
+    [
+        ("bulletin.pickling.tensors", "rebuild", "bulletin_core.pickling.tensors"),
+        ("bulletin.wire", "State", "bulletin_core.wire"),
+        ("sdk.errors", "RateLimited", "sdk._errors"),
+        ("sdk.function", "Options", "sdk._function"),
+    ],
+)
+def test_an_envelope_made_before_the_modules_were_renamed_still_loads(
+    module: str, name: str, now: str
+) -> None:
+    # A call queued before an upgrade, or a registered function, names the globals its
+    # pickle uses by their old modules (GLOBAL opcode: module and name, then STOP).
+    old = b"c" + module.encode() + b"\n" + name.encode() + b"\n."
+    loaded = envelope.RenamingUnpickler(io.BytesIO(old)).load()
+    assert loaded is getattr(importlib.import_module(now), name)
+    with pytest.raises(ModuleNotFoundError):
+        pickle.loads(old)  # what a plain unpickler (the old worker's) did

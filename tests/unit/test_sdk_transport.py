@@ -21,7 +21,7 @@ from bulletin_core.backoff import Backoff
 from bulletin_core.pickling import remote
 from sdk import _client
 from sdk import _config as config
-from sdk._client import UPLOAD_CHUNK, error_for, retry_after
+from sdk._client import UPLOAD_CHUNK, error_for, retry_after, retry_schedule
 
 URL = "http://gateway.test"
 SUBMIT = msgspec.json.Decoder(wire.SubmitRequest)
@@ -299,3 +299,12 @@ def test_an_answer_that_is_not_problem_json_keeps_its_text() -> None:
     error = error_for(httpx.Response(500, text="<html>proxy error</html>"))
     assert type(error) is sdk.GatewayError
     assert "<html>proxy error</html>" in str(error)
+
+
+@pytest.mark.parametrize(("initial", "most"), [(5.0, 1.0), (0.0, 0.0), (-1.0, 2.0)])
+def test_backoff_settings_a_user_got_wrong_still_retry(initial: float, most: float) -> None:
+    # Client.backoff_initial_s / backoff_max_s are the user's to set: a first delay above the
+    # maximum, or none at all, must still give a schedule, never a ValueError per request.
+    schedule = retry_schedule(initial, most)
+    delays = [schedule.next_delay() for _ in range(5)]
+    assert all(0 <= d <= max(most, 0.001) for d in delays)

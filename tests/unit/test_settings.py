@@ -96,3 +96,28 @@ def test_floats_that_are_not_finite_are_refused() -> None:
     for value in (math.inf, math.nan):
         with pytest.raises(ValueError, match="must be a finite number"):
             GatewayConfig(**REQUIRED[GatewayConfig], rate_limit_per_s=value)
+
+
+def test_the_log_level_given_on_the_command_line_wins_over_the_environment() -> None:
+    import logging
+
+    from bulletin_core.settings import env_log_level
+
+    def level_after(args: list[str], env: dict[str, str]) -> int:
+        # --help stops before the command runs, after every eager option was applied.
+        result = CliRunner().invoke(cli, [*args, "gateway", "--help"], env=env)
+        assert result.exit_code == 0, result.output
+        return logging.getLogger().level
+
+    root = logging.getLogger()
+    saved = root.level
+    try:
+        env = {"BULLETIN_LOG_LEVEL": "debug"}
+        assert level_after(["--log-level", "warning"], env) == logging.WARNING
+        assert level_after([], env) == logging.DEBUG
+        assert level_after([], {}) == logging.INFO
+    finally:
+        root.setLevel(saved)
+    assert env_log_level({"BULLETIN_LOG_LEVEL": "ERROR"}) == "error"
+    with pytest.raises(ValueError, match="BULLETIN_LOG_LEVEL must be one of"):
+        env_log_level({"BULLETIN_LOG_LEVEL": "loud"})
