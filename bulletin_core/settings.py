@@ -255,3 +255,16 @@ def env_log_level(environ: Mapping[str, str]) -> str:
         choices = ", ".join(LOG_LEVELS)
         raise ValueError(f"BULLETIN_LOG_LEVEL must be one of {choices}, got {level!r}")
     return level
+
+
+def run_alone(command: Any, prog_name: str) -> None:
+    """Run a component's click ``command`` as its own program (``python -m gateway``):
+    logging at ``BULLETIN_LOG_LEVEL`` (default info) unless its ``--log-level`` says
+    otherwise, as under the ``bulletin`` group."""
+    import os
+
+    try:
+        setup_logging(env_log_level(os.environ))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    command.main(prog_name=prog_name)

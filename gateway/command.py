@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import click
 
 from bulletin_core.settings import (
     build,
-    env_log_level,
     log_level_option,
     options,
-    setup_logging,
+    run_alone,
 )
 from gateway.config import GatewayConfig
 
@@ -28,10 +26,5 @@ def command(**values: Any) -> None:
 
 
 def main() -> None:
-    """``python -m gateway``: the same command, logging at ``BULLETIN_LOG_LEVEL`` (default
-    info) unless ``--log-level`` says otherwise."""
-    try:
-        setup_logging(env_log_level(os.environ))
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-    command.main(prog_name="python -m gateway")
+    """``python -m gateway``: the same command, as a program of its own."""
+    run_alone(command, "python -m gateway")

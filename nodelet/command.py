@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +9,9 @@ import click
 
 from bulletin_core.settings import (
     build,
-    env_log_level,
     log_level_option,
     options,
-    setup_logging,
+    run_alone,
 )
 from nodelet.config import NodeletConfig
 
@@ -46,10 +44,5 @@ def command(gateway_url: str, token_file: Path, **values: Any) -> None:
 
 
 def main() -> None:
-    """``python -m nodelet``: the same command, logging at ``BULLETIN_LOG_LEVEL`` (default
-    info) unless ``--log-level`` says otherwise."""
-    try:
-        setup_logging(env_log_level(os.environ))
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-    command.main(prog_name="python -m nodelet")
+    """``python -m nodelet``: the same command, as a program of its own."""
+    run_alone(command, "python -m nodelet")
