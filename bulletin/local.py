@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -91,14 +92,19 @@ def nodelet_args(
     ]
 
 
-def healthy(url: str) -> bool:
+def healthy(url: str, ca: str = "") -> bool:
+    """Whether the gateway at ``url`` answers ``/healthz`` (over HTTPS: trusting ``ca``, the
+    PEM of its CA, or the system's CAs)."""
+    verify = ssl.create_default_context(cafile=ca) if ca else True
     try:
-        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+        return httpx.get(f"{url}/healthz", timeout=1, verify=verify).status_code == 200
     except httpx.TransportError:
         return False
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+def wait_healthy(
+    url: str, proc: subprocess.Popen[bytes], timeout: float = 60, ca: str = ""
+) -> None:
     """Return once the gateway ``proc`` answers ``/healthz`` on ``url``; raise
     :class:`ChildExited` if it exits first, ``TimeoutError`` if it takes ``timeout``."""
     deadline = time.monotonic() + timeout
@@ -107,7 +113,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -
             raise ChildExited(
                 f"the gateway exited with code {proc.returncode} while starting", proc.returncode
             )
-        if healthy(url):
+        if healthy(url, ca):
             return
         time.sleep(0.05)
     raise TimeoutError(f"the gateway did not answer on {url} within {timeout:.0f}s")

@@ -66,6 +66,19 @@ class UpSettings:
     trusted_users: str | None = None
 
 
+def check_host(host: str) -> None:
+    """Fail fast if the gateway would refuse to serve plain HTTP on ``host``."""
+    from gateway.config import is_loopback
+
+    if not is_loopback(host):
+        raise UpError(
+            f"'bulletin up' serves plain HTTP, which the gateway allows only on a loopback "
+            f"address, not on {host!r}: leave --host at 127.0.0.1 (reach it from elsewhere "
+            "through an SSH tunnel), or run a gateway with --tls-cert-file and --tls-key-file "
+            "(README, 'A real cluster')."
+        )
+
+
 def check_user_mapping(setting: str, euid: int | None = None) -> None:
     """Fail fast, saying what to do, if the nodelet could not use this user mapping."""
     if not setting:
@@ -162,6 +175,7 @@ class _Stopper:
 
 def run(settings: UpSettings, say: Callable[[str], None] = print) -> int:
     state = settings.state_dir.expanduser().resolve()
+    check_host(settings.host)
     check_user_mapping(settings.user_mapping)
     if settings.user_mapping:
         _check_worker_python()

@@ -1200,4 +1200,7 @@ class ClientConfig(_Msg, frozen=True, kw_only=True):
 
     url: str
     token: str
+    #: The CA certificate (PEM) that signed an https:// gateway's certificate, when the
+    #: system does not trust it (a lab's own CA). Empty: the system's CAs.
+    ca: str = ""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from typing import Annotated
 
@@ -152,6 +153,14 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         How often the purge of what is past retention_s runs, in seconds.
     """)] = 60.0
 
+    tls_cert_file: Annotated[str, doc("""
+        The gateway's TLS certificate (PEM, with its chain): it serves HTTPS. Give it with
+        tls_key_file. Empty: plain HTTP, which the gateway serves only on a loopback address.
+    """)] = ""
+    tls_key_file: Annotated[str, doc("""
+        The private key of tls_cert_file (PEM; keep it readable by the gateway's account only).
+    """)] = ""
+
     def __post_init__(self) -> None:
         check(self, "gateway", _problems(self))
 
@@ -170,6 +179,10 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     def caller_late_s(self) -> float:
         """A caller session this late gets its queued calls held back (not started)."""
         return self.caller_timeout_s / 2 if self.caller_timeout_s else 1e9
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert_file else "http"
 
     @property
     def hosts(self) -> list[str]:
@@ -217,9 +230,36 @@ def _problems(config: GatewayConfig) -> list[str]:
             "max_state_bytes must be at least inline_limit",
         ),
         (
+            bool(config.tls_cert_file) == bool(config.tls_key_file),
+            "tls_cert_file and tls_key_file go together: give both (HTTPS) or neither",
+        ),
+        *(
+            (os.path.isfile(path), f"{name} {path!r} is not a file")
+            for name, path in (
+                ("tls_cert_file", config.tls_cert_file),
+                ("tls_key_file", config.tls_key_file),
+            )
+            if path
+        ),
+        (
+            bool(config.tls_cert_file) or is_loopback(config.host),
+            f"the gateway serves plain HTTP only on a loopback address, not on {config.host!r}: "
+            "give tls_cert_file and tls_key_file to serve HTTPS there, or listen on 127.0.0.1",
+        ),
+        (
             not config.shared_dir or os.path.isabs(config.shared_dir),
             "shared_dir must be an absolute path (the same on every node), "
             f"not {config.shared_dir!r}",
         ),
     ]
     return [message for ok, message in checks if not ok]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) names this machine's loopback only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -150,6 +150,8 @@ def serve(config: GatewayConfig) -> None:
             # uvicorn hands it to loop.call_later, which takes any number of seconds.
             timeout_keep_alive=config.idle_timeout_s,  # type: ignore[arg-type]
             proxy_headers=False,
+            ssl_certfile=config.tls_cert_file or None,
+            ssl_keyfile=config.tls_key_file or None,
         ),
         app,
     )

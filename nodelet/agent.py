@@ -104,7 +104,9 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
                 f"it through {blocked}: choose a work directory under directories every "
                 "account may traverse (e.g. /var/lib/bulletin-nodelet)"
             )
-    client = GatewayClient(config.gateway_url, config.token, timeout_s=config.http_timeout_s)
+    client = GatewayClient(
+        config.gateway_url, config.token, timeout_s=config.http_timeout_s, ca_file=config.ca_file
+    )
     gpus = choose_provider(
         config.fake_gpus,
         node=config.name,

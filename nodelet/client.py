@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -42,12 +43,15 @@ _encoder = msgspec.json.Encoder()
 class GatewayClient:
     """Async client for ``/v1/node/...``; one per nodelet, closed with :meth:`aclose`."""
 
-    def __init__(self, base_url: str, token: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, base_url: str, token: str, *, timeout_s: float = 10.0, ca_file: str = ""
+    ) -> None:
         self.timeout_s = timeout_s
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout_s,
+            verify=ssl.create_default_context(cafile=ca_file) if ca_file else True,
         )
 
     async def aclose(self) -> None:

@@ -18,6 +18,10 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     gateway_url: Annotated[str, doc("The gateway's URL, e.g. http://head:8420")]
     token: Annotated[str, doc("This node's token (bn_...), made by 'bulletin node add NAME'.")]
+    ca_file: Annotated[str, doc("""
+        The CA certificate (PEM) that signed an https:// gateway's certificate, when it is not
+        one the system trusts. Empty: the system's CAs.
+    """)] = ""
     name: Annotated[str, doc("""
         This node's name; its token must have been made for it ('bulletin node add NAME').
     """)] = msgspec.field(default_factory=socket.gethostname)
@@ -144,6 +148,11 @@ def _problems(config: NodeletConfig) -> list[str]:
             or not config.gpu_spare_shapes.strip(),
             "gpu_spare_shapes must be GPU counts separated by commas (e.g. 1,2,8), got "
             f"{config.gpu_spare_shapes!r}",
+        ),
+        (
+            not config.ca_file or os.path.isfile(config.ca_file),
+            f"ca_file {config.ca_file!r} is not a file: give the PEM file of the CA that signed "
+            "the gateway's certificate",
         ),
         (
             config.process_tracking in TRACKING,

@@ -14,6 +14,7 @@ import email.utils
 import logging
 import math
 import os
+import ssl
 import threading
 import time
 import uuid
@@ -119,7 +120,14 @@ class Client:
     backoff_max_s: float = 2.0
     use_shared_dir: bool = True
 
-    def __init__(self, url: str, token: str, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        timeout: float = 30.0,
+        ca: str | os.PathLike[str] | None = None,
+    ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"The gateway URL must start with http:// or https://, got {url!r}")
         if timeout <= 0:
@@ -137,6 +145,8 @@ class Client:
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}", "User-Agent": "bulletin-sdk"},
             timeout=httpx.Timeout(timeout),
+            # ca: the PEM of the CA that signed an https:// gateway's certificate.
+            verify=ssl.create_default_context(cafile=os.fspath(ca)) if ca else True,
         )
         #: The caller session of the calls this client waits for (sdk/_liveness.py).
         self.session = str(uuid.uuid4())
@@ -409,6 +419,13 @@ class Client:
         try:
             return self._exchange(request, read)
         except _TRANSIENT as exc:
+            if untrusted := _untrusted_certificate(exc):
+                raise ConfigError(
+                    f"The gateway {self.url} presented a TLS certificate this machine does not "
+                    f"trust ({untrusted}). If the cluster has its own CA, give its certificate: "
+                    '`ca = "/path/to/ca.pem"` in client.toml, BULLETIN_CA, or '
+                    "sdk.connect(..., ca=...)."
+                ) from None
             raise _Retry(f"{type(exc).__name__}: {exc}") from None
         except httpx.HTTPError as exc:
             raise GatewayError(f"{method} {self.url}{path} failed: {exc}") from None
@@ -481,6 +498,17 @@ def _detail(response: httpx.Response) -> str:
     except msgspec.DecodeError:
         return response.text[:500] or response.reason_phrase
     return problem.detail or problem.title
+
+
+def _untrusted_certificate(exc: BaseException) -> str | None:
+    """Why the gateway's certificate was refused, if that is what ``exc`` comes from: a
+    failure no retry can mend."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return seen.verify_message or str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _unreachable(url: str, reason: str, budget: float) -> str:

@@ -2,7 +2,8 @@
 
 Without an explicit ``sdk.connect(...)``, the first remote call looks, in this order, at
 ``BULLETIN_CONFIG`` (the path of a ``client.toml`` with ``url`` and ``token``, as ``bulletin up``
-writes it) and at ``BULLETIN_URL`` plus ``BULLETIN_TOKEN``.
+writes it, and ``ca`` for a gateway whose certificate the system does not trust) and at
+``BULLETIN_URL`` plus ``BULLETIN_TOKEN`` (and ``BULLETIN_CA``).
 """
 
 from __future__ import annotations
@@ -33,18 +34,21 @@ def connect(
     url: str | None = None,
     token: str | None = None,
     *,
+    ca: str | os.PathLike[str] | None = None,
     config: str | os.PathLike[str] | None = None,
 ) -> Client:
     """Connect to a cluster and make it the default of every remote call in this process.
 
     With ``config``, read that ``client.toml``; ``url`` and ``token``, when given, override
     what was found. Without any argument, resolve the environment as the first remote call
-    would (``BULLETIN_CONFIG``, else ``BULLETIN_URL`` and ``BULLETIN_TOKEN``).
+    would (``BULLETIN_CONFIG``, else ``BULLETIN_URL`` and ``BULLETIN_TOKEN``). ``ca``: the
+    CA certificate (PEM) of an https:// gateway the system does not trust (else ``ca`` in
+    the config file, else ``BULLETIN_CA``).
     Raises ``ConfigError`` saying what to set when nothing is found.
     """
     global _default
-    found = resolve(url, token, config=config)
-    client = Client(found.url, found.token)
+    found = resolve(url, token, config=config, ca=ca)
+    client = Client(found.url, found.token, ca=found.ca or None)
     with _lock:
         _default = client
     return client
@@ -56,7 +60,7 @@ def default_client() -> Client:
     with _lock:
         if _default is None:
             found = resolve()
-            _default = Client(found.url, found.token)
+            _default = Client(found.url, found.token, ca=found.ca or None)
         return _default
 
 
@@ -65,15 +69,16 @@ def resolve(
     token: str | None = None,
     *,
     config: str | os.PathLike[str] | None = None,
+    ca: str | os.PathLike[str] | None = None,
 ) -> wire.ClientConfig:
     """Where the cluster is: explicit arguments over ``config`` over the environment."""
     if config is not None:
         base = load(config)
     elif url and token:
-        return _checked(url, token)
+        base = wire.ClientConfig(url=url, token=token, ca=os.environ.get("BULLETIN_CA", ""))
     else:
         base = from_env()
-    return _checked(url or base.url, token or base.token)
+    return _checked(url or base.url, token or base.token, str(ca) if ca else base.ca)
 
 
 def from_env() -> wire.ClientConfig:
@@ -84,7 +89,7 @@ def from_env() -> wire.ClientConfig:
     url = os.environ.get("BULLETIN_URL")
     token = os.environ.get("BULLETIN_TOKEN")
     if url and token:
-        return wire.ClientConfig(url=url, token=token)
+        return wire.ClientConfig(url=url, token=token, ca=os.environ.get("BULLETIN_CA", ""))
     if url or token:
         have, lack = "BULLETIN_URL", "BULLETIN_TOKEN"
         if token:
@@ -124,9 +129,14 @@ def _parse(data: bytes, where: str) -> wire.ClientConfig:
         raise ConfigError(f"The Bulletin client config {where} is malformed: {exc}") from None
 
 
-def _checked(url: str, token: str) -> wire.ClientConfig:
+def _checked(url: str, token: str, ca: str = "") -> wire.ClientConfig:
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"The gateway url must start with http:// or https://, got {url!r}")
     if not token.strip():
         raise ConfigError("The token is empty: check BULLETIN_TOKEN or `token` in client.toml.")
-    return wire.ClientConfig(url=url, token=token)
+    if ca and not Path(ca).expanduser().is_file():
+        raise ConfigError(
+            f"The CA certificate {ca!r} (`ca` in client.toml, BULLETIN_CA or sdk.connect(ca=...)) "
+            "is not a file: give the PEM file of the CA that signed the gateway's certificate."
+        )
+    return wire.ClientConfig(url=url, token=token, ca=str(Path(ca).expanduser()) if ca else "")

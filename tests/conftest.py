@@ -141,6 +141,8 @@ class Cluster:
     token: str = ""
     #: The cluster's shared directory (NAS), when the gateway was started with one.
     shared_dir: Path | None = None
+    #: The PEM of the CA that signed the gateway's certificate, when it serves HTTPS.
+    ca: str = ""
     gateway: subprocess.Popen[bytes] | None = None
     nodelets: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _gateway_args: list[str] = field(default_factory=list)
@@ -162,7 +164,8 @@ class Cluster:
             self.shared_dir = shared_dir
         port = port or free_port()
         self._gateway_args = local.gateway_args("127.0.0.1", port, {**FAST_GATEWAY, **options})
-        self.url = f"http://127.0.0.1:{port}"
+        scheme = "https" if "tls-cert-file" in options else "http"
+        self.url = f"{scheme}://127.0.0.1:{port}"
         self._spawn_gateway()
         self.token = asyncio.run(admin.add_user(self.database_url, "alice"))
 
@@ -170,7 +173,7 @@ class Cluster:
         env = {"BULLETIN_DATABASE_URL": self.database_url}
         self.gateway = self._spawn("gateway", self._gateway_args, env)
         try:
-            local.wait_healthy(self.url, self.gateway, timeout=30)
+            local.wait_healthy(self.url, self.gateway, timeout=30, ca=self.ca)
         except local.ChildExited as exc:
             raise GatewayExited(f"{exc}; see gateway.log") from None
 

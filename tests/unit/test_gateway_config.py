@@ -4,6 +4,7 @@ rate limiter they configure."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -135,3 +136,27 @@ def test_idle_buckets_are_forgotten_when_there_are_many() -> None:
     limiter.take("new")
     assert len(limiter._buckets) == 1
     assert limiter.take("new") == 0 and limiter.take("new") > 0
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost", "127.0.0.53"])
+def test_plain_http_is_served_on_loopback(host: str) -> None:
+    assert GatewayConfig(database_url=URL, host=host).scheme == "http"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "head.lab.example", "::"])
+def test_plain_http_is_refused_anywhere_else(host: str) -> None:
+    with pytest.raises(ValueError, match="plain HTTP only on a loopback address"):
+        GatewayConfig(database_url=URL, host=host)
+
+
+def test_https_needs_both_files_and_may_listen_anywhere(tmp_path: Path) -> None:
+    cert, key = tmp_path / "gateway.pem", tmp_path / "gateway.key"
+    cert.write_text("pem")
+    key.write_text("pem")
+    with pytest.raises(ValueError, match="tls_cert_file and tls_key_file go together"):
+        GatewayConfig(database_url=URL, tls_cert_file=str(cert))
+    with pytest.raises(ValueError, match="is not a file"):
+        GatewayConfig(database_url=URL, tls_cert_file=str(cert), tls_key_file="/nonexistent")
+    files = {"tls_cert_file": str(cert), "tls_key_file": str(key)}
+    tls = GatewayConfig(database_url=URL, host="0.0.0.0", **files)
+    assert tls.scheme == "https"

@@ -150,3 +150,20 @@ def test_connect_without_arguments_reads_the_environment(
     path = write(tmp_path, 'url = "http://127.0.0.1:8400"\ntoken = "bu_abc"\n')
     monkeypatch.setenv("BULLETIN_CONFIG", str(path))
     assert sdk.connect().url == "http://127.0.0.1:8400"
+
+
+def test_the_ca_comes_from_the_argument_the_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca, other = tmp_path / "ca.pem", tmp_path / "other.pem"
+    ca.write_text("pem")
+    other.write_text("pem")
+    toml = tmp_path / "client.toml"
+    toml.write_text(f'url = "https://head:8420"\ntoken = "bu_x"\nca = "{ca}"\n')
+    assert config.resolve(config=toml).ca == str(ca)
+    assert config.resolve(config=toml, ca=other).ca == str(other)  # the argument wins
+    monkeypatch.setenv("BULLETIN_CA", str(other))
+    assert config.resolve("https://head:8420", "bu_x").ca == str(other)
+    monkeypatch.setenv("BULLETIN_CA", str(tmp_path / "missing.pem"))
+    with pytest.raises(sdk.ConfigError, match="is not a file"):
+        config.resolve("https://head:8420", "bu_x")

@@ -18,7 +18,7 @@ import pytest
 from bulletin import admin
 from bulletin.pgserver import Account, blocking_directory
 from bulletin.secretfiles import SecretFileError, read_secret, write_secret
-from bulletin.up import UpError, UpSettings, check_user_mapping, node_mode
+from bulletin.up import UpError, UpSettings, check_host, check_user_mapping, node_mode
 
 
 def test_a_user_mapping_without_root_is_refused_saying_what_to_do() -> None:
@@ -141,3 +141,9 @@ def test_the_banner_says_whose_calls_run_and_how_to_add_users() -> None:
     assert "every user" in everyone
     multi = " ".join(node_mode(UpSettings(state, user_mapping="same-name")))
     assert "multi-tenant" in multi and "owner's Unix account" in multi
+
+
+def test_up_refuses_to_serve_plain_http_beyond_loopback() -> None:
+    check_host("127.0.0.1")
+    with pytest.raises(UpError, match=r"plain HTTP.*--tls-cert-file"):
+        check_host("0.0.0.0")
