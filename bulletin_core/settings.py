@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from bulletin_core import meta
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: Rules shared by many settings.
@@ -56,46 +58,8 @@ def _fields(struct: type) -> Iterator[msgspec.inspect.Field]:
     yield from info.fields
 
 
-def _unwrap(kind: msgspec.inspect.Type) -> tuple[msgspec.inspect.Type, str]:
-    """The type under a field's metadata and optional ``None``, and its description."""
-    description = ""
-    if isinstance(kind, msgspec.inspect.Metadata):
-        description = str((kind.extra_json_schema or {}).get("description", ""))
-        kind = kind.type
-    if isinstance(kind, msgspec.inspect.UnionType):
-        kinds = [k for k in kind.types if not isinstance(k, msgspec.inspect.NoneType)]
-        if len(kinds) == 1:
-            inner, inner_description = _unwrap(kinds[0])
-            return inner, description or inner_description
-    return kind, description
-
-
-def rule(kind: msgspec.inspect.Type) -> str:
-    """A field's constraints in words ("above 0", "at least 1", ...); empty if none."""
-    kind, _ = _unwrap(kind)
-    words = []
-    bounds = (("gt", "above"), ("ge", "at least"), ("lt", "below"), ("le", "at most"))
-    for attribute, text in bounds:
-        bound = getattr(kind, attribute, None)
-        if bound is not None:
-            whole = float(bound).is_integer() and abs(bound) < 1e15
-            words.append(f"{text} {int(bound) if whole else bound}")
-    min_length = getattr(kind, "min_length", None)
-    if min_length:
-        words.append(f"at least {min_length} characters")
-    pattern = getattr(kind, "pattern", None)
-    if pattern:
-        words.append(f"matching {pattern}")
-    return " and ".join(words)
-
-
-def descriptions(struct: type) -> dict[str, str]:
-    """Each field's description, by name."""
-    return {field.name: _unwrap(field.type)[1] for field in _fields(struct)}
-
-
 def _breaks(kind: msgspec.inspect.Type, value: Any) -> bool:
-    kind, _ = _unwrap(kind)
+    kind = meta.bare(kind)
     if value is None:
         return False
     if isinstance(value, float) and not math.isfinite(value):
@@ -128,7 +92,7 @@ def problems(settings: msgspec.Struct) -> list[tuple[str, str]]:
     for field in _fields(type(settings)):
         value = getattr(settings, field.name)
         if _breaks(field.type, value):
-            words = rule(field.type)
+            words = meta.rule(field.type)
             if isinstance(value, float) and not math.isfinite(value):
                 words = f"a finite number {words}".strip()
             found.append((field.name, f"{field.name} must be {words}, got {value!r}"))
@@ -154,8 +118,8 @@ def from_values(struct: type[msgspec.Struct], values: Mapping[str, Any], what: s
         text = str(exc)
         name = text.rsplit("`$.", 1)[1].rstrip("`") if "`$." in text else ""
         kinds = {field.name: field.type for field in _fields(struct)}
-        if name in kinds and rule(kinds[name]):
-            message = f"{name} must be {rule(kinds[name])}, got {given[name]!r}"
+        if name in kinds and meta.rule(kinds[name]):
+            message = f"{name} must be {meta.rule(kinds[name])}, got {given[name]!r}"
             raise SettingError(name, f"invalid {what} config: {message}") from None
         raise SettingError(name, text) from None
 
@@ -182,9 +146,9 @@ def options(struct: type, skip: Sequence[str] = ()) -> Callable[[F], F]:
             if field.name in skip:
                 continue
             default = None if field.required else field.default
-            help_parts = [_unwrap(field.type)[1]]
-            if rule(field.type):
-                help_parts.append(f"Must be {rule(field.type)}.")
+            help_parts = [meta.description(field.type)]
+            if meta.rule(field.type):
+                help_parts.append(f"Must be {meta.rule(field.type)}.")
             if default not in (None, "", msgspec.NODEFAULT):
                 help_parts.append(f"[default: {default}]")
             fn = click.option(

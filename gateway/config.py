@@ -181,10 +181,6 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.caller_timeout_s / 2 if self.caller_timeout_s else 1e9
 
     @property
-    def scheme(self) -> str:
-        return "https" if self.tls_cert_file else "http"
-
-    @property
     def hosts(self) -> list[str]:
         """allowed_hosts as a list, lower case; empty: any host."""
         if not self.allowed_hosts.strip():

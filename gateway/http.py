@@ -18,7 +18,7 @@ import msgspec.inspect
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from bulletin_core import wire
+from bulletin_core import meta, wire
 from gateway import db
 from gateway.errors import (
     ApiError,
@@ -157,8 +157,8 @@ def _description(type_: Any, steps: list[str]) -> str:
     for name in steps:
         if node is None:
             break
-        node = next(filter(None, (_step(kind, name) for kind in _kinds(node))), None)
-    return _described(node) if node is not None and steps else ""
+        node = next(filter(None, (_step(kind, name) for kind in meta.kinds(node))), None)
+    return meta.description(node) if node is not None and steps else ""
 
 
 def _step(kind: msgspec.inspect.Type, name: str) -> msgspec.inspect.Type | None:
@@ -170,27 +170,6 @@ def _step(kind: msgspec.inspect.Type, name: str) -> msgspec.inspect.Type | None:
     if not name and isinstance(kind, msgspec.inspect.DictType):
         return kind.value_type
     return None
-
-
-def _kinds(node: msgspec.inspect.Type) -> list[msgspec.inspect.Type]:
-    """The types a value at ``node`` may be: its union's members, without their metadata."""
-    while isinstance(node, msgspec.inspect.Metadata):
-        node = node.type
-    if isinstance(node, msgspec.inspect.UnionType):
-        return [kind for member in node.types for kind in _kinds(member)]
-    return [node]
-
-
-def _described(node: msgspec.inspect.Type) -> str:
-    """The outermost description of ``node``: the field's own before its type alias's."""
-    while isinstance(node, msgspec.inspect.Metadata):
-        description = (node.extra_json_schema or {}).get("description")
-        if description:
-            return str(description)
-        node = node.type
-    if isinstance(node, msgspec.inspect.UnionType):
-        return next(filter(None, map(_described, node.types)), "")
-    return ""
 
 
 def _unknown_field(field: str, at: str) -> Unprocessable:

@@ -17,7 +17,7 @@ from typing import Any, Generic, NoReturn, ParamSpec, TypeVar, overload
 import msgspec
 import msgspec.inspect
 
-from bulletin_core import settings, wire
+from bulletin_core import meta, wire
 from sdk import _fanout, _serialize
 from sdk._call import Call, Prepared, submit
 from sdk._client import Client
@@ -356,7 +356,7 @@ def _checked(name: str, value: Any, kind: Any, unit: str = "") -> Any:
     try:
         return msgspec.convert(value, kind)
     except msgspec.ValidationError:
-        words = settings.rule(msgspec.inspect.type_info(kind))
+        words = meta.rule(msgspec.inspect.type_info(kind))
         raise ValueError(f"{name} must be {words}{unit}, got {value!r}") from None
 
 

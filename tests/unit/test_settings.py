@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from bulletin import cli
-from bulletin_core import settings
+from bulletin_core import meta, settings
 from gateway.config import GatewayConfig
 from nodelet.config import NodeletConfig
 
@@ -27,7 +27,7 @@ def ruled_fields() -> list[tuple[type, str, Any]]:
     cases = []
     for config in REQUIRED:
         for field in msgspec.inspect.type_info(config).fields:  # type: ignore[attr-defined]
-            kind, _ = settings._unwrap(field.type)
+            kind = meta.bare(field.type)
             bound = next(
                 (getattr(kind, a) for a in ("gt", "ge") if getattr(kind, a, None) is not None),
                 None,
@@ -49,8 +49,8 @@ def test_a_rule_holds_whichever_way_the_setting_arrives(config: type, name: str,
 
 def test_every_setting_is_described_once_and_published() -> None:
     for config in REQUIRED:
-        described = settings.descriptions(config)
-        missing = [name for name, text in described.items() if not text]
+        fields = msgspec.inspect.type_info(config).fields  # type: ignore[attr-defined]
+        missing = [f.name for f in fields if not meta.description(f.type)]
         assert not missing, f"{config.__name__} fields without a description: {missing}"
         schema = msgspec.json.schema(config)["$defs"][config.__name__]["properties"]
         assert schema["cpu_slots" if config is NodeletConfig else "lease_s"]["description"]
@@ -62,7 +62,9 @@ def test_help_shows_the_description_the_rule_and_the_default() -> None:
     result = CliRunner().invoke(cli, ["gateway", "--help"], terminal_width=400)
     assert result.exit_code == 0, result.output
     line = next(line for line in result.output.splitlines() if "--lease-s" in line)
-    assert settings.descriptions(GatewayConfig)["lease_s"] in line
+    fields = msgspec.inspect.type_info(GatewayConfig).fields  # type: ignore[attr-defined]
+    lease = next(f for f in fields if f.name == "lease_s")
+    assert meta.description(lease.type) in line
     assert "Must be above 0." in line and "[default: 30.0]" in line
     assert "BULLETIN_LEASE_S" in line
 
