@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from bulletin_core import tls
+
 
 class ChildExited(RuntimeError):
     """A child exited while it was being waited for; ``returncode`` is its status."""
@@ -92,10 +94,9 @@ def nodelet_args(
     ]
 
 
-def healthy(url: str, ca: str = "") -> bool:
-    """Whether the gateway at ``url`` answers ``/healthz`` (over HTTPS: trusting ``ca``, the
-    PEM of its CA, or the system's CAs)."""
-    verify = ssl.create_default_context(cafile=ca) if ca else True
+def healthy(url: str, verify: ssl.SSLContext | bool = True) -> bool:
+    """Whether the gateway at ``url`` answers ``/healthz`` (over HTTPS, trusting what
+    ``verify`` says: :func:`bulletin_core.tls.verify`)."""
     try:
         return httpx.get(f"{url}/healthz", timeout=1, verify=verify).status_code == 200
     except httpx.TransportError:
@@ -107,13 +108,14 @@ def wait_healthy(
 ) -> None:
     """Return once the gateway ``proc`` answers ``/healthz`` on ``url``; raise
     :class:`ChildExited` if it exits first, ``TimeoutError`` if it takes ``timeout``."""
+    verify = tls.verify(ca)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise ChildExited(
                 f"the gateway exited with code {proc.returncode} while starting", proc.returncode
             )
-        if healthy(url, ca):
+        if healthy(url, verify):
             return
         time.sleep(0.05)
     raise TimeoutError(f"the gateway did not answer on {url} within {timeout:.0f}s")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import ssl
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -16,7 +15,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
-from bulletin_core import wire
+from bulletin_core import tls, wire
 from nodelet import userfiles
 from nodelet.errors import (
     AuthRejected,
@@ -51,7 +50,7 @@ class GatewayClient:
             base_url=base_url.rstrip("/"),
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout_s,
-            verify=ssl.create_default_context(cafile=ca_file) if ca_file else True,
+            verify=tls.verify(ca_file),
         )
 
     async def aclose(self) -> None:
@@ -203,6 +202,13 @@ async def _write(fd: int, offset: int, pending: bytearray) -> int:
 
 
 def _unavailable(method: str, path: str, exc: httpx.HTTPError) -> GatewayUnavailable:
+    if untrusted := tls.untrusted(exc):
+        # Retried like an outage (a MITM gets nothing either way), but saying what to do.
+        reason = (
+            f"the gateway's TLS certificate is not trusted ({untrusted}): if the cluster has "
+            "its own CA, give its certificate with --ca-file"
+        )
+        return GatewayUnavailable(f"{method} {path} failed: {reason}")
     # Timeouts stringify as "": the type name alone says what happened.
     reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return GatewayUnavailable(f"{method} {path} failed: {reason}")

@@ -14,7 +14,6 @@ import email.utils
 import logging
 import math
 import os
-import ssl
 import threading
 import time
 import uuid
@@ -26,7 +25,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
-from bulletin_core import shared, wire
+from bulletin_core import shared, tls, wire
 from bulletin_core.backoff import Backoff
 from sdk._errors import (
     AuthError,
@@ -146,7 +145,7 @@ class Client:
             headers={"Authorization": f"Bearer {token}", "User-Agent": "bulletin-sdk"},
             timeout=httpx.Timeout(timeout),
             # ca: the PEM of the CA that signed an https:// gateway's certificate.
-            verify=ssl.create_default_context(cafile=os.fspath(ca)) if ca else True,
+            verify=tls.verify(ca),
         )
         #: The caller session of the calls this client waits for (sdk/_liveness.py).
         self.session = str(uuid.uuid4())
@@ -419,7 +418,7 @@ class Client:
         try:
             return self._exchange(request, read)
         except _TRANSIENT as exc:
-            if untrusted := _untrusted_certificate(exc):
+            if untrusted := tls.untrusted(exc):
                 raise ConfigError(
                     f"The gateway {self.url} presented a TLS certificate this machine does not "
                     f"trust ({untrusted}). If the cluster has its own CA, give its certificate: "
@@ -498,17 +497,6 @@ def _detail(response: httpx.Response) -> str:
     except msgspec.DecodeError:
         return response.text[:500] or response.reason_phrase
     return problem.detail or problem.title
-
-
-def _untrusted_certificate(exc: BaseException) -> str | None:
-    """Why the gateway's certificate was refused, if that is what ``exc`` comes from: a
-    failure no retry can mend."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, ssl.SSLCertVerificationError):
-            return seen.verify_message or str(seen)
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def _unreachable(url: str, reason: str, budget: float) -> str:

@@ -4,6 +4,7 @@ come from a test CA (trustme); the traffic stays on 127.0.0.1."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ import pytest
 import trustme
 
 import sdk
-from tests.conftest import Cluster, running
+from bulletin import admin
+from tests.conftest import Cluster, running, wait_until
 
 
 @dataclass(frozen=True)
@@ -76,3 +78,16 @@ def test_a_client_toml_names_the_ca(https_gateway: Cluster, pki: Pki, tmp_path: 
     url, token = https_gateway.url, https_gateway.token
     config.write_text(f'url = "{url}"\ntoken = "{token}"\nca = "{pki.ca}"\n')
     assert sdk.connect(config=config).cluster().user == "alice"
+
+
+def test_a_nodelet_trusts_no_gateway_its_ca_did_not_sign(https_gateway: Cluster) -> None:
+    # Without --ca-file the lab's certificate is one nobody vouched for, as a machine in the
+    # middle's would be: the nodelet sends it nothing (its token included) and says what to
+    # give.
+    cluster = https_gateway
+    cluster.start_nodelet("node-x")
+    log = cluster.dir / "node-x.log"
+    said = lambda: "give its certificate with --ca-file" in log.read_text()  # noqa: E731
+    wait_until(said, 30, "the nodelet to refuse the gateway's certificate")
+    [node] = [n for n in asyncio.run(admin.nodes(cluster.database_url)) if n.name == "node-x"]
+    assert node.last_heartbeat is None  # it never registered
