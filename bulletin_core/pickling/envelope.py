@@ -235,12 +235,18 @@ _SDK_MODULES = frozenset(
 )
 
 
-def current_module(module: str, name: str) -> str:
-    """Where global ``name`` of ``module``, as an older Bulletin pickled it, lives now."""
+#: RENAMED_MODULES, longest old name first (``bulletin.pickling.frame`` before its package).
+_RENAMES = sorted(RENAMED_MODULES.items(), key=lambda item: -len(item[0]))
+
+
+def current_module(module: str) -> str:
+    """Where the globals of ``module``, as an older Bulletin pickled them, live now."""
     top, _, rest = module.partition(".")
+    if top not in ("bulletin", "sdk"):
+        return module  # every global of user code and libraries: nothing to look up
     if top == "sdk" and rest in _SDK_MODULES:
         return f"sdk._{rest}"  # where every name of the old module is still defined
-    for old, new in sorted(RENAMED_MODULES.items(), key=lambda item: -len(item[0])):
+    for old, new in _RENAMES:
         if module == old or module.startswith(old + "."):
             return new + module[len(old) :]
     return module
@@ -250,4 +256,4 @@ class RenamingUnpickler(pickle.Unpickler):
     """An unpickler that finds the globals of our renamed modules under their new names."""
 
     def find_class(self, module: str, name: str) -> Any:
-        return super().find_class(current_module(module, name), name)
+        return super().find_class(current_module(module), name)

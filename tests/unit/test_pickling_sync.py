@@ -532,6 +532,7 @@ def test_everything_but_tensors_works_without_torch() -> None:
         ("bulletin.wire", "State", "bulletin_core.wire"),
         ("sdk.errors", "RateLimited", "sdk._errors"),
         ("sdk.function", "Options", "sdk._function"),
+        ("bulletin.pickling.frame", "EnvelopeError", "bulletin_core.pickling.envelope"),
     ],
 )
 def test_an_envelope_made_before_the_modules_were_renamed_still_loads(
