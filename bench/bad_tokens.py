@@ -20,7 +20,6 @@ import asyncio
 import os
 import platform
 import secrets
-import signal
 import socket
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from bulletin import admin
+from bulletin import admin, local
 from bulletin.pgserver import EmbeddedPostgres, free_port
 
 
@@ -58,18 +57,15 @@ LIMITS = {
 
 
 def start_gateway(database_url: str, port: int, limits: str, log: Path) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "gateway", "--port", str(port), *LIMITS[limits]]
-    env = {**os.environ, "BULLETIN_DATABASE_URL": database_url, "BULLETIN_LOG_LEVEL": "warning"}
-    with log.open("ab") as out:
-        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.2)
-    raise SystemExit(f"the gateway did not start; see {log}")
+    """One gateway on ``port`` through the harness `bulletin up` and the tests use."""
+    args = local.gateway_args("127.0.0.1", port)
+    env = {"BULLETIN_DATABASE_URL": database_url, "BULLETIN_LOG_LEVEL": "warning"}
+    proc = local.spawn([*args, *LIMITS[limits]], env, log=log)
+    try:
+        local.wait_healthy(f"http://127.0.0.1:{port}", proc)
+    except (local.ChildExited, TimeoutError) as exc:
+        raise SystemExit(f"{exc}; see {log}") from None
+    return proc
 
 
 def read_status(sock: socket.socket, pending: bytearray) -> int:
@@ -188,8 +184,7 @@ def main() -> None:
             print(answered.stdout.strip())
         finally:
             if gateway is not None:
-                gateway.send_signal(signal.SIGTERM)
-                gateway.wait(30)
+                local.stop(gateway, timeout=30)
             pg.stop()
 
 
