@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "gateway": ("gateway.command", "command"),
     "nodelet": ("nodelet.command", "command"),
     "migrate": ("bulletin.commands", "migrate"),
+    "apply": ("bulletin.apply", "command"),
     "db": ("bulletin.commands", "db_group"),
     "user": ("bulletin.commands", "user"),
     "token": ("bulletin.commands", "token"),

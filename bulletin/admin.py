@@ -1,5 +1,5 @@
-"""Accounts and tokens, made directly in the database (the admin's side of set-up), and the
-database role the gateway connects as.
+"""Accounts and tokens, made directly in the database (the admin's side of set-up), nodes'
+draining and removal, and the database role the gateway connects as.
 
 The gateway, the migrations and these commands run as a role that owns Bulletin's database
 and nothing else: LOGIN, but not a superuser, and unable to create databases or roles
@@ -9,12 +9,14 @@ maintenance. Its statements are in ``gateway/db/roles.py``, with all the others.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import hashlib
 import hmac
 import os
 import re
+import time
 import urllib.parse
 from collections.abc import AsyncIterator
 
@@ -25,7 +27,8 @@ from gateway import auth, db
 
 
 @contextlib.asynccontextmanager
-async def _connection(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+async def connection(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection of its own, closed afterwards."""
     conn = await asyncpg.connect(database_url)
     try:
         yield conn
@@ -34,12 +37,29 @@ async def _connection(database_url: str) -> AsyncIterator[asyncpg.Connection]:
 
 
 async def migrate(database_url: str) -> list[str]:
-    async with _connection(database_url) as conn:
+    async with connection(database_url) as conn:
         return await db.migrate(conn)
 
 
 class AdminError(Exception):
     """What an admin command was asked cannot be done; the message says why."""
+
+
+async def mint_token(
+    conn: asyncpg.Connection, user_id: int, *, name: str = "", expires_s: float | None = None
+) -> str:
+    """A new token of the user (only its hash is stored), labelled ``name``, expiring after
+    ``expires_s`` if given."""
+    token = auth.new_token("user")
+    await db.add_token(
+        conn,
+        auth.token_hash(token),
+        user_id=user_id,
+        name=name,
+        hint=auth.hint(token),
+        expires_s=expires_s,
+    )
+    return token
 
 
 async def add_user(
@@ -51,25 +71,21 @@ async def add_user(
         # A user name names a directory of the shared directory, and on nodes with
         # --user-mapping same-name a Unix account: nothing else.
         raise AdminError(f"user name {name!r} is not one: {wire.SLUG_RULE}")
-    async with _connection(database_url) as conn:
-        async with conn.transaction():
-            if group is not None:
-                await _require_group(conn, group)
-            user_id = await db.find_user(conn, name)
-            if user_id is None:
-                user_id = await db.create_user(
-                    conn, name, is_admin=is_admin, group=group or "default"
-                )
-            elif group is not None:
-                await db.set_user_group(conn, name, group)
-            token = auth.new_token("user")
-            await db.add_token(conn, auth.token_hash(token), user_id=user_id, hint=auth.hint(token))
-        return token
+    async with connection(database_url) as conn, conn.transaction():
+        if group is not None:
+            await require_group(conn, group)
+        user_id = await db.find_user(conn, name)
+        if user_id is None:
+            user_id = await db.create_user(conn, name, is_admin=is_admin, group=group or "default")
+        elif group is not None:
+            await db.set_user_group(conn, name, group)
+        return await mint_token(conn, user_id)
 
 
 async def add_node(database_url: str, name: str) -> str:
-    """Create the node record if new and return a fresh node token for it."""
-    async with _connection(database_url) as conn:
+    """Create the node record if new (or bring back a removed one, in service) and return a
+    fresh node token for it."""
+    async with connection(database_url) as conn:
         async with conn.transaction():
             node_id = await db.create_node(conn, name)
             token = auth.new_token("node")
@@ -77,31 +93,70 @@ async def add_node(database_url: str, name: str) -> str:
         return token
 
 
-async def drain(database_url: str, name: str, reason: str | None) -> bool:
-    """Give node NAME no new work (its running calls finish); False if there is none."""
-    async with _connection(database_url) as conn:
-        return await db.set_draining(conn, name, True, reason or "drained by an admin")
+async def drain(database_url: str, name: str, reason: str | None) -> db.Drain | None:
+    """Give node NAME no new work (its running calls finish), with ``reason`` (None: keep
+    the reason of a node already draining); how it was before, None if there is none."""
+    async with connection(database_url) as conn:
+        return await db.set_draining(conn, name, True, reason or None, "drained by an admin")
 
 
-async def undrain(database_url: str, name: str) -> bool:
-    """Let node NAME take work again; False if there is none."""
-    async with _connection(database_url) as conn:
-        return await db.set_draining(conn, name, False, None)
+async def undrain(database_url: str, name: str) -> db.Drain | None:
+    """Let node NAME take work again; how it was before, None if there is none."""
+    async with connection(database_url) as conn:
+        return await db.set_draining(conn, name, False)
+
+
+async def wait_idle(database_url: str, name: str, wait_s: float, poll_s: float = 1.0) -> int:
+    """Wait up to ``wait_s`` until node NAME holds no attempt (assigned or running), checking
+    every ``poll_s``; how many it still holds (0 also when the node is gone)."""
+    deadline = time.monotonic() + wait_s
+    async with connection(database_url) as conn:
+        while True:
+            held = await db.held_attempts(conn, name) or 0
+            left = deadline - time.monotonic()
+            if held == 0 or left <= 0:
+                return held
+            await asyncio.sleep(min(poll_s, left))
+
+
+async def remove_node(database_url: str, name: str) -> bool:
+    """Deregister node NAME, which must be draining and hold no attempt: revoke its tokens
+    (its nodelet's next request gets 401) and mark it removed (not listed, never given work;
+    its history stays). False if there is no such node (or it was removed already)."""
+    async with connection(database_url) as conn, conn.transaction():
+        found = await db.lock_node(conn, name)
+        if found is None:
+            return False
+        node_id, drain = found
+        if not drain.draining:
+            raise AdminError(
+                f"node {name!r} is not draining: drain it first "
+                f"(bulletin node drain {name} --wait SECONDS), then stop its nodelet"
+            )
+        held = await db.held_attempts(conn, name)
+        if held:
+            raise AdminError(
+                f"node {name!r} still runs {held} call(s): wait for them (bulletin node drain "
+                f"{name} --wait SECONDS) or stop its nodelet, which hands them back to the queue"
+            )
+        await db.revoke_node_tokens(conn, node_id)
+        await db.remove_node(conn, node_id)
+        return True
 
 
 async def nodes(database_url: str) -> list[db.NodeStatus]:
-    async with _connection(database_url) as conn:
+    async with connection(database_url) as conn:
         return await db.node_statuses(conn)
 
 
 async def token_valid(database_url: str, token: str) -> bool:
-    async with _connection(database_url) as conn:
+    async with connection(database_url) as conn:
         return await db.lookup_token(conn, auth.token_hash(token)) is not None
 
 
 async def ensure_database(server_url: str, name: str) -> None:
     """CREATE DATABASE ``name`` unless it exists (``server_url`` names another database)."""
-    async with _connection(server_url) as conn:
+    async with connection(server_url) as conn:
         await db.ensure_database(conn, name)
 
 
@@ -113,7 +168,7 @@ async def set_group(
     database_url: str, name: str, guaranteed_gpus: int, borrow_limit_gpus: int | None
 ) -> None:
     """Create group NAME or set its whole quota."""
-    async with _connection(database_url) as conn:
+    async with connection(database_url) as conn:
         await db.set_group(conn, name, guaranteed_gpus, borrow_limit_gpus)
 
 
@@ -122,7 +177,7 @@ async def change_group(
 ) -> db.GroupRow:
     """Create group NAME or change the parts of its quota given (None: keep; a new group
     has 0 guaranteed and no borrowing limit; ``NO_LIMIT``: lift the limit)."""
-    async with _connection(database_url) as conn, conn.transaction():
+    async with connection(database_url) as conn, conn.transaction():
         old = {g.name: g for g in await db.groups(conn)}.get(name)
         keep_guarantee = old.guaranteed_gpus if old else 0
         keep_limit = old.borrow_limit_gpus if old else None
@@ -135,25 +190,27 @@ async def change_group(
         )
 
 
-async def _require_group(conn: asyncpg.Connection, group: str) -> None:
+async def require_group(conn: asyncpg.Connection, group: str) -> None:
     if not await db.group_exists(conn, group):
         raise AdminError(f"no group {group!r}: create it with 'bulletin group set'")
 
 
 async def set_user_group(database_url: str, user: str, group: str) -> None:
-    async with _connection(database_url) as conn:
-        await _require_group(conn, group)
+    """Move a user to a group. Nothing else needs changing: the scheduler reads a queued
+    call's group from its owner's row each time it plans."""
+    async with connection(database_url) as conn:
+        await require_group(conn, group)
         if not await db.set_user_group(conn, user, group):
             raise AdminError(f"no user {user!r}")
 
 
 async def groups(database_url: str) -> list[db.GroupRow]:
-    async with _connection(database_url) as conn:
+    async with connection(database_url) as conn:
         return await db.groups(conn)
 
 
 async def usage(database_url: str, days: int) -> list[db.UsageRow]:
-    async with _connection(database_url) as conn:
+    async with connection(database_url) as conn:
         return await db.usage(conn, days)
 
 
@@ -161,29 +218,20 @@ async def create_token(
     database_url: str, user: str, *, name: str = "", expires_s: float | None = None
 ) -> str:
     """A new token for an existing user (named, expiring after ``expires_s`` if given)."""
-    async with _connection(database_url) as conn:
+    async with connection(database_url) as conn:
         user_id = await db.find_user(conn, user)
         if user_id is None:
             raise AdminError(f"no user {user!r} (bulletin user add {user})")
-        token = auth.new_token("user")
-        await db.add_token(
-            conn,
-            auth.token_hash(token),
-            user_id=user_id,
-            name=name,
-            hint=auth.hint(token),
-            expires_s=expires_s,
-        )
-        return token
+        return await mint_token(conn, user_id, name=name, expires_s=expires_s)
 
 
 async def tokens(database_url: str, owner: str | None = None) -> list[db.TokenRow]:
-    async with _connection(database_url) as conn:
+    async with connection(database_url) as conn:
         return await db.tokens(conn, owner)
 
 
 async def revoke_token(database_url: str, token_id: int) -> None:
-    async with _connection(database_url) as conn:
+    async with connection(database_url) as conn:
         if not await db.revoke_token(conn, token_id):
             raise AdminError(f"no token {token_id} that is not revoked (bulletin token list)")
 
@@ -240,11 +288,11 @@ async def ensure_role(superuser_url: str, role: str, password: str, database: st
     to that database nor create objects in its schema. Idempotent: run it on every start
     (it also adopts tables a superuser made before the role existed)."""
     quoted_role, quoted_db = _identifier(role, "role"), _identifier(database, "database")
-    async with _connection(superuser_url) as conn:
+    async with connection(superuser_url) as conn:
         if not await db.is_superuser(conn):
             raise AdminError("the --superuser-url must connect as a superuser")
         await db.set_login_role(conn, role, quoted_role, scram_verifier(password))
         await db.own_database(conn, database, quoted_db, quoted_role)
     netloc = urllib.parse.urlsplit(superuser_url).netloc
-    async with _connection(_replace(superuser_url, netloc, database)) as conn:
+    async with connection(_replace(superuser_url, netloc, database)) as conn:
         await db.adopt_schema(conn, role, quoted_role)

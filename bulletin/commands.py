@@ -1,6 +1,7 @@
 """The administration commands (``bulletin migrate``, ``db``, ``user``, ``token``, ``group``,
 ``usage``, ``node``) and ``bulletin replay``: thin click commands over :mod:`bulletin.admin` and
-:mod:`scheduler.replay`, each importing what it runs only when it runs."""
+:mod:`scheduler.replay`, each importing what it runs only when it runs. ``bulletin apply`` is
+in :mod:`bulletin.apply`."""
 
 from __future__ import annotations
 
@@ -189,21 +190,22 @@ def group() -> None:
     """Manage groups: the quota unit of the fair scheduler (see docs/scheduling.md)."""
 
 
-_MOST_GPUS = 1_000_000
+#: The most GPUs a quota may name (as the admin API's wire.GroupQuota).
+MOST_GPUS = 1_000_000
 
 
 @group.command("set")
 @click.argument("name")
 @click.option(
     "--guaranteed",
-    type=click.IntRange(0, _MOST_GPUS),
+    type=click.IntRange(0, MOST_GPUS),
     default=None,
     help="GPUs the group always gets back, preempting other groups' borrowed work "
     "[default: unchanged; 0 for a new group].",
 )
 @click.option(
     "--borrow-limit",
-    type=click.IntRange(0, _MOST_GPUS),
+    type=click.IntRange(0, MOST_GPUS),
     default=None,
     help="How many GPUs beyond the guarantee it may borrow while idle "
     "[default: unchanged; no limit for a new group].",
@@ -275,7 +277,8 @@ def node() -> None:
 @click.argument("name")
 @database_option
 def node_add(name: str, database_url: str) -> None:
-    """Create node NAME (if new) and print a node token for its nodelet's --token-file."""
+    """Create node NAME (if new) and print a node token for its nodelet's --token-file. A
+    removed node comes back in service (not draining), with this new token."""
     from bulletin import admin
 
     click.echo(asyncio.run(admin.add_node(database_url, name)))
@@ -283,27 +286,89 @@ def node_add(name: str, database_url: str) -> None:
 
 @node.command("drain")
 @click.argument("name")
-@click.option("--reason", default="", help="Why, shown in 'bulletin node list'.")
+@click.option(
+    "--reason",
+    default="",
+    help="Why, shown in 'bulletin node list' [default: the reason it drains for already, "
+    "else 'drained by an admin'].",
+)
+@click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Then wait up to SECONDS until it runs no call, and say how many still run "
+    "(0: do not wait).",
+)
 @database_option
-def node_drain(name: str, reason: str, database_url: str) -> None:
-    """Give node NAME no new work; the calls it runs finish. Undo with 'node undrain'."""
+def node_drain(name: str, reason: str, wait_s: float, database_url: str) -> None:
+    """Give node NAME no new work; the calls it runs finish. Undo with 'node undrain'.
+
+    Prints 'node NAME is draining: it gets no new work', or 'node NAME was already
+    draining' if it was (a --reason given replaces its reason). With --wait, then 'node
+    NAME runs no calls', or 'node NAME still runs N call(s) after SECONDS s' when the wait
+    ends first; the exit status is 0 either way (restarting its nodelet then hands back what
+    still runs, to be queued again without using a retry).
+    """
     from bulletin import admin
 
-    if not asyncio.run(admin.drain(database_url, name, reason or None)):
+    before = asyncio.run(admin.drain(database_url, name, reason or None))
+    if before is None:
         raise click.ClickException(f"no node named {name!r} (see 'bulletin node list')")
-    click.echo(f"node {name} is draining: it gets no new work")
+    if not before.draining:
+        click.echo(f"node {name} is draining: it gets no new work")
+    elif reason and reason != before.reason:
+        click.echo(f"node {name} was already draining; its reason is now {reason!r}")
+    else:
+        click.echo(f"node {name} was already draining")
+    if wait_s > 0:
+        held = asyncio.run(admin.wait_idle(database_url, name, wait_s))
+        click.echo(
+            f"node {name} runs no calls"
+            if held == 0
+            else f"node {name} still runs {held} call(s) after {wait_s:g} s"
+        )
 
 
 @node.command("undrain")
 @click.argument("name")
 @database_option
 def node_undrain(name: str, database_url: str) -> None:
-    """Let node NAME take work again (after a GPU fault is dealt with, or maintenance)."""
+    """Let node NAME take work again (after a GPU fault is dealt with, or maintenance).
+    Prints 'node NAME takes work again', or 'node NAME was not draining'."""
     from bulletin import admin
 
-    if not asyncio.run(admin.undrain(database_url, name)):
+    before = asyncio.run(admin.undrain(database_url, name))
+    if before is None:
         raise click.ClickException(f"no node named {name!r} (see 'bulletin node list')")
-    click.echo(f"node {name} takes work again")
+    if before.draining:
+        click.echo(f"node {name} takes work again")
+    else:
+        click.echo(f"node {name} was not draining")
+
+
+@node.command("remove")
+@click.argument("name")
+@database_option
+def node_remove(name: str, database_url: str) -> None:
+    """Deregister node NAME: revoke its node tokens (its nodelet's next request is refused,
+    401) and never place work on it again; 'node list' no longer shows it, while its calls'
+    history stays. It must be draining and run no call: 'bulletin node drain NAME --wait
+    SECONDS', then stop its nodelet (exit status 1 otherwise). 'bulletin node add NAME'
+    brings it back, in service, with a new token.
+
+    Prints 'node NAME removed', or 'no node named NAME' when there is none (or it was
+    removed already: the exit status is 0).
+    """
+    from bulletin import admin
+
+    try:
+        removed = asyncio.run(admin.remove_node(database_url, name))
+    except admin.AdminError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"node {name} removed" if removed else f"no node named {name}")
 
 
 @node.command("list")

@@ -21,7 +21,8 @@ first (a module imports only those above it):
 - ``sessions``: caller sessions (cancelling the calls of a caller gone)
 - ``invocations``: submitting, reading and cancelling calls
 - ``quotas``: groups, quotas, usage accounting and fair-share usage
-- ``nodes``: the node protocol (register, deliver, heartbeat, leave, drain, take back)
+- ``nodes``: the node protocol (register, deliver, heartbeat, leave, drain, take back),
+  removal
 - ``attempts``: a nodelet's fenced writes of one attempt (start, logs, release, complete)
 - ``scheduling``: the leader lock, the planning snapshot, placements, lease expiry
 - ``functions``: registered functions and their JSON invocations
@@ -32,12 +33,16 @@ from gateway.db._common import CHANNEL, NOTE_PREFIX, PREEMPTING_PROTOCOL, SAFE_P
 from gateway.db.accounts import (
     Principal,
     TokenRow,
+    UserRow,
     add_token,
     create_node,
     create_user,
     find_user,
+    find_users,
     lookup_token,
+    revoke_node_tokens,
     revoke_token,
+    set_user_admin,
     tokens,
 )
 from gateway.db.attempts import (
@@ -89,10 +94,13 @@ from gateway.db.nodes import (
     StopOrders,
     deliver,
     heartbeat,
+    held_attempts,
     leave,
+    lock_node,
     node_statuses,
     register_node,
     registered_nodes,
+    remove_node,
     set_draining,
     stop_orders,
 )
@@ -124,7 +132,7 @@ from gateway.db.scheduling import (
     silence,
     try_lead,
 )
-from gateway.db.schema import ensure_database, migrate, migration_files
+from gateway.db.schema import applied_migrations, ensure_database, migrate, migration_files
 from gateway.db.sessions import (
     ABANDONED,
     CALLER_LATE,
@@ -157,6 +165,7 @@ __all__ = [
     "StopOrders",
     "TokenRow",
     "UsageRow",
+    "UserRow",
     "abandon_callers",
     "accrue_usage",
     "add_token",
@@ -164,6 +173,7 @@ __all__ = [
     "answer_key",
     "append_blob_chunk",
     "append_logs",
+    "applied_migrations",
     "assign",
     "attempt_owner",
     "blob_chunk",
@@ -186,11 +196,13 @@ __all__ = [
     "find_function",
     "find_key",
     "find_user",
+    "find_users",
     "finish_blob",
     "get_invocations",
     "group_exists",
     "groups",
     "heartbeat",
+    "held_attempts",
     "invoke",
     "is_superuser",
     "keep_alive",
@@ -200,6 +212,7 @@ __all__ = [
     "list_invocations",
     "live_nodes",
     "live_payload_files",
+    "lock_node",
     "logs_after",
     "lookup_token",
     "mark_fetched",
@@ -219,10 +232,13 @@ __all__ = [
     "register_node",
     "registered_nodes",
     "release",
+    "remove_node",
+    "revoke_node_tokens",
     "revoke_token",
     "set_draining",
     "set_group",
     "set_login_role",
+    "set_user_admin",
     "set_user_group",
     "silence",
     "start",

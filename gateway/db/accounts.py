@@ -33,6 +33,14 @@ class TokenRow:
     revoked_at: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class UserRow:
+    id: int
+    name: str
+    group: str
+    is_admin: bool
+
+
 _CREATE_USER = """
 INSERT INTO users (name, is_admin, group_name) VALUES ($1, $2, $3)
 RETURNING id
@@ -42,9 +50,20 @@ _FIND_USER = """
 SELECT id FROM users WHERE name = $1
 """
 
+_USERS_NAMED = """
+SELECT id, name, group_name, is_admin FROM users WHERE name = ANY($1::text[])
+"""
+
+_SET_USER_ADMIN = """
+UPDATE users SET is_admin = $2 WHERE name = $1
+"""
+
 _CREATE_NODE = """
 INSERT INTO nodes (name) VALUES ($1)
-ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name
+-- A removed node comes back in service: it was drained to be removed.
+ON CONFLICT (name) DO UPDATE SET removed_at = NULL,
+  draining = nodes.draining AND nodes.removed_at IS NULL,
+  drain_reason = CASE WHEN nodes.removed_at IS NULL THEN nodes.drain_reason END
 RETURNING id
 """
 
@@ -71,6 +90,11 @@ UPDATE tokens SET revoked_at = clock_timestamp()
 WHERE id = $1 AND revoked_at IS NULL
 """
 
+_REVOKE_NODE_TOKENS = """
+UPDATE tokens SET revoked_at = clock_timestamp()
+WHERE node_id = $1 AND revoked_at IS NULL
+"""
+
 _LOOKUP_TOKEN = """
 SELECT t.kind, t.user_id, t.node_id, coalesce(u.name, n.name) AS name,
   coalesce(u.is_admin, false) AS is_admin, coalesce(u.group_name, '') AS group_name,
@@ -81,6 +105,8 @@ LEFT JOIN nodes n ON n.id = t.node_id
 WHERE t.token_hash = $1
   AND t.revoked_at IS NULL
   AND (t.expires_at IS NULL OR t.expires_at > clock_timestamp())
+  -- Removing a node revokes its tokens; a removed node's token is refused here as well.
+  AND (t.node_id IS NULL OR n.removed_at IS NULL)
 """
 
 
@@ -97,8 +123,22 @@ async def find_user(conn: Conn, name: str) -> int | None:
     return None if value is None else int(value)
 
 
+async def find_users(conn: Conn, names: list[str]) -> dict[str, UserRow]:
+    """The users of these names that exist, by name."""
+    rows = await conn.fetch(_USERS_NAMED, names)
+    return {r["name"]: UserRow(r["id"], r["name"], r["group_name"], r["is_admin"]) for r in rows}
+
+
+async def set_user_admin(conn: Conn, name: str, is_admin: bool) -> bool:
+    """Make a user an administrator or not (at once: every request looks it up); False if
+    there is no such user."""
+    status = await conn.execute(_SET_USER_ADMIN, name, is_admin)
+    return status.endswith(" 1")
+
+
 async def create_node(conn: Conn, name: str) -> int:
-    """Create a node record (before its nodelet first registers) and return its id."""
+    """Create a node record (before its nodelet first registers) and return its id; a
+    removed node of that name is brought back, in service (not draining)."""
     row = await conn.fetchrow(_CREATE_NODE, name)
     assert row is not None
     return int(row["id"])
@@ -145,6 +185,12 @@ async def revoke_token(conn: Conn, token_id: int) -> bool:
     no such token or it was revoked already."""
     status = await conn.execute(_REVOKE_TOKEN, token_id)
     return status.endswith(" 1")
+
+
+async def revoke_node_tokens(conn: Conn, node_id: int) -> int:
+    """Revoke every token of a node (at once); how many were still valid."""
+    status = await conn.execute(_REVOKE_NODE_TOKENS, node_id)
+    return int(status.split()[-1])
 
 
 async def lookup_token(conn: Conn, token_hash: bytes) -> Principal | None:

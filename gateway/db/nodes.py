@@ -1,6 +1,6 @@
 """Nodes and their protocol: registration (each start of a nodelet is a new incarnation),
 polls for work (delivery), heartbeats (liveness, GPU health, lease renewal, stop orders),
-leaving, draining; and taking back the attempts a node lost."""
+leaving, draining, removal; and taking back the attempts a node lost."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ RETURNING incarnation
 _REGISTERED_NODES = """
 SELECT id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm
 FROM nodes
-WHERE registered_at IS NOT NULL
+WHERE registered_at IS NOT NULL AND removed_at IS NULL
 ORDER BY id
 """
 
@@ -98,7 +98,33 @@ RETURNING i.id, i.preempt_at IS NOT NULL AS preempt, i.preempt_reason
 """
 
 _SET_DRAINING = """
-UPDATE nodes SET draining = $2, drain_reason = $3 WHERE name = $1
+-- The answer is the node as it was (locked first), so the caller can say what changed.
+-- Draining keeps the reason of a node already draining unless given one ($3).
+UPDATE nodes n SET draining = $2,
+  drain_reason = CASE WHEN NOT $2 THEN NULL
+    ELSE coalesce($3, CASE WHEN old.draining THEN old.drain_reason END, $4) END
+FROM (SELECT id, draining, drain_reason FROM nodes
+  WHERE name = $1 AND removed_at IS NULL FOR UPDATE) old
+WHERE n.id = old.id
+RETURNING old.draining, old.drain_reason
+"""
+
+_LOCK_NODE = """
+SELECT id, draining, drain_reason FROM nodes
+WHERE name = $1 AND removed_at IS NULL
+FOR UPDATE
+"""
+
+_HELD_ON_NODE = """
+-- Through the invocations_leased index.
+SELECT count(i.id) AS held
+FROM nodes n LEFT JOIN invocations i ON i.node_id = n.id AND i.state IN ('assigned', 'running')
+WHERE n.name = $1 AND n.removed_at IS NULL
+GROUP BY n.id
+"""
+
+_REMOVE_NODE = """
+UPDATE nodes SET removed_at = clock_timestamp(), last_heartbeat = NULL WHERE id = $1
 """
 
 _NODE_STATUSES = """
@@ -106,6 +132,7 @@ SELECT name, jsonb_array_length(gpus) AS gpus, cpu_slots,
   extract(epoch FROM last_heartbeat) AS heard, draining, drain_reason,
   gpu_health::text AS health
 FROM nodes
+WHERE removed_at IS NULL
 ORDER BY name
 """
 
@@ -313,12 +340,38 @@ async def heartbeat(
     return orders, drain
 
 
-async def set_draining(conn: Conn, name: str, draining: bool, reason: str | None) -> bool:
-    """Drain (no new work) or undrain a node by name; False if there is no such node."""
-    status = await conn.execute(_SET_DRAINING, name, draining, reason if draining else None)
-    if status.endswith(" 1") and not draining:
+async def set_draining(
+    conn: Conn, name: str, draining: bool, reason: str | None = None, default_reason: str = ""
+) -> Drain | None:
+    """Drain (no new work) or undrain a node by name; how it was before, None if there is no
+    such node (or it was removed). Draining sets ``reason`` when given, else keeps the reason
+    of a node already draining, else sets ``default_reason``."""
+    row = await conn.fetchrow(_SET_DRAINING, name, draining, reason, default_reason)
+    if row is None:
+        return None
+    if not draining and row["draining"]:
         await _notify(conn, "q")  # it may take work again
-    return status.endswith(" 1")
+    return Drain(row["draining"], row["drain_reason"])
+
+
+async def lock_node(conn: asyncpg.Connection, name: str) -> tuple[int, Drain] | None:
+    """Lock a node's row until the transaction ends; its id and whether it drains (None if
+    there is no such node, or it was removed)."""
+    row = await conn.fetchrow(_LOCK_NODE, name)
+    return None if row is None else (row["id"], Drain(row["draining"], row["drain_reason"]))
+
+
+async def held_attempts(conn: Conn, name: str) -> int | None:
+    """How many attempts a node holds (assigned or running); None if there is no such node
+    (or it was removed)."""
+    held = await conn.fetchval(_HELD_ON_NODE, name)
+    return None if held is None else int(held)
+
+
+async def remove_node(conn: Conn, node_id: int) -> None:
+    """Mark a node removed: not listed, not live, no capacity; its row stays, with its
+    history (revoke its tokens in the same transaction: ``revoke_node_tokens``)."""
+    await conn.execute(_REMOVE_NODE, node_id)
 
 
 async def node_statuses(conn: Conn) -> list[NodeStatus]:

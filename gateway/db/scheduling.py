@@ -28,7 +28,7 @@ _LIVE_NODES = f"""
 SELECT id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm
 FROM nodes
 WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) AND NOT draining
-  AND protocol_version >= {SAFE_PROTOCOL}
+  AND removed_at IS NULL AND protocol_version >= {SAFE_PROTOCOL}
 ORDER BY id
 """
 
@@ -36,7 +36,7 @@ _LIVE_NODES_LOCKED = f"""
 SELECT id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm
 FROM nodes
 WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) AND NOT draining
-  AND protocol_version >= {SAFE_PROTOCOL}
+  AND removed_at IS NULL AND protocol_version >= {SAFE_PROTOCOL}
 ORDER BY id
 FOR UPDATE
 """

@@ -44,6 +44,14 @@ def migration_files() -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
+async def applied_migrations(conn: asyncpg.Connection) -> set[int]:
+    """The versions of the migrations applied to this database (none before the first)."""
+    try:
+        return {row["version"] for row in await conn.fetch(_APPLIED_VERSIONS)}
+    except asyncpg.UndefinedTableError:
+        return set()
+
+
 async def migrate(conn: asyncpg.Connection) -> list[str]:
     """Apply the migrations this database lacks; returns the names applied.
 

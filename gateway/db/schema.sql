@@ -166,7 +166,8 @@ CREATE TABLE public.nodes (
     draining boolean DEFAULT false NOT NULL,
     drain_reason text,
     warm jsonb DEFAULT '[]'::jsonb NOT NULL,
-    incarnation bigint DEFAULT 0 NOT NULL
+    incarnation bigint DEFAULT 0 NOT NULL,
+    removed_at timestamp with time zone
 );
 
 CREATE SEQUENCE public.nodes_id_seq
