@@ -33,6 +33,7 @@ SUBCOMMANDS = {
     "usage": ("bulletin.commands", "usage"),
     "node": ("bulletin.commands", "node"),
     "replay": ("bulletin.commands", "replay"),
+    "doctor": ("bulletin.doctor", "command"),
 }
 
 

@@ -117,7 +117,7 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
     try:
         registration = await _unless_stopped(_register(client, config, gpus), stop)
         if registration is not None:
-            pool = await asyncio.to_thread(_pool, config, work_dir, gpus)
+            pool = await asyncio.to_thread(worker_pool, config, work_dir, gpus)
             facts = NodeFacts(
                 node=config.name,
                 work_dir=work_dir,
@@ -148,7 +148,7 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
                 log.warning("could not remove %s (nested too deeply); left in place", work_dir)
 
 
-def _pool(config: NodeletConfig, work_dir: str, gpus: GpuProvider) -> WorkerPool:
+def worker_pool(config: NodeletConfig, work_dir: str, gpus: GpuProvider) -> WorkerPool:
     """The worker pool, its limits detected for this machine and these GPUs."""
     devices = {
         index: tuple(rule for rule in map(device_rule, files) if rule is not None)

@@ -39,8 +39,13 @@ def command(gateway_url: str, token_file: Path, **values: Any) -> None:
     """Run the node agent: offer this machine's GPUs and run the work leased to it."""
     from nodelet.agent import run
 
+    run(config_from(gateway_url, token_file, values))
+
+
+def config_from(gateway_url: str, token_file: Path, values: dict[str, Any]) -> NodeletConfig:
+    """The settings the command line gave (a usage error naming the option if one is bad)."""
     token = token_file.read_text().strip()
-    run(build(NodeletConfig, {**values, "gateway_url": gateway_url, "token": token}, "nodelet"))
+    return build(NodeletConfig, {**values, "gateway_url": gateway_url, "token": token}, "nodelet")
 
 
 def main() -> None:
