@@ -1,0 +1,253 @@
+"""The rollout playbook end to end: three booted Debian hosts (systemd-nspawn, a real
+systemd each), the real ansible-playbook over SSH, and calls from outside as the users it
+made. Needs root, debootstrap and systemd-nspawn (``.ci/run`` installs them); fails, never
+skips, without them.
+
+The hosts are one head (PostgreSQL, two gateway replicas) and two GPU nodes with fake GPUs,
+sharing one directory as the lab's NAS. The tests run in order on one cluster: roll out,
+call, kill a gateway, re-run (nothing changes), upgrade during a long call, remove a node.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import sdk
+from tests.deploy import hosts, rollout
+
+pytestmark = pytest.mark.deploy
+V1 = "0.1.0"
+V2 = "0.1.0+upgrade"
+
+
+@pytest.fixture(scope="module")
+def site() -> Iterator[rollout.Site]:
+    if os.geteuid() != 0:
+        pytest.fail("the rollout tests boot containers: run them as root (CI does)")
+    for tool in ("debootstrap", "systemd-nspawn", "ssh"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is missing: apt-get install debootstrap systemd-container ssh")
+    where = Path(tempfile.mkdtemp(prefix="bulletin-deploy-", dir="/var/tmp"))
+    try:
+        with hosts.hosts(("head", "node1", "node2"), where) as (booted, key, _shared):
+            site = rollout.make_site(where, booted, key)
+            rollout.wheelhouse(where, V1)
+            site.write_inventory(V1)
+            site.first = site.play("site.yml")
+            yield site
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def token(site: rollout.Site, user: str) -> str:
+    return (site.tokens / f"{user}.token").read_text().strip()
+
+
+def connect(site: rollout.Site, user: str) -> None:
+    sdk.connect(site.url, token(site, user), ca=site.pki / "ca.pem")
+
+
+def ssh(site: rollout.Site, host: str, command: str, **kwargs: Any) -> str:
+    return site.hosts[host].ssh(command, key=site.key, **kwargs).stdout
+
+
+def test_site_yml_installs_and_starts_everything(site: rollout.Site) -> None:
+    first = site.first
+    assert first is not None
+    assert first.returncode == 0, rollout.dump(first)
+    counts = rollout.recap(first.stdout)
+    assert set(counts) >= {"head", "node1", "node2"}
+    assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in counts.values()), counts
+    assert f"Bulletin is up: {site.url}" in first.stdout
+    head_units = [f"bulletin-gateway@{port}" for port in site.gateway_ports]
+    head_units += ["postgresql@15-main", "bulletin-backup.timer"]
+    assert ssh(site, "head", "systemctl is-active " + " ".join(head_units)).split() == [
+        "active"
+    ] * len(head_units)
+    for node in ("node1", "node2"):
+        assert ssh(site, node, "systemctl is-active bulletin-nodelet").strip() == "active"
+        assert ssh(site, node, "systemctl is-enabled bulletin-nodelet").strip() == "enabled"
+        # The node token is root's alone; the nodelet runs as root, multi-tenant.
+        mode = ssh(site, node, "stat -c '%a %U' /etc/bulletin/node.token")
+        assert mode.split() == ["600", "root"]
+        env = ssh(site, node, "cat /etc/bulletin/nodelet.env")
+        assert "BULLETIN_USER_MAPPING=same-name" in env
+        assert "BULLETIN_CA_FILE=/etc/bulletin/ca.pem" in env
+        assert site.url in env
+    assert ssh(site, "head", "stat -c '%a %U' /etc/bulletin/gateway.env").split() == ["600", "root"]
+    assert ssh(site, "head", "stat -c '%a %U' /var/lib/postgresql/bulletin.password").split() == [
+        "600",
+        "postgres",
+    ]
+    # pg_hba.conf admits Bulletin's role from the gateway hosts only (and nothing else).
+    hba = [
+        line.split()
+        for line in ssh(site, "head", "cat /etc/postgresql/15/main/pg_hba.conf").splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert hba == [
+        ["local", "all", "postgres", "peer"],
+        ["host", "bulletin", "bulletin", "127.0.0.1/32", "scram-sha-256"],
+    ]
+    # Every user's token is on the control host, root-only, and never in the play's log.
+    for user in rollout.USERS:
+        for name in (f"{user}.token", f"{user}.client.toml"):
+            info = (site.tokens / name).stat()
+            assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == 0, name
+        assert token(site, user) not in first.stdout + first.stderr
+    password = ssh(site, "head", "cat /var/lib/postgresql/bulletin.password").strip()
+    assert password and password not in first.stdout + first.stderr
+    # bulletin doctor ran last on every host and found nothing wrong.
+    assert first.stdout.count("this node is fit to serve") == 2
+    assert first.stdout.count("this head is fit to serve") == 1
+
+
+def probe() -> dict[str, Any]:
+    """Runs on a node as the caller's account: who it is, and what it may not read."""
+    import os as os_
+    import pwd as pwd_
+    import socket as socket_
+
+    tried = {}
+    shared = "/srv/bulletin-shared/bulletin/users"
+    for what, path in {
+        "node token": "/etc/bulletin/node.token",
+        "nodelet env": "/etc/bulletin/nodelet.env",
+        "bob's dir": f"{shared}/bob",
+        "users dir": shared,
+    }.items():
+        try:
+            if os_.path.isdir(path):
+                os_.listdir(path)
+            else:
+                with open(path, "rb") as file:
+                    file.read()
+            tried[what] = "read"
+        except OSError as exc:
+            tried[what] = type(exc).__name__
+    own = f"{shared}/{pwd_.getpwuid(os_.getuid()).pw_name}"
+    info = os_.stat(own)
+    return {
+        "uid": os_.getuid(),
+        "name": pwd_.getpwuid(os_.getuid()).pw_name,
+        "host": socket_.gethostname(),
+        "tried": tried,
+        "own dir": (info.st_uid, oct(info.st_mode & 0o7777)),
+    }
+
+
+def test_a_call_runs_as_its_owners_account_over_tls(
+    site: rollout.Site, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The client.toml the playbook wrote for alice, with the CA where it tells her to put it.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".config" / "bulletin").mkdir(parents=True)
+    shutil.copy(site.pki / "ca.pem", tmp_path / ".config" / "bulletin" / "ca.pem")
+    sdk.connect(config=site.tokens / "alice.client.toml")
+    remote = sdk.function(gpus=1)(probe)
+    result = remote()
+    alice = rollout.USERS["alice"]["uid"]
+    assert result["uid"] == alice and result["name"] == "alice"
+    assert result["host"] in ("node1", "node2")
+    assert result["own dir"] == (alice, "0o700")
+    assert result["tried"] == {
+        "node token": "PermissionError",
+        "nodelet env": "PermissionError",
+        "bob's dir": "PermissionError",
+        "users dir": "PermissionError",
+    }
+    # bob's calls run as bob.
+    connect(site, "bob")
+    assert sdk.function(gpus=0)(probe)()["name"] == "bob"
+    # Over plain HTTP the gateway does not answer: it serves TLS only.
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(site.url.replace("https://", "http://") + "/healthz", timeout=5)
+
+
+def test_systemd_restarts_a_gateway_killed_with_sigkill(site: rollout.Site) -> None:
+    unit = f"bulletin-gateway@{site.gateway_ports[0]}"
+    before = ssh(site, "head", f"systemctl show -p MainPID --value {unit}").strip()
+    ssh(site, "head", f"kill -KILL {before}")
+    deadline = time.monotonic() + 60
+    while True:
+        now = ssh(site, "head", f"systemctl show -p MainPID --value {unit}").strip()
+        try:
+            healthy = httpx.get(f"{site.url}/healthz", verify=str(site.pki / "ca.pem"), timeout=2)
+            if now not in ("0", before) and healthy.status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{unit} was not restarted ({now})"
+        time.sleep(0.5)
+    connect(site, "alice")
+    assert sdk.function(gpus=0)(probe)()["name"] == "alice"
+
+
+def test_a_second_run_changes_nothing(site: rollout.Site) -> None:
+    again = site.play("site.yml")
+    assert again.returncode == 0, rollout.dump(again)
+    changed = {host: c["changed"] for host, c in rollout.recap(again.stdout).items()}
+    assert changed and set(changed.values()) == {0}, rollout.changed_tasks(again.stdout)
+
+
+def long_call(seconds: float) -> str:
+    import socket as socket_
+    import time as time_
+
+    time_.sleep(seconds)
+    return f"slept on {socket_.gethostname()}"
+
+
+def test_an_upgrade_during_a_long_call_loses_nothing(site: rollout.Site) -> None:
+    rollout.wheelhouse(site.where, V2)
+    site.write_inventory(V2)
+    connect(site, "alice")
+    slow = sdk.function(gpus=1)(long_call)
+    running = slow.spawn(25)
+    deadline = time.monotonic() + 60
+    while running.status() != "running":
+        assert time.monotonic() < deadline, running.status()
+        time.sleep(0.2)
+    outcome: dict[str, Any] = {}
+
+    def upgrade() -> None:
+        outcome["play"] = site.play("site.yml")
+
+    player = threading.Thread(target=upgrade)
+    player.start()
+    time.sleep(5)  # the play is installing, migrating, restarting gateways by now
+    submitted_during = slow.spawn(1)
+    player.join()
+    play = outcome["play"]
+    assert play.returncode == 0, rollout.dump(play)
+    assert running.result(timeout=120).startswith("slept on node")
+    assert submitted_during.result(timeout=120).startswith("slept on node")
+    for node in ("node1", "node2"):
+        pid = ssh(site, node, "systemctl show -p MainPID --value bulletin-nodelet").strip()
+        assert f"/venvs/{V2}/" in ssh(site, node, f"tr '\\0' ' ' < /proc/{pid}/cmdline")
+    listing = ssh(site, "head", "bulletin-admin node list")
+    assert listing.count("in service") == 2, listing  # drained for the upgrade, then undrained
+
+
+def test_remove_node_yml_drains_stops_and_deregisters_a_node(site: rollout.Site) -> None:
+    removed = site.play("remove-node.yml", "-e", "bulletin_remove_node=node2")
+    assert removed.returncode == 0, rollout.dump(removed)
+    state = ssh(site, "node2", "systemctl is-active bulletin-nodelet; systemctl is-enabled "
+                "bulletin-nodelet", check=False)
+    assert state.split() == ["inactive", "disabled"]
+    listing = ssh(site, "head", "bulletin-admin node list")
+    assert "node1" in listing and "node2" not in listing
+    connect(site, "alice")
+    assert sdk.function(gpus=1)(probe)()["host"] == "node1"
+
