@@ -29,7 +29,7 @@ import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import click
 
@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from bulletin_core import wire
     from nodelet.config import NodeletConfig
     from nodelet.gpus import GpuProvider
+
+    #: What the gateway answered the node token (:func:`ask_cluster`): what it tells the
+    #: node of the cluster, or why it told nothing (what went wrong, and what to do).
+    Asked: TypeAlias = wire.ClusterInfo | tuple[str, str]
 
 _T = TypeVar("_T")
 #: What to do about a limit: the doctor sees what its own cgroup allows, which may not be
@@ -271,7 +275,7 @@ def check_gateway_url(report: Report, url: str, ca_file: str, timeout_s: float) 
 # --------------------------------------------------------------------------- node
 
 
-def check_node(report: Report, env_files: Sequence[Path], client_config: Path | None) -> None:
+def check_node(report: Report, env_files: Sequence[Path]) -> None:
     """Every check of a GPU node, reported."""
     from nodelet import command as nodelet_command
 
@@ -297,8 +301,10 @@ def check_node(report: Report, env_files: Sequence[Path], client_config: Path | 
         reachable = check_gateway_url(
             report, config.gateway_url, config.ca_file, config.http_timeout_s
         )
-        check_token(report, config, token_file, reachable)
-        check_shared_dir(report, client_config, reachable)
+        # Asked once, read only (GET /v1/node/cluster): what the gateway answers the token.
+        asked = asyncio.run(ask_cluster(config)) if reachable else None
+        check_token(report, config, token_file, asked)
+        check_shared_dir(report, asked)
 
 
 def check_gpus(report: Report, config: NodeletConfig) -> GpuProvider:
@@ -445,9 +451,9 @@ def check_accounts(report: Report, config: NodeletConfig) -> None:
         report.ok("user mapping", f"multi-tenant: {accounts.describe()}")
 
 
-def check_token(report: Report, config: NodeletConfig, path: Path, reachable: bool) -> None:
-    """The token file is a root-only regular file; the gateway accepts the token as a
-    node's (asked without side effects)."""
+def check_token(report: Report, config: NodeletConfig, path: Path, asked: Asked | None) -> None:
+    """The token file is a root-only regular file; the gateway accepts the token as a node
+    token made for this node's name (``asked``: its answer, None where it cannot be reached)."""
     from bulletin.secretfiles import SecretFileError, read_secret
 
     try:
@@ -455,85 +461,86 @@ def check_token(report: Report, config: NodeletConfig, path: Path, reachable: bo
     except OSError as exc:
         report.fail("token", f"cannot read {path}: {exc}", "give the node token's file")
         return
+    problem: tuple[str, str] | None = None
     if stat.S_ISREG(info.st_mode) and os.geteuid() == 0 and info.st_uid != 0:
-        report.fail("token", f"{path} belongs to uid {info.st_uid}, not root", f"chown 0 {path}")
-        return
-    if stat.S_ISREG(info.st_mode) and info.st_mode & 0o077:
-        report.fail(
-            "token",
+        problem = f"{path} belongs to uid {info.st_uid}, not root", f"chown 0 {path}"
+    elif stat.S_ISREG(info.st_mode) and info.st_mode & 0o077:
+        problem = (
             f"{path} (mode {_mode(path)}) may be read by its group or others",
             f"chmod 600 {path}",
         )
-        return
-    try:
-        read_secret(path)  # refuses a link, or anything but a regular file
-    except (OSError, SecretFileError) as exc:
-        report.fail("token", f"{path}: {exc}", "keep the node token in a regular file, mode 0600")
-        return
-    what = f"{path} is a regular file of mode 0600"
-    if not reachable:
-        report.ok("token", f"{what} (not shown to the gateway: it cannot be reached)")
-        return
-    refused = asyncio.run(_node_token_refused(config))
-    if refused is None:
-        report.ok("token", f"{what}; the gateway accepts it as a node token")
     else:
-        report.fail("token", *refused)
+        try:
+            read_secret(path)  # refuses a link, or anything but a regular file
+        except (OSError, SecretFileError) as exc:
+            problem = f"{path}: {exc}", "keep the node token in a regular file, mode 0600"
+    if problem is not None:
+        report.fail("token", *problem)
+    what = f"{path} is a regular file of mode 0600"
+    if asked is None:
+        if problem is None:
+            report.ok("token", f"{what} (not shown to the gateway: it cannot be reached)")
+        return
+    if isinstance(asked, tuple):
+        report.fail("token", *asked)
+    elif asked.node != config.name:
+        report.fail(
+            "token",
+            f"the token is node {asked.node}'s, not this node's ({config.name})",
+            f"make one with 'bulletin node add {config.name}' on the head and put it there "
+            f"(or, if this node is {asked.node}, set name, BULLETIN_NAME, to that)",
+        )
+    elif problem is None:
+        report.ok("token", f"{what}; the gateway accepts it as the node token of {config.name}")
 
 
-async def _node_token_refused(config: NodeletConfig) -> tuple[str, str] | None:
-    """None if the gateway takes the node's token for a node's; else what it said, and
-    what to do.
-
-    Every node route but this has a side effect: registering supersedes a running nodelet,
-    a heartbeat or a poll acts for the incarnation it names. A payload download without the
-    incarnation header is read only, and is refused (422 ``incarnation_missing``) only after
-    the token was found to be a node's: a 401 or 403 comes first."""
+async def ask_cluster(config: NodeletConfig) -> Asked:
+    """What the gateway tells this node of the cluster (``GET /v1/node/cluster``: read only,
+    and it names no incarnation, so it neither disturbs nor is refused for a nodelet that
+    runs here), its name for the token included; else what went wrong, and what to do."""
     from nodelet.client import GatewayClient
-    from nodelet.errors import AuthRejected, GatewayRejected, NodeletError, StaleAttempt
+    from nodelet.errors import AuthRejected, GatewayRejected, NodeletError
 
     client = GatewayClient(
         config.gateway_url, config.token, timeout_s=config.http_timeout_s, ca_file=config.ca_file
     )
     renew = f"make a new one on the head (bulletin node add {config.name}) and put it there"
-    fd = os.open(os.devnull, os.O_WRONLY)
     try:
-        await client.payload_to_file("doctor", 0, fd)
+        return await client.cluster()
     except AuthRejected as exc:
         kind = "refused the token" if exc.status == 401 else "took it for a user's token"
         return f"the gateway {kind} ({exc.detail})", renew
-    except (GatewayRejected, StaleAttempt) as exc:
-        if exc.status in (409, 422):
-            return None
+    except GatewayRejected as exc:
+        if exc.status == 404:
+            return (
+                f"the gateway does not know GET /v1/node/cluster ({exc.detail})",
+                "upgrade the gateway to this version of Bulletin",
+            )
         return f"the gateway answered {exc.status}: {exc.detail}", "see the gateway's log"
     except NodeletError as exc:
         return f"could not ask the gateway: {exc}", "try again"
     finally:
-        os.close(fd)
         await client.aclose()
-    return None
 
 
-def check_shared_dir(report: Report, client_config: Path | None, reachable: bool) -> None:
-    """The cluster's shared directory, if the gateway has one, is mounted here at the same
-    path, holds the same cluster id, and its ``bulletin/users`` is 1733."""
-    if client_config is None or not reachable:
-        why = "the gateway is not reachable" if client_config else (
-            "the gateway tells a node its shared directory only when it registers, which "
-            "would supersede a running nodelet"
+def check_shared_dir(report: Report, asked: Asked | None) -> None:
+    """The cluster's shared directory, if the gateway has one (as it told the node token:
+    ``asked``), is mounted here at the same path, holds the same cluster id, and its
+    ``bulletin/users`` is 1733."""
+    if asked is None or isinstance(asked, tuple):
+        why, todo = (
+            ("the gateway cannot be reached", "see the gateway check")
+            if asked is None
+            else ("the gateway did not answer the node token", "see the token check")
         )
-        todo = "give --client-config with a user's client.toml"
         report.warn("shared dir", f"not checked: {why}", todo)
         return
-    info = _cluster_info(report, client_config)
-    if info is None:
-        return
-    if info.shared_dir is None:
+    if asked.shared_dir is None:
         report.ok("shared dir", "none configured (big state goes through the gateway)")
         return
     from nodelet.agent import SHARED_CHECK_S
 
-    root, cluster_id = info.shared_dir, info.shared_dir_id or ""
+    root, cluster_id = asked.shared_dir, asked.shared_dir_id or ""
     problem = _in_time(SHARED_CHECK_S, lambda: _shared_problem(root, cluster_id))
     if problem is None:
         problem = (f"{root} did not answer within {SHARED_CHECK_S:.0f} s", "check the NFS mount")
@@ -541,23 +548,6 @@ def check_shared_dir(report: Report, client_config: Path | None, reachable: bool
         report.fail("shared dir", *problem)
     else:
         report.ok("shared dir", f"{root} is mounted here, with this cluster's id; users/ is 1733")
-
-
-def _cluster_info(report: Report, client_config: Path) -> wire.ClusterInfo | None:
-    import msgspec
-
-    import sdk
-
-    with contextlib.suppress(OSError, msgspec.DecodeError):  # else the sdk says what is wrong
-        token = msgspec.toml.decode(client_config.read_bytes(), type=dict).get("token")
-        report.secret(token if isinstance(token, str) else None)
-    try:
-        with sdk.connect(config=client_config) as client:
-            client.retry_deadline_s = HTTP_TIMEOUT_S
-            return client.cluster()
-    except sdk.BulletinError as exc:
-        report.fail("shared dir", f"cannot ask the gateway with {client_config}: {exc}", "fix it")
-        return None
 
 
 def _shared_problem(root: str, cluster_id: str) -> tuple[str, str]:
@@ -719,18 +709,10 @@ def command() -> None:
 
 @command.command("node")
 @env_file_option
-@click.option(
-    "--client-config",
-    envvar="BULLETIN_CONFIG",
-    show_envvar=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="A user's client.toml, to ask the gateway for the cluster's shared directory "
-    "(a node learns it only when it registers).",
-)
-def node(env_files: tuple[Path, ...], client_config: Path | None) -> None:
+def node(env_files: tuple[Path, ...]) -> None:
     """Check a GPU node with the nodelet's settings (its BULLETIN_* variables)."""
     report = Report()
-    check_node(report, env_files, client_config)
+    check_node(report, env_files)
     raise SystemExit(report.finish("node"))
 
 

@@ -805,6 +805,10 @@ class ClusterInfo(_Msg, frozen=True, kw_only=True):
             )
         ),
     ] = None
+    node: Annotated[
+        str | None,
+        msgspec.Meta(description="The calling node's name (GET /v1/node/cluster only)."),
+    ] = None
     shared_ttl_s: Annotated[
         float | None,
         msgspec.Meta(

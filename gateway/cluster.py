@@ -1,6 +1,7 @@
-"""What clients are told of the cluster (``GET /v1/cluster``), and the upkeep of its shared
-directory: the gateway makes its layout and id at start (:func:`bulletin_core.shared.prepare`) and
-sweeps the payload and result files callers left behind."""
+"""What clients are told of the cluster (``GET /v1/cluster``; a node, ``GET /v1/node/cluster``),
+and the upkeep of its shared directory: the gateway makes its layout and id at start
+(:func:`bulletin_core.shared.prepare`) and sweeps the payload and result files callers left
+behind."""
 
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ async def sweep_forever(config: GatewayConfig, pool: asyncpg.Pool) -> None:
         await asyncio.sleep(config.sweep_interval_s)
 
 
-def info(request: Request, user: str | None = None) -> wire.ClusterInfo:
+def info(
+    request: Request, user: str | None = None, node: str | None = None
+) -> wire.ClusterInfo:
     config: GatewayConfig = request.app.state.config
     return wire.ClusterInfo(
         inline_limit=config.inline_limit,
@@ -55,13 +58,25 @@ def info(request: Request, user: str | None = None) -> wire.ClusterInfo:
         shared_dir=config.shared_dir or None,
         shared_dir_id=request.app.state.shared_dir_id,
         user=user,
+        node=node,
         shared_ttl_s=config.shared_ttl_s if config.shared_dir else None,
     )
 
 
 async def get_cluster(request: Request) -> Response:
     caller = await auth.principal(request, "user")
-    return reply(info(request, caller.name))
+    return reply(info(request, user=caller.name))
 
 
-ROUTES = [Route("/v1/cluster", get_cluster, methods=["GET"])]
+async def get_node_cluster(request: Request) -> Response:
+    """The same for a node, naming it: read only, and with no incarnation to name (unlike
+    the other node routes), so it may be asked while a nodelet of the node runs
+    (``bulletin doctor node``)."""
+    caller = await auth.principal(request, "node")
+    return reply(info(request, node=caller.name))
+
+
+ROUTES = [
+    Route("/v1/cluster", get_cluster, methods=["GET"]),
+    Route("/v1/node/cluster", get_node_cluster, methods=["GET"]),
+]

@@ -35,6 +35,7 @@ _register_decoder = msgspec.json.Decoder(wire.RegisterResponse)
 _heartbeat_decoder = msgspec.json.Decoder(wire.HeartbeatResponse)
 _poll_decoder = msgspec.json.Decoder(wire.PollResponse)
 _blob_decoder = msgspec.json.Decoder(wire.BlobRef)
+_cluster_decoder = msgspec.json.Decoder(wire.ClusterInfo)
 _problem_decoder = msgspec.json.Decoder(wire.Problem)
 _encoder = msgspec.json.Encoder()
 
@@ -71,6 +72,13 @@ class GatewayClient:
         # Every later request names this incarnation: the gateway refuses an earlier one's.
         self._http.headers[wire.INCARNATION_HEADER] = str(registration.incarnation)
         return registration
+
+    async def cluster(self) -> wire.ClusterInfo:
+        """What the gateway tells this node of the cluster, its name (the token's) included.
+        Read only, and needs no registration: it may be asked while a nodelet of the node
+        runs."""
+        response = await self._send("GET", "/v1/node/cluster")
+        return _decode(_cluster_decoder, response)
 
     async def heartbeat(
         self,

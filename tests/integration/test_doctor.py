@@ -96,13 +96,6 @@ def node(module_gateway: Cluster, tmp_path: Path) -> Node:
     return node_of(module_gateway, tmp_path, f"doc-{secrets.token_hex(3)}")
 
 
-def client_toml(path: Path, cluster: Cluster) -> Path:
-    ca = f'ca = "{cluster.ca}"\n' if cluster.ca else ""
-    path.write_text(f'url = "{cluster.url}"\ntoken = "{cluster.token}"\n{ca}')
-    path.chmod(0o600)
-    return path
-
-
 def nvml_works() -> bool:
     import pynvml
 
@@ -128,20 +121,13 @@ def test_a_node_without_gpus_or_fakes_fails_naming_nvml(node: Node) -> None:
     assert run.output.splitlines()[-1].startswith("summary: ")
 
 
-def test_a_fit_node_passes_and_never_shows_its_token(
-    node: Node, module_gateway: Cluster, tmp_path: Path
-) -> None:
-    client = client_toml(tmp_path / "client.toml", module_gateway)
-    run = doctor(
-        "node",
-        "--client-config",
-        str(client),
-        files=[node.env_file(BULLETIN_FAKE_GPUS="2")],
-    )
+def test_a_fit_node_passes_and_never_shows_its_token(node: Node, module_gateway: Cluster) -> None:
+    run = doctor("node", files=[node.env_file(BULLETIN_FAKE_GPUS="2")])
     assert run.returncode == 0, run.output
     assert not [line for line in run.output.splitlines() if line.startswith("FAIL")]
     assert "2 fake GPUs configured" in run.line("OK    gpus:")
-    assert "accepts it as a node token" in run.line("OK    token:")
+    name = node.settings["BULLETIN_NAME"]
+    assert f"accepts it as the node token of {name}" in run.line("OK    token:")
     assert run.line("OK    gateway:").endswith("answers /healthz")
     assert "none configured" in run.line("OK    shared dir:")
     assert run.line("OK    state dir:")
@@ -150,6 +136,18 @@ def test_a_fit_node_passes_and_never_shows_its_token(
     assert "can read the node token" in run.line("WARN  user mapping:")
     assert run.output.splitlines()[-1].startswith("summary: ")
     assert node.token not in run.output and module_gateway.token not in run.output
+
+
+def test_a_token_made_for_another_node_fails_naming_both(node: Node) -> None:
+    made_for = node.settings["BULLETIN_NAME"]
+    run = doctor("node", files=[node.env_file(BULLETIN_FAKE_GPUS="1", BULLETIN_NAME="doc-other")])
+    assert run.returncode == 1, run.output
+    line = run.line("FAIL  token:")
+    assert f"the token is node {made_for}'s, not this node's (doc-other)" in line
+    assert "'bulletin node add doc-other'" in line
+    # The gateway answered the token all the same: the shared directory was still checked.
+    assert "none configured" in run.line("OK    shared dir:")
+    assert node.token not in run.output
 
 
 def test_a_token_file_others_may_read_fails_naming_chmod(node: Node) -> None:
@@ -167,6 +165,7 @@ def test_a_token_the_gateway_does_not_know_fails(node: Node) -> None:
     assert run.returncode == 1
     assert "the gateway refused the token" in run.line("FAIL  token:")
     assert "bulletin node add" in run.line("FAIL  token:")
+    assert "not checked: the gateway did not answer" in run.line("WARN  shared dir:")
     assert unknown not in run.output
 
 
@@ -227,15 +226,17 @@ def test_an_untrusted_certificate_fails_naming_the_ca_option(
     with_ca = node.env_file(BULLETIN_FAKE_GPUS="1", BULLETIN_CA_FILE=ca_file)
     trusted = doctor("node", files=[with_ca])
     assert "(TLS verified with" in trusted.line("OK    gateway:")
-    assert "accepts it as a node token" in trusted.line("OK    token:")
+    assert "accepts it as the node token of doc-tls" in trusted.line("OK    token:")
 
 
 def test_the_shared_directory_must_be_the_gateways(
     shared_gateway: Cluster, tmp_path: Path
 ) -> None:
+    """Checked with the node token alone: the gateway tells it the directory
+    (``GET /v1/node/cluster``), no user's client.toml needed."""
     node = node_of(shared_gateway, tmp_path, "doc-nas")
     files = [node.env_file(BULLETIN_FAKE_GPUS="1")]
-    args = ("node", "--client-config", str(client_toml(tmp_path / "client.toml", shared_gateway)))
+    args = ("node",)
     nas = shared_gateway.shared_dir
     assert nas is not None
     assert "is mounted here" in doctor(*args, files=files).line("OK    shared dir:")

@@ -81,6 +81,35 @@ def test_token_kinds_only_work_on_their_own_routes(gateway: Cluster) -> None:
     assert "user token cannot be used on node routes" in r.json()["detail"]
 
 
+def test_a_node_learns_its_name_and_the_shared_dir_without_disturbing_its_nodelet(
+    shared_gateway: Cluster,
+) -> None:
+    """``GET /v1/node/cluster`` (what ``bulletin doctor node`` asks): read only, and with no
+    incarnation to name, so it may be asked beside a running nodelet of the node."""
+    url = shared_gateway.url
+    nodelet = register(shared_gateway, "n1")
+    token = nodelet.client.headers["authorization"].removeprefix("Bearer ")
+    r = Http(url, token).get("/v1/node/cluster")  # no incarnation header, as the doctor asks
+    assert r.status_code == 200, r.text
+    info = msgspec.json.decode(r.content, type=wire.ClusterInfo)
+    assert info.node == "n1" and info.user is None
+    assert info.shared_dir == str(shared_gateway.shared_dir) and info.shared_dir_id
+    user = Http(url, shared_gateway.token)
+    told_user = msgspec.json.decode(user.get("/v1/cluster").content, type=wire.ClusterInfo)
+    assert msgspec.structs.replace(info, node=None, user="alice") == told_user
+    assert nodelet.get("/v1/node/cluster").json()["node"] == "n1"  # with its incarnation too
+
+    # The nodelet is still the node's current incarnation, and gets its work.
+    [invocation_id] = submit(user, call(gpus=1))
+    [work] = poll(nodelet).assignments
+    assert work.invocation_id == invocation_id
+
+    r = user.get("/v1/node/cluster")
+    assert r.status_code == 403 and r.json()["code"] == "wrong_token"
+    r = httpx.get(f"{url}/v1/node/cluster")
+    assert r.status_code == 401 and r.json()["code"] == "unauthorized"
+
+
 def test_submit_is_exactly_once_per_idempotency_key(gateway: Cluster) -> None:
     user = Http(gateway.url, gateway.token)
     spec = call()

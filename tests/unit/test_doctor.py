@@ -10,10 +10,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import click
+import msgspec
 import pynvml
 import pytest
 
 from bulletin import doctor
+from bulletin_core import wire
 from nodelet import gpus
 from nodelet.config import NodeletConfig
 from tests.unit.test_nodelet_gpus import FakeNvml
@@ -160,3 +162,52 @@ def test_a_gpu_that_must_leave_service_fails(
     assert lines[0] == "OK    gpus: 2 fake GPUs configured (fake_gpus; not real GPUs)"
     assert lines[1].startswith("FAIL  gpu health: GPU 1: CRITICAL: 3 uncorrectable ECC errors")
     assert report.counts["FAIL"] == 1
+
+
+# --------------------------------------------------------------------------- token, shared dir
+
+
+def test_the_gateways_answer_decides_the_token_and_shared_dir_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What ``GET /v1/node/cluster`` answered (``doctor.ask_cluster``): whose token it is, and
+    the shared directory to look for here; or why it answered nothing."""
+    token = tmp_path / "node.token"
+    token.write_text("bn_x\n")
+    token.chmod(0o600)
+    config = node_config()  # node "n"
+    gone = str(tmp_path / "nas")
+
+    def lines(asked: doctor.Asked | None) -> list[str]:
+        report = doctor.Report()
+        doctor.check_token(report, config, token, asked)
+        doctor.check_shared_dir(report, asked)
+        return capsys.readouterr().out.splitlines()
+
+    info = wire.ClusterInfo(inline_limit=1, max_state_bytes=2, node="n")
+    assert lines(info) == [
+        f"OK    token: {token} is a regular file of mode 0600; the gateway accepts it as the "
+        "node token of n",
+        "OK    shared dir: none configured (big state goes through the gateway)",
+    ]
+    other = msgspec.structs.replace(info, node="m", shared_dir=gone, shared_dir_id="c1")
+    token_line, shared_line = lines(other)
+    assert token_line.startswith("FAIL  token: the token is node m's, not this node's (n) — ")
+    assert "'bulletin node add n'" in token_line
+    assert shared_line.startswith(f"FAIL  shared dir: {gone}, the cluster's shared directory, is")
+    refused = ("the gateway refused the token (unknown)", "make a new one")
+    assert lines(refused) == [
+        "FAIL  token: the gateway refused the token (unknown) — make a new one",
+        "WARN  shared dir: not checked: the gateway did not answer the node token — see the "
+        "token check",
+    ]
+    assert lines(None)[-1] == (
+        "WARN  shared dir: not checked: the gateway cannot be reached — see the gateway check"
+    )
+    token.chmod(0o640)  # the file fails; the gateway's answer still counts
+    file_line, token_line, shared_line = lines(other)
+    assert file_line.startswith(f"FAIL  token: {token} (mode 0640) may be read by its group")
+    assert token_line.startswith("FAIL  token: the token is node m's")
+    file_line, shared_line = lines(info)  # no OK token line beside the FAIL
+    assert file_line.startswith(f"FAIL  token: {token} (mode 0640)")
+    assert shared_line.startswith("OK    shared dir: none configured")
