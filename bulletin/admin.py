@@ -82,20 +82,22 @@ async def add_user(
         return await mint_token(conn, user_id)
 
 
-async def add_node(database_url: str, name: str) -> str:
+async def add_node(database_url: str, name: str, *, replace: bool = False) -> str:
     """Create the node record if new (or bring back a removed one, in service) and return a
-    fresh node token for it."""
+    fresh node token for it; with ``replace``, the node's other tokens are revoked."""
     async with connection(database_url) as conn:
         async with conn.transaction():
             node_id = await db.create_node(conn, name)
+            if replace:
+                await db.revoke_node_tokens(conn, node_id)
             token = auth.new_token("node")
             await db.add_token(conn, auth.token_hash(token), node_id=node_id, hint=auth.hint(token))
         return token
 
 
 async def drain(database_url: str, name: str, reason: str | None) -> db.Drain | None:
-    """Give node NAME no new work (its running calls finish), with ``reason`` (None: keep
-    the reason of a node already draining); how it was before, None if there is none."""
+    """Give node NAME no new work (its running calls finish), with ``reason`` (a node
+    already draining keeps its own); how it was before, None if there is none."""
     async with connection(database_url) as conn:
         return await db.set_draining(conn, name, True, reason or None, "drained by an admin")
 

@@ -275,13 +275,19 @@ def node() -> None:
 
 @node.command("add")
 @click.argument("name")
+@click.option(
+    "--replace",
+    is_flag=True,
+    help="Revoke the node's other tokens (a reinstalled node, a token that may have leaked).",
+)
 @database_option
-def node_add(name: str, database_url: str) -> None:
+def node_add(name: str, replace: bool, database_url: str) -> None:
     """Create node NAME (if new) and print a node token for its nodelet's --token-file. A
-    removed node comes back in service (not draining), with this new token."""
+    removed node comes back in service (not draining), with this new token. Its earlier
+    tokens keep working unless --replace is given."""
     from bulletin import admin
 
-    click.echo(asyncio.run(admin.add_node(database_url, name)))
+    click.echo(asyncio.run(admin.add_node(database_url, name, replace=replace)))
 
 
 @node.command("drain")
@@ -307,7 +313,7 @@ def node_drain(name: str, reason: str, wait_s: float, database_url: str) -> None
     """Give node NAME no new work; the calls it runs finish. Undo with 'node undrain'.
 
     Prints 'node NAME is draining: it gets no new work', or 'node NAME was already
-    draining' if it was (a --reason given replaces its reason). With --wait, then 'node
+    draining (REASON)' if it was: it keeps the reason it was drained for. With --wait, then 'node
     NAME runs no calls', or 'node NAME still runs N call(s) after SECONDS s' when the wait
     ends first; the exit status is 0 either way (restarting its nodelet then hands back what
     still runs, to be queued again without using a retry).
@@ -319,10 +325,8 @@ def node_drain(name: str, reason: str, wait_s: float, database_url: str) -> None
         raise click.ClickException(f"no node named {name!r} (see 'bulletin node list')")
     if not before.draining:
         click.echo(f"node {name} is draining: it gets no new work")
-    elif reason and reason != before.reason:
-        click.echo(f"node {name} was already draining; its reason is now {reason!r}")
     else:
-        click.echo(f"node {name} was already draining")
+        click.echo(f"node {name} was already draining ({before.reason or 'no reason given'})")
     if wait_s > 0:
         held = asyncio.run(admin.wait_idle(database_url, name, wait_s))
         click.echo(

@@ -99,10 +99,10 @@ RETURNING i.id, i.preempt_at IS NOT NULL AS preempt, i.preempt_reason
 
 _SET_DRAINING = """
 -- The answer is the node as it was (locked first), so the caller can say what changed.
--- Draining keeps the reason of a node already draining unless given one ($3).
+-- A node already draining keeps its reason (whoever drained it first said why).
 UPDATE nodes n SET draining = $2,
   drain_reason = CASE WHEN NOT $2 THEN NULL
-    ELSE coalesce($3, CASE WHEN old.draining THEN old.drain_reason END, $4) END
+    WHEN old.draining THEN old.drain_reason ELSE coalesce($3, $4) END
 FROM (SELECT id, draining, drain_reason FROM nodes
   WHERE name = $1 AND removed_at IS NULL FOR UPDATE) old
 WHERE n.id = old.id
@@ -344,8 +344,8 @@ async def set_draining(
     conn: Conn, name: str, draining: bool, reason: str | None = None, default_reason: str = ""
 ) -> Drain | None:
     """Drain (no new work) or undrain a node by name; how it was before, None if there is no
-    such node (or it was removed). Draining sets ``reason`` when given, else keeps the reason
-    of a node already draining, else sets ``default_reason``."""
+    such node (or it was removed). Draining a node already draining keeps its reason;
+    otherwise it sets ``reason``, or ``default_reason`` when None."""
     row = await conn.fetchrow(_SET_DRAINING, name, draining, reason, default_reason)
     if row is None:
         return None

@@ -48,7 +48,7 @@ def test_drain_waits_for_the_running_call_then_the_node_can_be_removed(cluster: 
     )
     started = time.monotonic()
     assert bulletin(cluster, "node", "drain", "node-a", "--wait", "60").splitlines() == [
-        "node node-a was already draining",
+        "node node-a was already draining (drained by an admin)",
         "node node-a runs no calls",
     ]
     assert time.monotonic() - started < 10, "the wait ends when the call does"
@@ -80,13 +80,13 @@ def test_a_removed_node_is_refused_and_counts_for_nothing_until_added_again(
     drain = ("node", "drain", "node-b")
     out = bulletin(gateway, *drain, "--reason", "old PSU")
     assert out == "node node-b is draining: it gets no new work\n"
-    assert bulletin(gateway, *drain) == "node node-b was already draining\n"
-    assert "DRAINING (old PSU)" in bulletin(gateway, "node", "list"), "the reason is kept"
-    out = bulletin(gateway, *drain, "--reason", "new PSU", "--wait", "5")
+    assert bulletin(gateway, *drain) == "node node-b was already draining (old PSU)\n"
+    out = bulletin(gateway, *drain, "--reason", "upgrade", "--wait", "5")
     assert out.splitlines() == [
-        "node node-b was already draining; its reason is now 'new PSU'",
+        "node node-b was already draining (old PSU)",
         "node node-b runs no calls",
     ]
+    assert "DRAINING (old PSU)" in bulletin(gateway, "node", "list"), "the first reason stays"
     assert submit_four_gpus() == 201  # a drained node still counts
 
     assert bulletin(gateway, "node", "remove", "node-b") == "node node-b removed\n"
