@@ -79,13 +79,14 @@ def test_site_yml_installs_and_starts_everything(site: rollout.Site) -> None:
         assert ssh(site, node, "systemctl is-active bulletin-nodelet").strip() == "active"
         assert ssh(site, node, "systemctl is-enabled bulletin-nodelet").strip() == "enabled"
         # The node token is root's alone; the nodelet runs as root, multi-tenant.
-        mode = ssh(site, node, "stat -c '%a %U' /etc/bulletin/node.token")
-        assert mode.split() == ["600", "root"]
-        env = ssh(site, node, "cat /etc/bulletin/nodelet.env")
+        mode = ssh(site, node, "stat -c '%a %U' /etc/bulletin/private /etc/bulletin/private/*")
+        assert mode.split() == ["700", "root"] + ["600", "root"] * 2
+        env = ssh(site, node, "cat /etc/bulletin/private/nodelet.env")
         assert "BULLETIN_USER_MAPPING=same-name" in env
         assert "BULLETIN_CA_FILE=/etc/bulletin/ca.pem" in env
         assert site.url in env
-    assert ssh(site, "head", "stat -c '%a %U' /etc/bulletin/gateway.env").split() == ["600", "root"]
+    gateway_env = ssh(site, "head", "stat -c '%a %U' /etc/bulletin/private/gateway.env")
+    assert gateway_env.split() == ["600", "root"]
     assert ssh(site, "head", "stat -c '%a %U' /var/lib/postgresql/bulletin.password").split() == [
         "600",
         "postgres",
@@ -108,9 +109,10 @@ def test_site_yml_installs_and_starts_everything(site: rollout.Site) -> None:
         assert token(site, user) not in first.stdout + first.stderr
     password = ssh(site, "head", "cat /var/lib/postgresql/bulletin.password").strip()
     assert password and password not in first.stdout + first.stderr
-    # bulletin doctor ran last on every host and found nothing wrong.
+    # bulletin doctor ran last on every host and found nothing wrong, the NAS included.
     assert first.stdout.count("this node is fit to serve") == 2
     assert first.stdout.count("this head is fit to serve") == 1
+    assert first.stdout.count(f"OK    shared dir: {hosts.SHARED_MOUNT} is mounted here") == 2
 
 
 def probe() -> dict[str, Any]:
@@ -122,8 +124,8 @@ def probe() -> dict[str, Any]:
     tried = {}
     shared = "/srv/bulletin-shared/bulletin/users"
     for what, path in {
-        "node token": "/etc/bulletin/node.token",
-        "nodelet env": "/etc/bulletin/nodelet.env",
+        "node token": "/etc/bulletin/private/node.token",
+        "nodelet env": "/etc/bulletin/private/nodelet.env",
         "bob's dir": f"{shared}/bob",
         "users dir": shared,
     }.items():
@@ -194,30 +196,51 @@ def test_systemd_restarts_a_gateway_killed_with_sigkill(site: rollout.Site) -> N
     assert sdk.function(gpus=0)(probe)()["name"] == "alice"
 
 
-def test_a_second_run_changes_nothing(site: rollout.Site) -> None:
+def test_a_second_run_changes_nothing_and_follows_no_users_link(site: rollout.Site) -> None:
+    # carol swaps her directory of the NAS for a link to a directory root uses: a play that
+    # made users' directories as root would give it to her (and root's PATH with it).
+    carol = f"{hosts.SHARED_MOUNT}/bulletin/users/carol"
+    swap = f"rmdir {carol} && ln -s /usr/local/sbin {carol}"
+    ssh(site, "node1", f"runuser -u carol -- sh -c '{swap}'")
     again = site.play("site.yml")
     assert again.returncode == 0, rollout.dump(again)
     changed = {host: c["changed"] for host, c in rollout.recap(again.stdout).items()}
     assert changed and set(changed.values()) == {0}, rollout.changed_tasks(again.stdout)
+    for node in ("node1", "node2"):
+        assert ssh(site, node, "stat -c '%a %U' /usr/local/sbin").split() == ["755", "root"]
 
 
-def long_call(seconds: float) -> str:
+def handed_back_once(marker: str) -> str:
+    """The first run leaves a mark and runs until it is stopped; the next one returns."""
+    import os as os_
     import socket as socket_
     import time as time_
 
-    time_.sleep(seconds)
-    return f"slept on {socket_.gethostname()}"
+    if os_.path.exists(marker):
+        return f"run again on {socket_.gethostname()}"
+    with open(marker, "w"):
+        pass
+    time_.sleep(900)
+    return "never stopped"
+
+
+def quick() -> str:
+    import socket as socket_
+
+    return f"ran on {socket_.gethostname()}"
 
 
 def test_an_upgrade_during_a_long_call_loses_nothing(site: rollout.Site) -> None:
     rollout.wheelhouse(site.where, V2)
-    site.write_inventory(V2)
+    # A drain that waits 8 s: the long call is still running then, so the upgrade hands it
+    # back, and it runs again elsewhere; with no retries to spend, that must not spend one.
+    site.write_inventory(V2, bulletin_drain_timeout_s=8)
     connect(site, "alice")
-    slow = sdk.function(gpus=1)(long_call)
-    running = slow.spawn(25)
+    marker = f"{hosts.SHARED_MOUNT}/bulletin/users/alice/upgrade-marker"
+    long = sdk.function(gpus=1, max_retries=0)(handed_back_once).spawn(marker)
     deadline = time.monotonic() + 60
-    while running.status() != "running":
-        assert time.monotonic() < deadline, running.status()
+    while long.status() != "running":
+        assert time.monotonic() < deadline, long.status()
         time.sleep(0.2)
     outcome: dict[str, Any] = {}
 
@@ -227,17 +250,18 @@ def test_an_upgrade_during_a_long_call_loses_nothing(site: rollout.Site) -> None
     player = threading.Thread(target=upgrade)
     player.start()
     time.sleep(5)  # the play is installing, migrating, restarting gateways by now
-    submitted_during = slow.spawn(1)
+    submitted_during = sdk.function(gpus=1, max_retries=0)(quick).spawn()
     player.join()
     play = outcome["play"]
     assert play.returncode == 0, rollout.dump(play)
-    assert running.result(timeout=120).startswith("slept on node")
-    assert submitted_during.result(timeout=120).startswith("slept on node")
+    assert long.result(timeout=120).startswith("run again on node")
+    assert submitted_during.result(timeout=120).startswith("ran on node")
     for node in ("node1", "node2"):
         pid = ssh(site, node, "systemctl show -p MainPID --value bulletin-nodelet").strip()
         assert f"/venvs/{V2}/" in ssh(site, node, f"tr '\\0' ' ' < /proc/{pid}/cmdline")
     listing = ssh(site, "head", "bulletin-admin node list")
     assert listing.count("in service") == 2, listing  # drained for the upgrade, then undrained
+    assert "0 GPUs" not in listing
 
 
 def test_remove_node_yml_drains_stops_and_deregisters_a_node(site: rollout.Site) -> None:
