@@ -102,9 +102,18 @@ async def drain(database_url: str, name: str, reason: str | None) -> db.Drain | 
         return await db.set_draining(conn, name, True, reason or None, "drained by an admin")
 
 
-async def undrain(database_url: str, name: str) -> db.Drain | None:
-    """Let node NAME take work again; how it was before, None if there is none."""
-    async with connection(database_url) as conn:
+async def undrain(
+    database_url: str, name: str, *, if_reason: str | None = None
+) -> db.Drain | None:
+    """Let node NAME take work again (with ``if_reason``: only if it drains for exactly that
+    reason); how it was before, None if there is none."""
+    async with connection(database_url) as conn, conn.transaction():
+        locked = await db.lock_node(conn, name)
+        if locked is None:
+            return None
+        _, before = locked
+        if if_reason is not None and before.reason != if_reason:
+            return before
         return await db.set_draining(conn, name, False)
 
 

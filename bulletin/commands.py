@@ -338,19 +338,28 @@ def node_drain(name: str, reason: str, wait_s: float, database_url: str) -> None
 
 @node.command("undrain")
 @click.argument("name")
+@click.option(
+    "--if-reason",
+    metavar="REASON",
+    help="Only if it drains for exactly this reason (a script undoing its own drain and no "
+    "admin's).",
+)
 @database_option
-def node_undrain(name: str, database_url: str) -> None:
+def node_undrain(name: str, if_reason: str | None, database_url: str) -> None:
     """Let node NAME take work again (after a GPU fault is dealt with, or maintenance).
-    Prints 'node NAME takes work again', or 'node NAME was not draining'."""
+    Prints 'node NAME takes work again', 'node NAME was not draining', or with --if-reason,
+    'node NAME drains for another reason (REASON): left draining'."""
     from bulletin import admin
 
-    before = asyncio.run(admin.undrain(database_url, name))
+    before = asyncio.run(admin.undrain(database_url, name, if_reason=if_reason))
     if before is None:
         raise click.ClickException(f"no node named {name!r} (see 'bulletin node list')")
-    if before.draining:
-        click.echo(f"node {name} takes work again")
-    else:
+    if not before.draining:
         click.echo(f"node {name} was not draining")
+    elif if_reason is not None and before.reason != if_reason:
+        click.echo(f"node {name} drains for another reason ({before.reason}): left draining")
+    else:
+        click.echo(f"node {name} takes work again")
 
 
 @node.command("remove")

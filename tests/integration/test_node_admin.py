@@ -87,6 +87,10 @@ def test_a_removed_node_is_refused_and_counts_for_nothing_until_added_again(
         "node node-b runs no calls",
     ]
     assert "DRAINING (old PSU)" in bulletin(gateway, "node", "list"), "the first reason stays"
+    assert bulletin(gateway, "node", "undrain", "node-b", "--if-reason", "upgrade") == (
+        "node node-b drains for another reason (old PSU): left draining\n"
+    )
+    assert "DRAINING (old PSU)" in bulletin(gateway, "node", "list")
     assert submit_four_gpus() == 201  # a drained node still counts
 
     assert bulletin(gateway, "node", "remove", "node-b") == "node node-b removed\n"
