@@ -10,6 +10,7 @@ call, kill a gateway, re-run (nothing changes), upgrade during a long call, remo
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
@@ -275,3 +276,20 @@ def test_remove_node_yml_drains_stops_and_deregisters_a_node(site: rollout.Site)
     connect(site, "alice")
     assert sdk.function(gpus=1)(probe)()["host"] == "node1"
 
+
+
+def test_a_play_without_the_clusters_pki_dir_refuses_to_mint_another_ca(
+    site: rollout.Site,
+) -> None:
+    # Another admin's checkout, or a lost pki/: a new CA would cut every node and user off.
+    elsewhere = site.where / "other-pki"
+    site.write_inventory(V2, bulletin_pki_dir=str(elsewhere))
+    refused = site.play("site.yml")
+    assert refused.returncode != 0
+    assert "Refuse to replace the cluster's CA" in refused.stdout
+    assert "copy its pki/ directory here" in refused.stdout
+    assert not (elsewhere / "ca.pem").exists()
+    ours = hashlib.sha256((site.pki / "ca.pem").read_bytes()).hexdigest()
+    for host in ("head", "node1"):
+        assert ssh(site, host, "sha256sum /etc/bulletin/ca.pem").split()[0] == ours
+    site.write_inventory(V2)
