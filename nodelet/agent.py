@@ -42,12 +42,17 @@ SHARED_CHECK_S = 10.0
 #: manager must not restart it (systemd: ``RestartPreventExitStatus=3``): two nodelets of one
 #: node would supersede each other forever.
 SUPERSEDED_EXIT = 3
+#: The exit status of a nodelet whose token the gateway refuses (revoked: the node was removed,
+#: or the token replaced). Restarting it cannot help until a new token is in place
+#: (systemd: ``RestartPreventExitStatus=3 4``).
+REJECTED_EXIT = 4
 _T = TypeVar("_T")
 
 
 def run(config: NodeletConfig) -> None:
-    """Serve until SIGINT or SIGTERM; exit with status 1 if the gateway refuses the node, 3
-    (:data:`SUPERSEDED_EXIT`) if another start of the node superseded this one."""
+    """Serve until SIGINT or SIGTERM; exit with status 4 (:data:`REJECTED_EXIT`) if the
+    gateway refuses the node's token, 3 (:data:`SUPERSEDED_EXIT`) if another start of the
+    node superseded this one, 1 if the gateway refuses the node otherwise."""
     try:
         asyncio.run(_serve_until_signalled(config))
     except Superseded as exc:
@@ -59,6 +64,16 @@ def run(config: NodeletConfig) -> None:
             SUPERSEDED_EXIT,
         )
         raise SystemExit(SUPERSEDED_EXIT) from None
+    except AuthRejected as exc:
+        log.critical(
+            "nodelet stopped: %s; exit status %d (put a new token in place, e.g. 'bulletin node "
+            "add %s --replace', before starting it again; systemd RestartPreventExitStatus=%d)",
+            exc,
+            REJECTED_EXIT,
+            config.name,
+            REJECTED_EXIT,
+        )
+        raise SystemExit(REJECTED_EXIT) from None
     except (NodeletError, ValueError) as exc:  # ValueError: a setting it cannot serve with
         log.critical("nodelet stopped: %s", exc)
         raise SystemExit(1) from None

@@ -10,6 +10,7 @@ import time
 import sdk
 from bulletin import cli
 from bulletin_core import wire
+from nodelet import agent
 from tests.conftest import Cluster, wait_until
 from tests.integration.conftest import wait_until_running
 from tests.integration.test_gateway_api import Http, call, register
@@ -62,6 +63,7 @@ def test_drain_waits_for_the_running_call_then_the_node_can_be_removed(cluster: 
     [nodelet] = cluster.nodelets
     wait_until(lambda: nodelet.poll() is not None, 15, "the removed node's nodelet to stop")
     assert "rejected the node token" in (cluster.dir / "node-a.log").read_text()
+    assert nodelet.returncode == agent.REJECTED_EXIT  # which systemd is told not to restart
 
 
 def test_a_removed_node_is_refused_and_counts_for_nothing_until_added_again(
