@@ -46,15 +46,21 @@ class AdminError(Exception):
 
 
 async def mint_token(
-    conn: asyncpg.Connection, user_id: int, *, name: str = "", expires_s: float | None = None
+    conn: asyncpg.Connection,
+    user_id: int | None = None,
+    *,
+    node_id: int | None = None,
+    name: str = "",
+    expires_s: float | None = None,
 ) -> str:
-    """A new token of the user (only its hash is stored), labelled ``name``, expiring after
-    ``expires_s`` if given."""
-    token = auth.new_token("user")
+    """A new token of the user (or, with ``node_id``, of the node); only its hash is stored,
+    labelled ``name``, expiring after ``expires_s`` if given."""
+    token = auth.new_token("user" if user_id is not None else "node")
     await db.add_token(
         conn,
         auth.token_hash(token),
         user_id=user_id,
+        node_id=node_id,
         name=name,
         hint=auth.hint(token),
         expires_s=expires_s,
@@ -85,14 +91,11 @@ async def add_user(
 async def add_node(database_url: str, name: str, *, replace: bool = False) -> str:
     """Create the node record if new (or bring back a removed one, in service) and return a
     fresh node token for it; with ``replace``, the node's other tokens are revoked."""
-    async with connection(database_url) as conn:
-        async with conn.transaction():
-            node_id = await db.create_node(conn, name)
-            if replace:
-                await db.revoke_node_tokens(conn, node_id)
-            token = auth.new_token("node")
-            await db.add_token(conn, auth.token_hash(token), node_id=node_id, hint=auth.hint(token))
-        return token
+    async with connection(database_url) as conn, conn.transaction():
+        node_id = await db.create_node(conn, name)
+        if replace:
+            await db.revoke_node_tokens(conn, node_id)
+        return await mint_token(conn, node_id=node_id)
 
 
 async def drain(database_url: str, name: str, reason: str | None) -> db.Drain | None:
@@ -150,7 +153,6 @@ async def remove_node(database_url: str, name: str) -> bool:
                 f"node {name!r} still runs {held} call(s): wait for them (bulletin node drain "
                 f"{name} --wait SECONDS) or stop its nodelet, which hands them back to the queue"
             )
-        await db.revoke_node_tokens(conn, node_id)
         await db.remove_node(conn, node_id)
         return True
 

@@ -22,6 +22,7 @@ from gateway.db._common import (
     _notify,
     _preempted_note,
 )
+from gateway.db.accounts import revoke_node_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,10 +369,13 @@ async def held_attempts(conn: Conn, name: str) -> int | None:
     return None if held is None else int(held)
 
 
-async def remove_node(conn: Conn, node_id: int) -> None:
-    """Mark a node removed: not listed, not live, no capacity; its row stays, with its
-    history (revoke its tokens in the same transaction: ``revoke_node_tokens``)."""
-    await conn.execute(_REMOVE_NODE, node_id)
+async def remove_node(conn: asyncpg.Connection, node_id: int) -> None:
+    """Mark a node removed and revoke its tokens, in one transaction: not listed, not live,
+    no capacity, refused at once (and still after ``node add`` brings it back, with a new
+    token); its row stays, with its history."""
+    async with conn.transaction():
+        await conn.execute(_REMOVE_NODE, node_id)
+        await revoke_node_tokens(conn, node_id)
 
 
 async def node_statuses(conn: Conn) -> list[NodeStatus]:
