@@ -265,6 +265,36 @@ def test_an_upgrade_during_a_long_call_loses_nothing(site: rollout.Site) -> None
     assert "0 GPUs" not in listing
 
 
+def test_a_node_without_a_usable_gpu_fails_the_play_saying_what_to_do(site: rollout.Site) -> None:
+    # The test hosts have no NVIDIA driver: asked for real GPUs, the play stops there.
+    refused = site.play(
+        "site.yml", "-e", "bulletin_fake_gpus=0",
+        "--start-at-task", "Check that the NVIDIA driver and NVML work",
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "has no usable NVIDIA GPU" in refused.stdout
+    assert "Install the NVIDIA driver" in refused.stdout
+    env = ssh(site, "node1", "cat /etc/bulletin/private/nodelet.env")
+    assert "BULLETIN_FAKE_GPUS=2" in env, "nothing of the node was changed"
+
+
+def test_a_shared_directory_others_may_write_to_is_refused(site: rollout.Site) -> None:
+    # Whoever may rename entries of the NAS root may swap bulletin/ for a directory of their
+    # own: the play refuses to trust, or write into, such a root.
+    shared = site.where / "shared"
+    shared.chmod(0o777)
+    try:
+        refused = site.play("site.yml", "--start-at-task", "Check the shared directory")
+    finally:
+        shared.chmod(0o755)
+    assert refused.returncode != 0
+    assert "may be changed by other accounts" in refused.stdout
+    assert ssh(site, "head", f"stat -c '%a %U' {hosts.SHARED_MOUNT}/bulletin").split() == [
+        "755",
+        "bulletin",
+    ]
+
+
 def test_remove_node_yml_drains_stops_and_deregisters_a_node(site: rollout.Site) -> None:
     removed = site.play("remove-node.yml", "-e", "bulletin_remove_node=node2")
     assert removed.returncode == 0, rollout.dump(removed)
