@@ -345,6 +345,19 @@ class SubmitResponse(_Msg, frozen=True, kw_only=True):
             )
         ),
     ] = None
+    invocations: Annotated[
+        list[Invocation],
+        msgspec.Meta(
+            description=(
+                "With `?wait=`: the calls that finished (with their results) or logged while "
+                "the request waited, as a watch answers; empty without."
+            )
+        ),
+    ] = msgspec.field(default_factory=list)
+    logs: Annotated[
+        list[LogChunk],
+        msgspec.Meta(description="With `?wait=`: their log chunks so far, in order."),
+    ] = msgspec.field(default_factory=list)
 
 
 #: A time in seconds since the epoch that an answer reports, None where not reached.

@@ -50,13 +50,24 @@ async def openapi(request: Request) -> Response:
     return Response(text, media_type="application/yaml")
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """What a pooled connection needs between uses beyond asyncpg's own rollback of an open
+    transaction: nothing. asyncpg's default reset (unlock advisory locks, CLOSE ALL, UNLISTEN,
+    RESET ALL) is one more round trip per use; the pools' users set no session state (advisory
+    locks are transaction-scoped, LISTEN and the leader lock have connections of their own)."""
+
+
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
     config: GatewayConfig = app.state.config
     # First, so that a shared directory that is not there stops the gateway at once.
     app.state.shared_dir_id = await cluster.prepare(config)
     pool = await asyncpg.create_pool(
-        config.database_url, min_size=2, max_size=config.pool_size, timeout=CONNECT_TIMEOUT_S
+        config.database_url,
+        min_size=2,
+        max_size=config.pool_size,
+        timeout=CONNECT_TIMEOUT_S,
+        reset=_keep_session,
     )
     # Commits on this pool do not wait for their WAL flush (a few ms of fsync per commit, on
     # the path of every call). Only for node writes a database crash may lose without harm:
@@ -69,6 +80,7 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
         max_size=config.pool_size,
         server_settings={"synchronous_commit": "off"},
         timeout=CONNECT_TIMEOUT_S,
+        reset=_keep_session,
     )
     async with pool.acquire() as conn:
         applied = await db.migrate(conn)
@@ -76,9 +88,11 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
         log.info("applied migrations: %s", ", ".join(applied))
     hub = Hub(config.database_url)
     app.state.pool, app.state.relaxed, app.state.hub = pool, relaxed, hub
+    tokens: auth.TokenCache = app.state.tokens
     outages = app.state.outages
     tasks = {
         "notify-hub": asyncio.create_task(hub.run(), name="notify-hub"),
+        "token-cache": asyncio.create_task(tokens.follow(hub), name="token-cache"),
         "scheduler": asyncio.create_task(scheduling.run(hub, config, outages), name="scheduler"),
         "purge": asyncio.create_task(retention.purge_forever(config, pool), name="purge"),
     }
@@ -113,6 +127,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         lifespan=lifespan,
     )
     app.state.config = config
+    app.state.tokens = auth.TokenCache(config.token_cache_s)
     # When this gateway last found its database unavailable (the scheduler holds expiry).
     app.state.outages = Outages()
     return app

@@ -3,19 +3,27 @@ each works only on its own routes. Every token that cannot be used (missing, mal
 unknown, expired or revoked) gets the same 401, so an answer tells nothing about which; the
 token itself is never logged. Requests with a user token are rate limited per user
 (``gateway/ratelimit.py``); failed authentications per client address, answered without a
-database lookup once over the limit (``gateway/badtokens.py``)."""
+database lookup once over the limit (``gateway/badtokens.py``).
+
+A token found valid is kept for ``token_cache_s`` (:class:`TokenCache`), so the requests of
+a busy client or node do not each read the tokens table; every change to what a token grants
+(a revocation, a node removed or started again, a user's group or admin flag) notifies every
+gateway (``db.TOKENS_CHANGED``), which drops what it keeps at once. A lost notification costs
+at most ``token_cache_s`` of staleness."""
 
 from __future__ import annotations
 
 import hashlib
 import re
 import secrets
+import time
 
 from starlette.requests import Request
 
 from bulletin_core import wire
 from gateway import badtokens, db, ratelimit
 from gateway.errors import Conflict, Forbidden, Unauthorized, Unprocessable
+from gateway.notify import Hub
 
 USER_PREFIX = "bu_"
 NODE_PREFIX = "bn_"
@@ -29,6 +37,45 @@ UNAUTHORIZED = (
     "missing, malformed, unknown, expired or revoked token: send 'Authorization: Bearer "
     "<token>' with a valid token (an admin makes one with 'bulletin token create')"
 )
+
+
+#: Most lookups one gateway keeps (valid tokens only; beyond it, the oldest go).
+CACHE_ENTRIES = 10_000
+
+
+class TokenCache:
+    """Valid tokens' lookups by digest, each for ``ttl_s`` (0: none kept)."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self._ttl_s = ttl_s
+        self._found: dict[bytes, tuple[float, db.Principal]] = {}
+
+    def get(self, digest: bytes) -> db.Principal | None:
+        entry = self._found.get(digest)
+        if entry is None:
+            return None
+        if entry[0] <= time.monotonic():
+            del self._found[digest]
+            return None
+        return entry[1]
+
+    def put(self, digest: bytes, found: db.Principal) -> None:
+        if self._ttl_s <= 0:
+            return
+        if len(self._found) >= CACHE_ENTRIES:
+            del self._found[next(iter(self._found))]
+        self._found[digest] = (time.monotonic() + self._ttl_s, found)
+
+    def clear(self) -> None:
+        self._found.clear()
+
+    async def follow(self, hub: Hub) -> None:
+        """Drop every lookup whenever tokens change anywhere (or the listener reconnected,
+        when anything may have); runs until cancelled."""
+        async with hub.subscribe([db.TOKENS_CHANGED], stoppable=False) as sub:
+            while True:
+                await sub.wait(3600.0)
+                self.clear()
 
 
 def new_token(kind: str) -> str:
@@ -55,21 +102,27 @@ def _digest(request: Request) -> bytes | None:
     return token_hash(token)
 
 
-async def principal(request: Request, kind: str) -> db.Principal:
+async def principal(request: Request, kind: str, *, fresh: bool = False) -> db.Principal:
     """The caller, who must hold a token of ``kind`` ("user" or "node"). A user's requests
     count against their rate limit (429 over it); a node's do not. Failures count against
-    the client address's failure budget (429 over it, for tokens not known good)."""
+    the client address's failure budget (429 over it, for tokens not known good).
+    ``fresh``: read the token from the database even if this gateway keeps its lookup."""
     bad = badtokens.guard(request)
     digest = _digest(request)
     address = badtokens.address(request, kind)
     charged = await badtokens.charge(request, bad, digest, address)
     if digest is None or bad.is_unknown(digest):
         raise Unauthorized(UNAUTHORIZED, code="unauthorized")
-    try:
-        found = await db.lookup_token(request.app.state.pool, digest)
-    except BaseException:
-        bad.unjudged(address, charged=charged)  # the database failed (503), not the token
-        raise
+    cache: TokenCache = request.app.state.tokens
+    found = None if fresh else cache.get(digest)
+    if found is None:
+        try:
+            found = await db.lookup_token(request.app.state.pool, digest)
+        except BaseException:
+            bad.unjudged(address, charged=charged)  # the database failed (503), not the token
+            raise
+        if found is not None:
+            cache.put(digest, found)
     if found is None:
         bad.failed(address, digest, charged=charged)
         raise Unauthorized(UNAUTHORIZED, code="unauthorized")
@@ -101,6 +154,9 @@ async def node(request: Request) -> db.Principal:
     found = await principal(request, "node")
     assert found.node_id is not None
     named = request.headers.get(wire.INCARNATION_HEADER)
+    if named is not None and named != str(found.incarnation):
+        # A kept lookup may predate the registration this nodelet made (on another replica).
+        found = await principal(request, "node", fresh=True)
     if named is None:
         raise Unprocessable(
             f"send the {wire.INCARNATION_HEADER} header that registration answered: this "

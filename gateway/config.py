@@ -66,6 +66,16 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     plan_batch: Annotated[int, AT_LEAST_1, doc("""
         Most queued calls one planning round looks at.
     """)] = 5000
+    token_cache_s: Annotated[float, AT_LEAST_0, doc("""
+        How long a gateway keeps a valid token's lookup instead of reading it again; any change
+        to tokens, users or nodes drops every gateway's at once (a notification), so this only
+        bounds how stale one can be if that notification is lost. 0: read every request's.
+    """)] = 1.0
+    place_at_submit: Annotated[bool, doc("""
+        Place a submitted call at once, in its submission's transaction, when nothing else is
+        queued (the policy decides, on the same snapshot a round reads); off: every call waits
+        for the scheduling leader's next round.
+    """)] = True
     pool_size: Annotated[int, AT_LEAST_1, doc("""
         Most PostgreSQL connections one gateway opens per pool.
     """)] = 10

@@ -11,7 +11,6 @@ JSON beside the pickled one.
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 
 import asyncpg
@@ -24,7 +23,7 @@ from starlette.routing import Match, Route
 from bulletin_core import wire
 from gateway import auth, db, idempotency, invocations
 from gateway.errors import NotFound, PayloadTooLarge, Unprocessable
-from gateway.http import JSON, body, checked, reply, room_for_calls
+from gateway.http import JSON, body, checked, reply, room_for_calls, wait_param
 from gateway.notify import GatewayStopping
 
 FUNCTION_NAME_RULE = f"not a function name: {wire.SLUG_RULE}"
@@ -48,23 +47,6 @@ def _version(request: Request) -> str | None:
         return None
     what = "not a function version (16 hex digits, as GET /v1/functions/{name}/versions lists)"
     return checked("version", version, wire.FunctionVersion, what)
-
-
-def _wait(request: Request) -> float:
-    raw = request.query_params.get("wait")
-    if raw is None:
-        return 0.0
-    most = request.app.state.config.max_wait_s
-    try:
-        wait = float(raw)
-    except ValueError:
-        wait = math.nan
-    if not 0 <= wait <= most:
-        raise Unprocessable(
-            f"wait must be a number of seconds from 0 to {most:g} (this gateway's max_wait_s), "
-            f"not {raw!r}; poll the invocation's Location for longer runs"
-        )
-    return wait
 
 
 def _not_found(name: str, owner: str | None, version: str | None) -> NotFound:
@@ -162,7 +144,8 @@ async def invoke(request: Request) -> Response:
     caller = await auth.principal(request, "user")
     assert caller.user_id is not None
     user = caller.user_id
-    name, owner, version, wait = _name(request), _owner(request), _version(request), _wait(request)
+    name, owner, version = _name(request), _owner(request), _version(request)
+    wait = wait_param(request)
     arguments = msgspec.json.encode(await body(request, wire.InvokeRequest))
     key = idempotency.key_of(request)
     request_hash = idempotency.fingerprint(

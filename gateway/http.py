@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import os
 import re
 import typing
@@ -284,6 +285,25 @@ def checked(key: str, value: str, kind: Any, what: str, *, code: str = "") -> st
     except msgspec.ValidationError:
         raise Unprocessable(f"{key} {value!r}: {what}", code=code) from None
     return result
+
+
+def wait_param(request: Request) -> float:
+    """The ``wait`` query parameter: how long (seconds) a request may wait for its calls to
+    finish before it answers (0 when absent), at most the gateway's ``max_wait_s``."""
+    raw = request.query_params.get("wait")
+    if raw is None:
+        return 0.0
+    most = request.app.state.config.max_wait_s
+    try:
+        wait = float(raw)
+    except ValueError:
+        wait = math.nan
+    if not 0 <= wait <= most:
+        raise Unprocessable(
+            f"wait must be a number of seconds from 0 to {most:g} (this gateway's max_wait_s), "
+            f"not {raw!r}; poll the invocation's Location for longer runs"
+        )
+    return wait
 
 
 def int_param(request: Request, name: str, default: int | None = None) -> int:

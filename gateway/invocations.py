@@ -7,6 +7,7 @@ import time
 import uuid
 from typing import BinaryIO
 
+import asyncpg
 import msgspec
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.requests import Request
@@ -25,7 +26,9 @@ from gateway.http import (
     store_blob,
     stream_blob,
     stream_file,
+    wait_param,
 )
+from gateway.notify import GatewayStopping
 from scheduler import Pending, Quota, never_fits, placement
 
 MAX_LOG_CHUNKS = 10_000
@@ -76,11 +79,12 @@ async def submit(request: Request) -> Response:
     caller = await auth.principal(request, "user")
     assert caller.user_id is not None
     owner = caller.user_id
+    wait = wait_param(request)
     req = await body(request, wire.SubmitRequest)
     key = idempotency.key_of(request)
     request_hash = idempotency.fingerprint(request, msgspec.json.encode(req))
     if key is not None and (ids := await idempotency.earlier(request, owner, key, request_hash)):
-        return _submitted(request, ids, replayed=True)
+        return await _submitted(request, owner, ids, wait, replayed=True)
     config = request.app.state.config
     calls = [_check_call(c, i, config, caller.name) for i, c in enumerate(req.calls)]
     raised = [i for i, c in enumerate(calls) if c.priority > 0]
@@ -106,19 +110,64 @@ async def submit(request: Request) -> Response:
     if sessions:  # before the calls exist: the leader never sees them without their session
         await db.start_sessions(request.app.state.relaxed, owner, sorted(sessions))
     try:
-        async with request.app.state.pool.acquire() as conn:
-            ids = await db.submit(conn, owner, calls, None if key is None else (key, request_hash))
+        async with request.app.state.pool.acquire() as conn, conn.transaction():
+            made = await db.insert_calls(
+                conn, owner, calls, None if key is None else (key, request_hash)
+            )
+            await _place(conn, config, caller, calls, made)
     except db.KeyTaken:  # a concurrent duplicate committed first
         assert key is not None
         earlier = await idempotency.earlier(request, owner, key, request_hash)
         assert earlier is not None
-        return _submitted(request, earlier, replayed=True)
-    return _submitted(request, ids)
+        return await _submitted(request, owner, earlier, wait, replayed=True)
+    return await _submitted(request, owner, made.ids, wait)
 
 
-def _submitted(request: Request, ids: list[str], *, replayed: bool = False) -> Response:
+async def _place(
+    conn: asyncpg.Connection,
+    config: GatewayConfig,
+    caller: db.Principal,
+    calls: list[wire.CallSpec],
+    made: db.Submitted,
+) -> None:
+    """Place the calls the submission created at once if the cluster has room and nothing
+    else waits (``scheduling.place_at_once``), else wake the leader to plan them."""
+    fresh = [
+        Pending(
+            invocation_id,
+            call.gpus,
+            user=caller.name,
+            group=caller.group,
+            function=call.function_name,
+            gpu_model=call.gpu_model,
+            min_memory_mib=call.gpu_memory_mb or 0,
+            priority=call.priority,
+            submit_time=made.fresh[invocation_id],
+            expected_s=call.expected_s if call.expected_s is not None else call.timeout_s,
+        )
+        for invocation_id, call in zip(made.ids, calls, strict=True)
+        if invocation_id in made.fresh
+    ]
+    placed = await scheduling.place_at_once(conn, config, fresh) if config.place_at_submit else 0
+    if placed < len(fresh):
+        await db.wake_scheduler(conn)
+
+
+async def _submitted(
+    request: Request, owner: int, ids: list[str], wait: float, *, replayed: bool = False
+) -> Response:
+    """The ids; with ``wait``, also the news of the calls (finished ones with their results,
+    log chunks) once there is any or ``wait`` seconds have passed, as a watch answers."""
     keepalive_s = request.app.state.config.caller_keepalive_s
-    response = reply(wire.SubmitResponse(ids=ids, keepalive_s=keepalive_s), 201)
+    answer = wire.SubmitResponse(ids=ids, keepalive_s=keepalive_s)
+    if wait > 0:
+        try:
+            found = await news(request, owner, dict.fromkeys(ids, 0), wait)
+        except GatewayStopping:
+            pass  # the calls exist: the caller watches them elsewhere
+        else:
+            answer = msgspec.structs.replace(answer, invocations=found.invocations, logs=found.logs)
+    response = reply(answer, 201)
     if replayed:
         response.headers.update(idempotency.REPLAYED)
     return response
@@ -315,25 +364,37 @@ async def watch(request: Request) -> Response:
     owner = await auth.user_id(request)
     req = await body(request, wire.WatchRequest)
     seen = {valid_id(i.id): i.log_after for i in req.items}
-    config, pool = request.app.state.config, request.app.state.pool
-    deadline = time.monotonic() + min(max(req.timeout_s, 0.0), config.long_poll_s)
-    unknown = await db.missing(pool, owner, list(seen))
+    unknown = await db.missing(request.app.state.pool, owner, list(seen))
     if unknown:
         raise NotFound(f"no invocation {unknown[0]} (ids are per user)")
+    return reply(await news(request, owner, seen, req.timeout_s))
+
+
+async def news(
+    request: Request, owner: int, seen: dict[str, int], hold_s: float
+) -> wire.WatchResponse:
+    """Wait (at most ``hold_s``, capped by ``long_poll_s``) until one of the owner's
+    invocations in ``seen`` (id: log chunks seen) is terminal or has unseen log chunks;
+    then those, with their results and new chunks (or nothing, when the hold ran out)."""
+    config, pool = request.app.state.config, request.app.state.pool
+    deadline = time.monotonic() + min(max(hold_s, 0.0), config.long_poll_s)
     cursors = list(seen.items())
     async with request.app.state.hub.subscribe(f"i:{i}" for i in seen) as sub:
         while True:
-            found = await db.changed(pool, owner, cursors)
+            # The first fetch of a finished call is stamped as it is read (a stamp a database
+            # crash loses costs nothing: the relaxed pool). One that does not fit this answer
+            # (_within_answer_size) comes with the next, stamped a little early.
+            found = await db.changed_fetched(request.app.state.relaxed, owner, cursors)
             remaining = deadline - time.monotonic()
             if found or remaining <= 0:
                 break
             if await sub.wait(min(remaining, config.recheck_s)) and len(cursors) > 1:
                 # Fan-out: let a few more completions land so one answer carries many.
                 await asyncio.sleep(FAN_IN_LINGER_S)
-    found = await fetched(request, owner, _within_answer_size(found))
+    found = _within_answer_size(found)
     with_logs = [(f.id, seen[f.id]) for f in found if f.log_count > seen[f.id]]
     logs = await db.logs_after(pool, with_logs, MAX_LOG_CHUNKS) if with_logs else []
-    return reply(wire.WatchResponse(invocations=found, logs=logs))
+    return wire.WatchResponse(invocations=found, logs=logs)
 
 
 def _within_answer_size(found: list[wire.Invocation]) -> list[wire.Invocation]:

@@ -201,9 +201,8 @@ async def complete(request: Request) -> Response:
     _check_result(request, req)
     if req.result_file is not None:
         await _check_result_file(request, node_id, invocation_id, req)
-    async with request.app.state.pool.acquire() as conn:
-        if not await db.complete(conn, node_id, invocation_id, req):
-            raise _stale(invocation_id)
+    if not await db.complete(request.app.state.pool, node_id, [(invocation_id, req)]):
+        raise _stale(invocation_id)
     return Response(status_code=204)
 
 

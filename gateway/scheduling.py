@@ -152,9 +152,58 @@ async def plan_round(
             waits = [(i, pos, reason) for i, (pos, reason) in why.items()]
             waits += [(c.id, len(queued) + 1, reason) for c, reason in too_big]
             await db.explain_waits(conn, waits)
-        await db.notify_nodes(conn, {node for _, node in [*placed, *preempted]})
+        await db.notify_nodes(conn, {node for _, node in preempted})  # placed: assign did
     # The policy caps the preemptions of one round; it says when it wants another at once.
     return len(placed) + len(preempted) + (1 if result.more else 0)
+
+
+async def place_at_once(
+    conn: asyncpg.Connection, config: GatewayConfig, fresh: Sequence[Pending]
+) -> int:
+    """Within a submission's transaction: place its new calls now, without waiting for the
+    leader's round, when nothing else is queued (so none of higher standing waits). The
+    configured policy decides, on the same snapshot a round would read (live nodes locked,
+    leases, quotas, usage) with these calls as the whole queue, and the placements commit with
+    the submission through the same capacity-checked statement as a round's. Returns how many
+    were placed; the rest, and any call the policy would preempt for, are left to the leader
+    (which the caller wakes). Cheap when declined: one index probe."""
+    if not fresh or await db.others_queued(conn, [p.id for p in fresh]):
+        return 0
+    nodes = await db.live_nodes(conn, config.node_timeout_s, lock=True)
+    if not nodes:
+        return 0
+    leases = await db.leases(conn)
+    free = capacity(nodes, leases)
+    fits, _ = one_node_calls(list(fresh), free)
+    if not fits or not any(n.free_gpus or n.free_cpu_slots for n in free):
+        return 0
+    policy = config.policy()
+    quotas: dict[str, Quota] = {}
+    usage: dict[str, float] = {}
+    user_usage: dict[tuple[str, str], float] = {}
+    if policy.uses_quotas:
+        groups = await db.groups(conn)
+        quotas = {g.name: Quota(g.guaranteed_gpus, g.borrow_limit_gpus) for g in groups}
+        usage, user_usage = await db.fair_usage(conn)
+    now = max(p.submit_time for p in fits)
+    snapshot = Snapshot(
+        nodes=free,
+        pending=fits,
+        running=leases,
+        quotas=quotas,
+        usage=usage,
+        user_usage=user_usage,
+        now=now,
+    )
+    result = policy.plan(snapshot)
+    if result.preemptions or not result:
+        return 0  # reclaiming capacity is the leader's to decide, with the whole queue
+    placed = await db.assign(
+        conn,
+        [(d.invocation_id, d.node_id, d.gpu_indices, d.borrowed) for d in result],
+        config.lease_s,
+    )
+    return len(placed)
 
 
 class Expiry:

@@ -84,12 +84,21 @@ class Call(Generic[R]):
     """
 
     def __init__(
-        self, invocation_id: str, client: Client, *, prepared: Prepared | None = None
+        self,
+        invocation_id: str,
+        client: Client,
+        *,
+        prepared: Prepared | None = None,
+        news: wire.SubmitResponse | None = None,
     ) -> None:
         self._id = invocation_id
         self._client = client
         self._watcher = Watcher(client)
         self._final: wire.Invocation | None = None
+        if news is not None:  # the submission waited: its answer is the first watch round
+            self._final = self._watcher.take([invocation_id], news.invocations, news.logs).get(
+                invocation_id
+            )
         self._prepared = prepared
         self._resolved: _outcome.Resolved | None = None
         self._resolving = threading.Lock()
@@ -213,6 +222,16 @@ def submit(client: Client, specs: Sequence[wire.CallSpec]) -> list[str]:
         return client.submit(specs)
     except KeyboardInterrupt:
         _withdraw(client, specs)
+        raise
+
+
+def submit_waiting(client: Client, spec: wire.CallSpec) -> wire.SubmitResponse:
+    """Submit one call and wait for its first news in the same request (see
+    ``Client.submit_waiting``); if Ctrl-C interrupts, cancel it if it was created."""
+    try:
+        return client.submit_waiting(spec, client.watch_timeout_s)
+    except KeyboardInterrupt:
+        _withdraw(client, [spec])
         raise
 
 

@@ -185,6 +185,24 @@ class Client:
             self.liveness.set_interval(answer.keepalive_s)
         return answer.ids
 
+    def submit_waiting(self, spec: wire.CallSpec, wait_s: float) -> wire.SubmitResponse:
+        """Submit one call and wait in the same request, up to ``wait_s``, for its first news
+        (finished, with its result, or log chunks): a blocking call's first watch round."""
+        body = _ENCODER.encode(wire.SubmitRequest(calls=[spec]))
+        answer = self._request(
+            "POST",
+            f"/v1/invocations?wait={wait_s:g}",
+            body=body,
+            headers=_JSON,
+            read=_json(_SUBMITTED),
+            timeout=max(self.timeout, wait_s + _LONG_POLL_MARGIN_S),
+        )
+        if len(answer.ids) != 1:
+            raise GatewayError(f"The gateway returned {len(answer.ids)} ids for 1 call")
+        if spec.caller_session is not None:
+            self.liveness.set_interval(answer.keepalive_s)
+        return answer
+
     def keep_alive(self) -> None:
         """Tell the gateway this client still waits for its session's calls."""
         path = f"/v1/sessions/{quote(self.session, safe='')}/keepalive"

@@ -19,7 +19,7 @@ import msgspec.inspect
 
 from bulletin_core import meta, wire
 from sdk import _fanout, _serialize
-from sdk._call import Call, Prepared, submit
+from sdk._call import Call, Prepared, submit, submit_waiting
 from sdk._client import Client
 from sdk._config import default_client
 
@@ -97,7 +97,7 @@ class Function(Generic[P, R]):
         kept as ``last_call`` (see ``Call.timings``)."""
         client = default_client()
         with client.liveness.held():
-            call = self.last_call = self._start(client, args, kwargs, attached=True)
+            call = self.last_call = self._start(client, args, kwargs, attached=True, wait=True)
             return call.result()
 
     def local(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -110,14 +110,24 @@ class Function(Generic[P, R]):
         return self._start(default_client(), args, kwargs, attached=False)
 
     def _start(
-        self, client: Client, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, attached: bool
+        self,
+        client: Client,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        *,
+        attached: bool,
+        wait: bool = False,
     ) -> Call[R]:
         """Submit one call; ``attached``: this process waits for it (its session keeps it
-        alive), else it is detached and outlives its caller."""
+        alive), else it is detached and outlives its caller. ``wait``: the submission also
+        waits for its first news (one request for a short call, result included)."""
         prepared = self._prepare(
             client, args, kwargs, sync=self._options.sync_globals, attached=attached
         )
         try:
+            if wait:
+                news = submit_waiting(client, prepared.spec)
+                return Call(news.ids[0], client, prepared=prepared, news=news)
             [invocation_id] = submit(client, [prepared.spec])
         except BaseException:
             prepared.discard()

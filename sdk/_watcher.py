@@ -128,9 +128,26 @@ class Watcher:
         for batch in batches:
             # Several batches share the hold so that news in a later one is not held back.
             answer = self._client.watch(self._items(batch), timeout_s=timeout_s / len(batches))
-            fresh |= self.printer.write(answer.logs)
-            self._terminal.update((i.id, i) for i in answer.invocations if i.state.terminal)
+            fresh |= self._note(answer.invocations, answer.logs)
         return {i: self._terminal.pop(i) for i in ids if self._drained(i, fresh)}
+
+    def take(
+        self,
+        ids: Sequence[str],
+        invocations: Iterable[wire.Invocation],
+        logs: Iterable[wire.LogChunk],
+    ) -> dict[str, wire.Invocation]:
+        """A round's news that came another way (a submission that waited): print its logs;
+        returns those of ``ids`` that finished, as :meth:`poll` does."""
+        fresh = self._note(invocations, logs)
+        return {i: self._terminal.pop(i) for i in ids if self._drained(i, fresh)}
+
+    def _note(
+        self, invocations: Iterable[wire.Invocation], logs: Iterable[wire.LogChunk]
+    ) -> set[str]:
+        fresh = self.printer.write(logs)
+        self._terminal.update((i.id, i) for i in invocations if i.state.terminal)
+        return fresh
 
     def _items(self, ids: Sequence[str]) -> list[wire.WatchItem]:
         return [wire.WatchItem(id=i, log_after=self.printer.printed(i)) for i in ids]

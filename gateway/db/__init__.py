@@ -29,7 +29,14 @@ first (a module imports only those above it):
 - ``retention``: purging what ended long ago
 """
 
-from gateway.db._common import CHANNEL, NOTE_PREFIX, PREEMPTING_PROTOCOL, SAFE_PROTOCOL, Conn
+from gateway.db._common import (
+    CHANNEL,
+    NOTE_PREFIX,
+    PREEMPTING_PROTOCOL,
+    SAFE_PROTOCOL,
+    TOKENS_CHANGED,
+    Conn,
+)
 from gateway.db.accounts import (
     Principal,
     TokenRow,
@@ -76,9 +83,12 @@ from gateway.db.functions import (
 )
 from gateway.db.idempotency import HttpKey, KeyHeld, KeyTaken, answer_key, find_key
 from gateway.db.invocations import (
+    Submitted,
     cancel,
     changed,
+    changed_fetched,
     get_invocations,
+    insert_calls,
     list_invocations,
     live_payload_files,
     logs_after,
@@ -127,10 +137,12 @@ from gateway.db.scheduling import (
     leases,
     live_nodes,
     notify_nodes,
+    others_queued,
     preempt,
     queued,
     silence,
     try_lead,
+    wake_scheduler,
 )
 from gateway.db.schema import applied_migrations, ensure_database, migrate, migration_files
 from gateway.db.sessions import (
@@ -149,6 +161,7 @@ __all__ = [
     "NOTE_PREFIX",
     "PREEMPTING_PROTOCOL",
     "SAFE_PROTOCOL",
+    "TOKENS_CHANGED",
     "Conn",
     "Drain",
     "FunctionRow",
@@ -163,6 +176,7 @@ __all__ = [
     "Principal",
     "Purged",
     "StopOrders",
+    "Submitted",
     "TokenRow",
     "UsageRow",
     "UserRow",
@@ -181,6 +195,7 @@ __all__ = [
     "blob_usage",
     "cancel",
     "changed",
+    "changed_fetched",
     "complete",
     "create_blob",
     "create_node",
@@ -203,6 +218,7 @@ __all__ = [
     "groups",
     "heartbeat",
     "held_attempts",
+    "insert_calls",
     "invoke",
     "is_superuser",
     "keep_alive",
@@ -222,6 +238,7 @@ __all__ = [
     "node_statuses",
     "notify_nodes",
     "now",
+    "others_queued",
     "own_database",
     "owned_blobs",
     "payload_source",
@@ -250,4 +267,5 @@ __all__ = [
     "tokens",
     "try_lead",
     "usage",
+    "wake_scheduler",
 ]

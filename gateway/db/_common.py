@@ -43,6 +43,12 @@ ORDER BY o
 """
 
 
+#: The notification that tokens, users or nodes changed in a way that changes what a token
+#: grants (a revocation, a node removed or started again, a user's group or admin flag):
+#: every gateway drops the lookups it keeps (``gateway/auth.py``).
+TOKENS_CHANGED = "t"
+
+
 async def _notify(conn: Conn, *payloads: str) -> None:
     """Send the notifications (in order) in one round trip; they go out when the
     transaction commits."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.db._common import Conn, _f
+from gateway.db._common import TOKENS_CHANGED, Conn, _f, _notify
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +133,7 @@ async def set_user_admin(conn: Conn, name: str, is_admin: bool) -> bool:
     """Make a user an administrator or not (at once: every request looks it up); False if
     there is no such user."""
     status = await conn.execute(_SET_USER_ADMIN, name, is_admin)
+    await _notify(conn, TOKENS_CHANGED)
     return status.endswith(" 1")
 
 
@@ -184,12 +185,14 @@ async def revoke_token(conn: Conn, token_id: int) -> bool:
     """Revoke a token by id (at once: the next request with it gets 401); False if there is
     no such token or it was revoked already."""
     status = await conn.execute(_REVOKE_TOKEN, token_id)
+    await _notify(conn, TOKENS_CHANGED)
     return status.endswith(" 1")
 
 
 async def revoke_node_tokens(conn: Conn, node_id: int) -> int:
     """Revoke every token of a node (at once); how many were still valid."""
     status = await conn.execute(_REVOKE_NODE_TOKENS, node_id)
+    await _notify(conn, TOKENS_CHANGED)
     return int(status.split()[-1])
 
 

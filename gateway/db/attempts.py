@@ -6,12 +6,13 @@ applies it, so a stale attempt changes nothing."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import asyncpg
 
 from bulletin_core import wire
-from gateway.db._common import Conn, _note, _notify, _preempted_note
+from gateway.db._common import CHANNEL, Conn, _note, _notify, _preempted_note
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,17 +81,39 @@ _COUNT_LOGS = """
 UPDATE invocations SET log_count = log_count + $2, log_ack = $3 WHERE id = $1
 """
 
-_COMPLETE = """
-UPDATE invocations i SET state = $4, error_kind = $5, error_type = $6,
-  error_message = $7, traceback = $8, result = $9, result_blob = $10,
-  result_file = $11, finished_at = clock_timestamp(), lease_expires_at = NULL,
-  worker_acquired_at = to_timestamp($12), code_started_at = to_timestamp($13),
-  code_finished_at = to_timestamp($14), warm = $15, result_json = $16,
-  result_json_error = $17, result_size = CASE WHEN $11::text IS NULL THEN 0
-    ELSE $18 END
-WHERE i.id = $1 AND i.node_id = $2 AND i.epoch = $3 AND i.state IN ('assigned', 'running')
-  AND ($10::uuid IS NULL OR EXISTS (SELECT 1 FROM blobs b
-    WHERE b.id = $10 AND b.owner_id = i.owner_id AND b.complete))
+# Outcomes of many attempts in one statement, each fenced; every call completed is woken, and
+# the scheduling leader too when something waits for the capacity it freed (PostgreSQL folds
+# equal notifications of a transaction). A single statement commits on its own: no
+# transaction round trips.
+_COMPLETE = f"""
+WITH c AS (
+  UPDATE invocations i SET state = o.state, error_kind = o.error_kind,
+    error_type = o.error_type, error_message = o.error_message, traceback = o.traceback,
+    result = o.result, result_blob = o.result_blob, result_file = o.result_file,
+    finished_at = clock_timestamp(), lease_expires_at = NULL,
+    worker_acquired_at = to_timestamp(o.acquired), code_started_at = to_timestamp(o.started),
+    code_finished_at = to_timestamp(o.finished), warm = o.warm, result_json = o.result_json,
+    result_json_error = o.json_error,
+    result_size = CASE WHEN o.result_file IS NULL THEN 0 ELSE o.result_size END
+  FROM unnest($2::uuid[], $3::int[], $4::text[], $5::text[], $6::text[], $7::text[],
+    $8::text[], $9::bytea[], $10::uuid[], $11::text[], $12::float8[], $13::float8[],
+    $14::float8[], $15::bool[], $16::bytea[], $17::text[], $18::bigint[])
+    AS o(id, epoch, state, error_kind, error_type, error_message, traceback, result,
+      result_blob, result_file, acquired, started, finished, warm, result_json, json_error,
+      result_size)
+  WHERE i.id = o.id AND i.node_id = $1 AND i.epoch = o.epoch
+    AND i.state IN ('assigned', 'running')
+    AND (o.result_blob IS NULL OR EXISTS (SELECT 1 FROM blobs b
+      WHERE b.id = o.result_blob AND b.owner_id = i.owner_id AND b.complete))
+  RETURNING i.id
+), woken AS (
+  SELECT pg_notify('{CHANNEL}', 'i:' || c.id) FROM c
+)
+SELECT c.id,
+  (SELECT count(*) FROM woken) AS woken,
+  CASE WHEN EXISTS (SELECT 1 FROM invocations q WHERE q.state = 'queued')
+    THEN pg_notify('{CHANNEL}', 'q') END AS leader
+FROM c
 """
 
 
@@ -178,32 +201,32 @@ async def append_logs(
 
 
 async def complete(
-    conn: asyncpg.Connection, node_id: int, invocation_id: str, request: wire.CompleteRequest
-) -> bool:
-    """Commit an attempt's outcome exactly once; False if the attempt is stale."""
-    async with conn.transaction():
-        status = await conn.execute(
-            _COMPLETE,
-            uuid.UUID(invocation_id),
-            node_id,
-            request.epoch,
-            request.state,
-            None if request.error_kind is None else str(request.error_kind),
-            request.error_type,
-            request.error_message,
-            request.traceback,
-            request.result,
-            None if request.result_blob is None else uuid.UUID(request.result_blob),
-            request.result_file,
-            request.worker_acquired,
-            request.started,
-            request.finished,
-            request.warm,
-            request.result_json,
-            request.result_json_error,
-            request.result_size,
-        )
-        if not status.endswith(" 1"):
-            return False
-        await _notify(conn, f"i:{invocation_id}", "q")
-    return True
+    conn: Conn, node_id: int, outcomes: Sequence[tuple[str, wire.CompleteRequest]]
+) -> set[str]:
+    """Commit attempts' outcomes ``(invocation_id, request)`` exactly once, in one statement;
+    returns the invocation ids whose outcome was taken (the others' attempts are stale)."""
+    if not outcomes:
+        return set()
+    reqs = [r for _, r in outcomes]
+    rows = await conn.fetch(
+        _COMPLETE,
+        node_id,
+        [uuid.UUID(i) for i, _ in outcomes],
+        [r.epoch for r in reqs],
+        [r.state for r in reqs],
+        [None if r.error_kind is None else str(r.error_kind) for r in reqs],
+        [r.error_type for r in reqs],
+        [r.error_message for r in reqs],
+        [r.traceback for r in reqs],
+        [r.result for r in reqs],
+        [None if r.result_blob is None else uuid.UUID(r.result_blob) for r in reqs],
+        [r.result_file for r in reqs],
+        [r.worker_acquired for r in reqs],
+        [r.started for r in reqs],
+        [r.finished for r in reqs],
+        [r.warm for r in reqs],
+        [r.result_json for r in reqs],
+        [r.result_json_error for r in reqs],
+        [r.result_size for r in reqs],
+    )
+    return {str(r["id"]) for r in rows}

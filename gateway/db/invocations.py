@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import asyncpg
 import msgspec
@@ -29,6 +30,7 @@ LEFT JOIN blobs b ON b.id = u.blob
 -- In input order, so that seq (the queue order) follows it.
 ORDER BY u.ord
 ON CONFLICT (owner_id, idempotency_key) DO NOTHING
+RETURNING id, extract(epoch FROM submitted_at)::float8 AS submitted
 """
 
 _SUBMITTED = """
@@ -86,6 +88,30 @@ WHERE i.state IN ('succeeded', 'failed', 'timed_out', 'cancelled')
   OR i.log_count > c.seen
 """
 
+# What a watch answers, stamping the first fetch of terminal invocations by their owner in the
+# same statement (the answer carries the stamp).
+_CHANGED_FETCHED = f"""
+WITH c AS (
+  SELECT * FROM unnest($1::uuid[], $2::int[]) AS c(id, seen)
+), f AS (
+  UPDATE invocations SET fetched_at = clock_timestamp()
+  FROM c
+  WHERE invocations.id = c.id AND owner_id = $3 AND fetched_at IS NULL
+    AND state IN ('succeeded', 'failed', 'timed_out', 'cancelled')
+  RETURNING invocations.id, invocations.fetched_at
+)
+SELECT {_invocation_columns().replace(
+    "extract(epoch FROM i.fetched_at) AS t_fetched",
+    "extract(epoch FROM coalesce(f.fetched_at, i.fetched_at)) AS t_fetched",
+)}
+FROM c
+JOIN invocations i ON i.id = c.id AND i.owner_id = $3
+LEFT JOIN nodes n ON n.id = i.node_id
+LEFT JOIN f ON f.id = i.id
+WHERE i.state IN ('succeeded', 'failed', 'timed_out', 'cancelled')
+  OR i.log_count > c.seen
+"""
+
 _LIST_INVOCATIONS = f"""
 SELECT {_invocation_columns("NULL::bytea")}
 FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id
@@ -131,45 +157,71 @@ RETURNING i.id, doomed.node_id
 """
 
 
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A submission's invocation ids in input order, and those it created (an idempotent
+    retry finds the others), with when (database clock)."""
+
+    ids: list[str]
+    fresh: dict[str, float]
+
+
 async def submit(
     conn: asyncpg.Connection,
     owner_id: int,
     calls: Sequence[wire.CallSpec],
     key: HttpKey | None = None,
 ) -> list[str]:
-    """Insert the calls (exactly once per idempotency key) and return their ids in order.
+    """Insert the calls (exactly once per idempotency key), wake the scheduler, and return
+    their ids in order. See :func:`insert_calls`."""
+    async with conn.transaction():
+        made = await insert_calls(conn, owner_id, calls, key)
+        await _notify(conn, "q")
+    return made.ids
+
+
+async def insert_calls(
+    conn: asyncpg.Connection,
+    owner_id: int,
+    calls: Sequence[wire.CallSpec],
+    key: HttpKey | None = None,
+) -> Submitted:
+    """Within the caller's transaction: insert the calls (exactly once per idempotency key).
 
     A retried batch finds its earlier rows through ``(owner_id, idempotency_key)``. With an
     Idempotency-Key header's ``key``, the request's key is taken in the same transaction
-    (``KeyTaken`` if another request has it)."""
+    (``KeyTaken`` if another request has it). Nobody is woken: the caller places the calls
+    or wakes the scheduler."""
     ids = [uuid.uuid4() for _ in calls]
-    async with conn.transaction():
-        await _take_key(conn, owner_id, key, answered=True)
-        await conn.execute(
-            _SUBMIT,
-            owner_id,
-            ids,
-            [c.idempotency_key for c in calls],
-            [c.function_name for c in calls],
-            [c.gpus for c in calls],
-            [c.max_retries for c in calls],
-            [c.timeout_s for c in calls],
-            [c.payload for c in calls],
-            [None if c.payload_blob is None else uuid.UUID(c.payload_blob) for c in calls],
-            [c.payload_file for c in calls],
-            [c.priority for c in calls],
-            [c.gpu_model for c in calls],
-            [c.gpu_memory_mb for c in calls],
-            [c.expected_s for c in calls],
-            [c.payload_size for c in calls],
-            [None if c.caller_session is None else uuid.UUID(c.caller_session) for c in calls],
-        )
-        rows = await conn.fetch(_SUBMITTED, owner_id, [c.idempotency_key for c in calls])
-        by_ord = {int(r["ord"]): str(r["id"]) for r in rows}
+    await _take_key(conn, owner_id, key, answered=True)
+    rows = await conn.fetch(
+        _SUBMIT,
+        owner_id,
+        ids,
+        [c.idempotency_key for c in calls],
+        [c.function_name for c in calls],
+        [c.gpus for c in calls],
+        [c.max_retries for c in calls],
+        [c.timeout_s for c in calls],
+        [c.payload for c in calls],
+        [None if c.payload_blob is None else uuid.UUID(c.payload_blob) for c in calls],
+        [c.payload_file for c in calls],
+        [c.priority for c in calls],
+        [c.gpu_model for c in calls],
+        [c.gpu_memory_mb for c in calls],
+        [c.expected_s for c in calls],
+        [c.payload_size for c in calls],
+        [None if c.caller_session is None else uuid.UUID(c.caller_session) for c in calls],
+    )
+    fresh = {str(r["id"]): float(r["submitted"]) for r in rows}
+    if len(fresh) == len(calls):  # the common case: no retry, no earlier rows to find
+        made = [str(i) for i in ids]
+    else:
+        found = await conn.fetch(_SUBMITTED, owner_id, [c.idempotency_key for c in calls])
+        by_ord = {int(r["ord"]): str(r["id"]) for r in found}
         made = [by_ord[i + 1] for i in range(len(calls))]
-        await _key_made(conn, owner_id, key, made)
-        await _notify(conn, "q")
-    return made
+    await _key_made(conn, owner_id, key, made)
+    return Submitted(made, fresh)
 
 
 async def live_payload_files(conn: Conn) -> set[str]:
@@ -248,6 +300,17 @@ async def changed(
     unseen log chunks: what a watch answers with (``owner_id`` None: anyone's)."""
     rows = await conn.fetch(
         _CHANGED, [i for i, _ in cursors], [seen for _, seen in cursors], owner_id
+    )
+    return [to_invocation(r) for r in rows]
+
+
+async def changed_fetched(
+    conn: Conn, owner_id: int, cursors: Sequence[tuple[str, int]]
+) -> list[wire.Invocation]:
+    """As :func:`changed` for the owner's own invocations, stamping the first fetch of the
+    terminal ones (their answer carries the stamp)."""
+    rows = await conn.fetch(
+        _CHANGED_FETCHED, [i for i, _ in cursors], [seen for _, seen in cursors], owner_id
     )
     return [to_invocation(r) for r in rows]
 

@@ -16,6 +16,7 @@ from gateway.db._common import (
     _GPU_LIST,
     _HEALTH_LIST,
     _WARM_LIST,
+    TOKENS_CHANGED,
     Conn,
     _f,
     _note,
@@ -256,7 +257,7 @@ async def register_node(
             node_id,
             skip_locked=False,
         )
-        await _notify(conn, "q")
+        await _notify(conn, "q", TOKENS_CHANGED)  # tokens grant the new incarnation now
     return int(incarnation), taken
 
 

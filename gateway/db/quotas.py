@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from gateway.db._common import Conn, _notify
+from gateway.db._common import TOKENS_CHANGED, Conn, _notify
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +142,7 @@ async def group_exists(conn: Conn, name: str) -> bool:
 async def set_user_group(conn: Conn, user: str, group: str) -> bool:
     """Move a user to an existing group; False if there is no such user."""
     status = await conn.execute(_SET_USER_GROUP, user, group)
+    await _notify(conn, TOKENS_CHANGED)
     return status.endswith(" 1")
 
 

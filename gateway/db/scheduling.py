@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 
 import asyncpg
 
-from gateway.db._common import PREEMPTING_PROTOCOL, SAFE_PROTOCOL, Conn, _notify
+from gateway.db._common import CHANNEL, PREEMPTING_PROTOCOL, SAFE_PROTOCOL, Conn, _notify
 from gateway.db.nodes import NodeRow, _node_row, _take_back
 from scheduler import Pending, Running
 
@@ -55,7 +55,10 @@ JOIN nodes n ON n.id = i.node_id
 WHERE i.state IN ('assigned', 'running')
 """
 
-_ASSIGN = """
+# Each node given work is woken in the same statement (one notification per node: PostgreSQL
+# folds equal ones of a transaction).
+_ASSIGN = f"""
+WITH a AS (
 UPDATE invocations i SET state = 'assigned', node_id = d.node_id,
   gpu_indices = d.gpus::int[], attempts = i.attempts + 1, epoch = i.epoch + 1,
   log_ack = -1, scheduled_at = clock_timestamp(), delivered_at = NULL, started_at = NULL,
@@ -66,6 +69,12 @@ FROM unnest($1::uuid[], $2::bigint[], $3::text[], $5::bool[])
   AS d(id, node_id, gpus, borrowed)
 WHERE i.id = d.id AND i.state = 'queued'
 RETURNING i.id, i.node_id
+)
+SELECT a.id, a.node_id, pg_notify('{CHANNEL}', 'n:' || a.node_id) FROM a
+"""
+
+_OTHERS_QUEUED = """
+SELECT EXISTS (SELECT 1 FROM invocations WHERE state = 'queued' AND id <> ALL($1::uuid[]))
 """
 
 _PREEMPT = """
@@ -197,6 +206,11 @@ async def assign(
     return [(str(r["id"]), int(r["node_id"])) for r in rows]
 
 
+async def others_queued(conn: Conn, ids: Sequence[str]) -> bool:
+    """Whether any call but those of ``ids`` is queued (one index probe)."""
+    return bool(await conn.fetchval(_OTHERS_QUEUED, [uuid.UUID(i) for i in ids]))
+
+
 async def preempt(
     conn: asyncpg.Connection, preemptions: Sequence[tuple[str, str]]
 ) -> list[tuple[str, int]]:
@@ -222,6 +236,11 @@ async def explain_waits(conn: Conn, waits: Sequence[tuple[str, int, str]]) -> No
         [w[1] for w in waits],
         [w[2] for w in waits],
     )
+
+
+async def wake_scheduler(conn: Conn) -> None:
+    """Wake the scheduling leader (at commit): there are calls to plan."""
+    await _notify(conn, "q")
 
 
 async def notify_nodes(conn: Conn, node_ids: Iterable[int]) -> None:

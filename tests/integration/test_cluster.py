@@ -29,11 +29,14 @@ def test_replicas_share_one_database_and_a_standby_takes_over_scheduling(
     second = Cluster(database_url, tmp_path / "b")
     for replica in (first, second):
         replica.dir.mkdir()
+    # Only the leader places calls here (not a submission on an idle cluster): the point is
+    # who schedules.
+    only_rounds = {"place-at-submit": "false"}
     try:
-        first.start_gateway()
+        first.start_gateway(**only_rounds)
         leader_log = first.dir / "gateway.log"
         wait_until(lambda: "now leads scheduling" in leader_log.read_text(), 30, "a leader")
-        second.start_gateway()
+        second.start_gateway(**only_rounds)
         # The nodelet and the user talk only to the second replica; the first one schedules.
         second.start_nodelet()
         sdk.connect(second.url, second.token)

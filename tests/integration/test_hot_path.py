@@ -1,0 +1,135 @@
+"""The hot path's shortcuts keep every guarantee: a call placed in its submission's
+transaction only when nothing waits, a submission that waits answering the result, a short
+blocking call costing the sdk one request, and kept token lookups dropped at once on
+revocation. Real gateway, PostgreSQL and nodes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from pathlib import Path
+
+import cloudpickle
+import httpx
+import msgspec
+import pytest
+
+import sdk
+from bulletin_core import wire
+from tests.conftest import Cluster, running, wait_until
+from tests.integration.test_gateway_api import Http, call, poll, register, status, submit
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def test_a_call_on_an_idle_cluster_is_placed_by_its_submission_and_never_ahead_of_one_waiting(
+    gateway: Cluster,
+) -> None:
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway, gpus=1)
+    # Nothing queued and a GPU free: assigned when the submission answers, not a round later.
+    [first] = submit(user, call(gpus=1))
+    assert status(user, first).state == "assigned"
+    # The GPU is taken: the next calls wait, in order.
+    [second] = submit(user, call(gpus=1))
+    [third] = submit(user, call(gpus=1))
+    assert status(user, second).state == "queued"
+    assert status(user, third).state == "queued"
+    [work] = poll(node).assignments
+    assert work.invocation_id == first
+    done = wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"r")
+    assert node.post(f"/v1/node/invocations/{first}/complete", done).status_code == 204
+    # The freed GPU goes to the call that waited longest.
+    wait_until(lambda: status(user, second).state == "assigned", 10, "the waiting call placed")
+    assert status(user, third).state == "queued"
+
+
+def test_a_submission_that_waits_answers_with_the_result(gateway: Cluster) -> None:
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway, gpus=1)
+    answers: list[httpx.Response] = []
+    body = wire.SubmitRequest(calls=[call(gpus=1)])
+    waiting = threading.Thread(
+        target=lambda: answers.append(user.post("/v1/invocations?wait=20", body))
+    )
+    started = time.monotonic()
+    waiting.start()
+    [work] = poll(node).assignments
+    result = wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"the result")
+    completed = node.post(f"/v1/node/invocations/{work.invocation_id}/complete", result)
+    assert completed.status_code == 204
+    waiting.join(20)
+    assert time.monotonic() - started < 15, "it answered once the call finished, not at the hold"
+    [answer] = answers
+    assert answer.status_code == 201, answer.text
+    got = msgspec.json.decode(answer.content, type=wire.SubmitResponse)
+    assert got.ids == [work.invocation_id]
+    [finished] = got.invocations
+    assert finished.state == "succeeded" and finished.result == b"the result"
+    assert finished.timeline.fetched is not None, "the answer is the first fetch"
+    # Without news within the hold, it answers the ids alone.
+    quiet = user.post("/v1/invocations?wait=0.2", wire.SubmitRequest(calls=[call(gpus=1)]))
+    assert quiet.status_code == 201
+    assert msgspec.json.decode(quiet.content, type=wire.SubmitResponse).invocations == []
+    bad = user.post("/v1/invocations?wait=forever", wire.SubmitRequest(calls=[call()]))
+    assert bad.status_code == 422 and "wait must be a number of seconds" in bad.text
+
+
+def test_a_short_blocking_call_costs_the_sdk_one_request(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    @sdk.function()
+    def double(x: int) -> int:
+        return 2 * x
+
+    @sdk.function()
+    def loud(x: int) -> int:
+        print("doubling", x)
+        return 2 * x
+
+    client = sdk.connect(cluster.url, cluster.token)
+    assert double(1) == 2 and loud(1) == 2  # the connection, the limits, warm workers
+    sent: list[str] = []
+    client._http.event_hooks["request"].append(lambda r: sent.append(f"{r.method} {r.url.path}"))
+    for x in range(5):
+        assert double(x) == 2 * x
+    # Submitted, run and answered with its result in one request each.
+    assert sent == ["POST /v1/invocations"] * 5
+    assert double.last_call is not None and double.last_call.timings.fetched is not None
+    # A call that prints is answered once its output arrives (live, as ever), then watched
+    # until it ends: two requests, its output printed once and in full.
+    sent.clear()
+    capsys.readouterr()
+    for x in range(3):
+        assert loud(x) == 2 * x
+    assert sent.count("POST /v1/invocations") == 3 and len(sent) <= 6, sent
+    assert capsys.readouterr().out == "doubling 0\ndoubling 1\ndoubling 2\n"
+
+
+def test_a_revoked_token_is_refused_at_once_by_a_gateway_that_keeps_lookups(
+    database_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    from bulletin import admin
+
+    # Lookups kept for a minute: only the revocation's notification can end them in time.
+    with running(
+        Cluster(database_url, tmp_path), request, options={"token-cache-s": "60"}
+    ) as gateway:
+        token = asyncio.run(admin.create_token(database_url, "alice", name="laptop"))
+        user = Http(gateway.url, token)
+        assert user.get("/v1/invocations").status_code == 200  # looked up, now kept
+        [made] = [t for t in asyncio.run(admin.tokens(database_url, "alice")) if t.name == "laptop"]
+        asyncio.run(admin.revoke_token(database_url, made.id))
+        wait_until(lambda: user.get("/v1/invocations").status_code == 401, 1.0, "the revocation")
+        # A removed node's kept token is refused at once as well.
+        node = register(gateway, "n9")
+        beat = wire.HeartbeatRequest(running=[])
+        assert node.post("/v1/node/heartbeat", beat).status_code == 200  # now kept
+        asyncio.run(admin.drain(database_url, "n9", "leaving"))
+        assert node.post("/v1/node/heartbeat", beat).status_code == 200  # draining: still in
+        assert asyncio.run(admin.remove_node(database_url, "n9"))
+        wait_until(
+            lambda: node.post("/v1/node/heartbeat", beat).status_code == 401, 1.0, "the removal"
+        )
