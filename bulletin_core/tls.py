@@ -12,6 +12,11 @@ def verify(ca: str | os.PathLike[str] | None) -> ssl.SSLContext | bool:
     return ssl.create_default_context(cafile=os.fspath(ca)) if ca else True
 
 
+def context(ca: str | os.PathLike[str] | None) -> ssl.SSLContext:
+    """The same as an ``ssl.SSLContext``: the system's CAs, or only ``ca``."""
+    return ssl.create_default_context(cafile=os.fspath(ca) if ca else None)
+
+
 def untrusted(exc: BaseException) -> str | None:
     """Why the gateway's certificate was refused, if ``exc`` comes from that: a failure no
     retry mends, unlike a gateway that is down."""

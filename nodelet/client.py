@@ -1,7 +1,10 @@
 """The nodelet's HTTP client for the gateway's node routes (docs/protocol.md).
 
 Every request carries the node token and an explicit timeout; every failure is mapped to a
-:mod:`nodelet.errors` exception in :func:`_error_for`, so httpx errors never leave this module.
+:mod:`nodelet.errors` exception in :func:`_error_for`, so transport errors never leave this
+module. The short JSON exchanges (poll, heartbeat, start, logs, complete...) go through
+:mod:`bulletin_core.http1`, which costs a tenth of httpx's CPU per request; payload
+downloads and result uploads, which stream, through httpx.
 """
 
 from __future__ import annotations
@@ -9,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import quote
 
 import httpx
 import msgspec
 
-from bulletin_core import tls, wire
+from bulletin_core import http1, tls, wire
 from nodelet import userfiles
 from nodelet.errors import (
     AuthRejected,
@@ -53,8 +56,12 @@ class GatewayClient:
             timeout=timeout_s,
             verify=tls.verify(ca_file),
         )
+        self._fast = http1.Pool(
+            base_url, headers={"Authorization": f"Bearer {token}"}, tls=tls.context(ca_file)
+        )
 
     async def aclose(self) -> None:
+        await self._fast.aclose()
         await self._http.aclose()
 
     async def register(self, request: wire.RegisterRequest) -> wire.RegisterResponse:
@@ -68,9 +75,10 @@ class GatewayClient:
                 status=exc.status,
                 detail=exc.detail,
             ) from exc
-        registration = _decode(_register_decoder, response)
+        registration = _decode(_register_decoder, response, "POST", "/v1/node/register")
         # Every later request names this incarnation: the gateway refuses an earlier one's.
         self._http.headers[wire.INCARNATION_HEADER] = str(registration.incarnation)
+        self._fast.headers[wire.INCARNATION_HEADER] = str(registration.incarnation)
         return registration
 
     async def cluster(self) -> wire.ClusterInfo:
@@ -78,7 +86,7 @@ class GatewayClient:
         Read only, and needs no registration: it may be asked while a nodelet of the node
         runs."""
         response = await self._send("GET", "/v1/node/cluster")
-        return _decode(_cluster_decoder, response)
+        return _decode(_cluster_decoder, response, "GET", "/v1/node/cluster")
 
     async def heartbeat(
         self,
@@ -92,7 +100,7 @@ class GatewayClient:
             running=running, gpu_health=gpu_health or [], warm=warm or []
         )
         response = await self._post("/v1/node/heartbeat", request, timeout_s=timeout_s)
-        return _decode(_heartbeat_decoder, response)
+        return _decode(_heartbeat_decoder, response, "POST", "/v1/node/heartbeat")
 
     async def poll(
         self,
@@ -105,7 +113,7 @@ class GatewayClient:
         ``preempting``: attempts of ``running`` already being preempted."""
         request = wire.PollRequest(running=running, timeout_s=hold_s, preempting=preempting or [])
         response = await self._post("/v1/node/poll", request, timeout_s=hold_s + self.timeout_s)
-        return _decode(_poll_decoder, response)
+        return _decode(_poll_decoder, response, "POST", "/v1/node/poll")
 
     async def start(self, invocation_id: str, epoch: int) -> None:
         await self._post(_route(invocation_id, "start"), wire.StartRequest(epoch=epoch))
@@ -122,7 +130,7 @@ class GatewayClient:
             ) as response:
                 if response.is_error:
                     await response.aread()
-                    raise _error_for("GET", route, response)
+                    raise _error_for("GET", route, _answer(response))
                 await asyncio.to_thread(os.ftruncate, fd, 0)
                 pending = bytearray()
                 async for piece in response.aiter_bytes():
@@ -153,14 +161,22 @@ class GatewayClient:
     async def _put_result(
         self, invocation_id: str, epoch: int, content: AsyncIterator[bytes], size: int
     ) -> wire.BlobRef:
-        response = await self._send(
-            "PUT",
-            _route(invocation_id, "result"),
-            params={"epoch": epoch},
-            content=content,
-            headers={"Content-Type": wire.OCTET_STREAM, "Content-Length": str(size)},
-        )
-        return _decode(_blob_decoder, response)
+        route = _route(invocation_id, "result")
+        try:
+            response = await self._http.request(
+                "PUT",
+                route,
+                params={"epoch": epoch},
+                content=content,
+                headers={"Content-Type": wire.OCTET_STREAM, "Content-Length": str(size)},
+                timeout=self.timeout_s,
+            )
+        except httpx.HTTPError as exc:
+            raise _unavailable("PUT", route, exc) from exc
+        answer = _answer(response)
+        if answer.is_error:
+            raise _error_for("PUT", route, answer)
+        return _decode(_blob_decoder, answer, "PUT", route)
 
     async def leave(self, *, timeout_s: float) -> None:
         """Tell the gateway this node is stopping: no more work for it."""
@@ -176,26 +192,34 @@ class GatewayClient:
 
     async def _post(
         self, path: str, body: msgspec.Struct, *, timeout_s: float | None = None
-    ) -> httpx.Response:
+    ) -> http1.Answer:
         return await self._send(
             "POST",
             path,
-            content=_encoder.encode(body),
+            body=_encoder.encode(body),
             headers={"Content-Type": "application/json"},
             timeout_s=timeout_s,
         )
 
     async def _send(
-        self, method: str, path: str, *, timeout_s: float | None = None, **kwargs: Any
-    ) -> httpx.Response:
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> http1.Answer:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            response = await self._http.request(method, path, timeout=timeout, **kwargs)
-        except httpx.HTTPError as exc:
+            answer = await self._fast.request(
+                method, path, body=body, headers=headers, timeout_s=timeout
+            )
+        except http1.TransportError as exc:
             raise _unavailable(method, path, exc) from exc
-        if response.is_error:
-            raise _error_for(method, path, response)
-        return response
+        if answer.is_error:
+            raise _error_for(method, path, answer)
+        return answer
 
 
 async def _write(fd: int, offset: int, pending: bytearray) -> int:
@@ -209,7 +233,15 @@ async def _write(fd: int, offset: int, pending: bytearray) -> int:
     return len(data)
 
 
-def _unavailable(method: str, path: str, exc: httpx.HTTPError) -> GatewayUnavailable:
+def _answer(response: httpx.Response) -> http1.Answer:
+    return http1.Answer(
+        response.status_code, response.reason_phrase, dict(response.headers), response.content
+    )
+
+
+def _unavailable(
+    method: str, path: str, exc: httpx.HTTPError | http1.TransportError
+) -> GatewayUnavailable:
     if untrusted := tls.untrusted(exc):
         # Retried like an outage (a MITM gets nothing either way), but saying what to do.
         reason = (
@@ -226,14 +258,14 @@ def _route(invocation_id: str, action: str) -> str:
     return f"/v1/node/invocations/{quote(invocation_id, safe='')}/{action}"
 
 
-def _decode(decoder: msgspec.json.Decoder[_T], response: httpx.Response) -> _T:
+def _decode(
+    decoder: msgspec.json.Decoder[_T], answer: http1.Answer, method: str = "", path: str = ""
+) -> _T:
     try:
-        return decoder.decode(response.content)
+        return decoder.decode(answer.body)
     except msgspec.DecodeError as exc:
-        request = response.request
         raise GatewayRejected(
-            f"{request.method} {request.url.path} answered a malformed body: {exc}",
-            status=response.status_code,
+            f"{method} {path} answered a malformed body: {exc}", status=answer.status
         ) from exc
 
 
@@ -249,10 +281,10 @@ async def _file_chunks(fd: int, size: int) -> AsyncIterator[bytes]:
         yield await asyncio.to_thread(userfiles.read_exactly, fd, offset, length)
 
 
-def _error_for(method: str, path: str, response: httpx.Response) -> NodeletError:
+def _error_for(method: str, path: str, answer: http1.Answer) -> NodeletError:
     """The one place that maps an HTTP error answer to a nodelet exception."""
-    status = response.status_code
-    detail, code = _detail(response)
+    status = answer.status
+    detail, code = _detail(answer)
     where = f"{method} {path} answered {status}"
     if status in (401, 403):
         return AuthRejected(
@@ -270,10 +302,10 @@ def _error_for(method: str, path: str, response: httpx.Response) -> NodeletError
     return GatewayRejected(f"{where}: {detail}", status=status, detail=detail)
 
 
-def _detail(response: httpx.Response) -> tuple[str, str]:
+def _detail(answer: http1.Answer) -> tuple[str, str]:
     """The problem's detail (or what the answer says) and its code."""
     try:
-        problem = _problem_decoder.decode(response.content)
+        problem = _problem_decoder.decode(answer.body)
     except msgspec.DecodeError:
-        return response.text[:200] or response.reason_phrase, ""
+        return answer.text[:200] or answer.reason, ""
     return problem.detail or problem.title, problem.code

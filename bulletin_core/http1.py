@@ -1,0 +1,234 @@
+"""A small keep-alive HTTP/1.1 client for the short exchanges of the hot path.
+
+httpx, which the rest of the project uses (streamed uploads and downloads, the sdk), costs
+about 1.7 ms of CPU per request in its async client on the project's 2-core machines and
+0.8 ms in its sync one; a request written on an asyncio stream and its answer read back costs
+about 0.13 ms (``docs/benchmarks.md``). A nodelet makes several requests per call (poll,
+complete, logs), so this client carries its small JSON exchanges with the gateway: one
+request at a time per connection, bodies with a ``Content-Length`` (or chunked answers),
+connections kept alive and reused, TLS through the standard library.
+
+Failures are :class:`TransportError` (connecting, TLS, a cut or malformed answer) or
+:class:`TimedOut`; an answer of any status is returned, never raised. A request that fails on
+a reused connection before any byte of its answer arrived is sent once more on a new one: the
+gateway closes idle connections (``idle_timeout_s``), and a request that met such a closing
+was never read. Connections idle for longer than :data:`MAX_IDLE_S` are not reused at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+#: Kept-alive connections idle longer than this are closed rather than reused (below the
+#: gateway's default idle timeout of 5 s, so a reuse rarely meets a closing connection).
+MAX_IDLE_S = 2.0
+#: Most idle connections kept per pool.
+MAX_KEPT = 16
+#: Longest answer head (status line and headers) accepted.
+MAX_HEAD = 64 * 1024
+
+
+class TransportError(OSError):
+    """No answer: the connection could not be made (or secured), or broke, or the answer was
+    not HTTP/1.1."""
+
+
+class TimedOut(TransportError):
+    """No answer within the request's timeout."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int
+    reason: str
+    headers: dict[str, str]  # names in lower case; a repeated header keeps its last value
+    body: bytes
+
+    @property
+    def is_error(self) -> bool:
+        return self.status >= 400
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+
+@dataclass(slots=True)
+class _Connection:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    idle_since: float = 0.0
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class Pool:
+    """Keep-alive connections to one origin (``base_url``: http or https), sending
+    ``headers`` with every request. Safe for concurrent use by tasks of one event loop."""
+
+    def __init__(
+        self, base_url: str, *, headers: dict[str, str], tls: ssl.SSLContext | None = None
+    ) -> None:
+        url = urlsplit(base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        self._host = url.hostname
+        self._port = url.port or (443 if url.scheme == "https" else 80)
+        self._prefix = url.path.rstrip("/")
+        self._tls = (tls or ssl.create_default_context()) if url.scheme == "https" else None
+        authority = url.netloc.rpartition("@")[2]
+        self.headers = {"Host": authority, **headers}
+        self._idle: list[_Connection] = []
+        self._closed = False
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        timeout_s: float,
+    ) -> Answer:
+        """Send one request and read its whole answer, within ``timeout_s`` in all."""
+        head = self._head(method, path, body, headers)
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    conn, reused = await self._connection()
+                    try:
+                        answer, keep = await _exchange(conn, head, body, method)
+                    except _Unanswered as exc:
+                        conn.close()
+                        if reused:
+                            continue  # an idle connection the gateway was closing
+                        raise TransportError(str(exc.__cause__ or exc)) from exc
+                    except BaseException:
+                        conn.close()  # mid-exchange: the connection cannot be reused
+                        raise
+                    self._keep(conn) if keep else conn.close()
+                    return answer
+        except TimeoutError:
+            raise TimedOut(f"no answer within {timeout_s:g} s") from None
+
+    async def aclose(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _head(self, method: str, path: str, body: bytes, headers: dict[str, str] | None) -> bytes:
+        fields = {**self.headers, **(headers or {})}
+        if body or method in ("POST", "PUT"):
+            fields["Content-Length"] = str(len(body))
+        lines = [f"{method} {self._prefix}{path} HTTP/1.1"]
+        lines += [f"{name}: {value}" for name, value in fields.items()]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    async def _connection(self) -> tuple[_Connection, bool]:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if now - conn.idle_since < MAX_IDLE_S and not conn.reader.at_eof():
+                return conn, True
+            conn.close()
+        try:
+            reader, writer = await asyncio.open_connection(
+                self._host,
+                self._port,
+                ssl=self._tls,
+                server_hostname=self._host if self._tls else None,
+                limit=MAX_HEAD,
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise TransportError(f"cannot connect to {self._host}:{self._port}: {exc}") from exc
+        return _Connection(reader, writer), False
+
+    def _keep(self, conn: _Connection) -> None:
+        if self._closed or len(self._idle) >= MAX_KEPT:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+
+
+class _Unanswered(Exception):
+    """The connection failed before any byte of the answer arrived."""
+
+
+async def _exchange(
+    conn: _Connection, head: bytes, body: bytes, method: str
+) -> tuple[Answer, bool]:
+    """Write the request, read the answer; whether the connection may be reused."""
+    try:
+        conn.writer.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            conn.writer.write(body)
+        await conn.writer.drain()
+        first = await conn.reader.read(1)
+    except (OSError, ssl.SSLError) as exc:
+        raise _Unanswered() from exc
+    if not first:
+        raise _Unanswered()
+    try:
+        raw = first + await conn.reader.readuntil(b"\r\n\r\n")
+    except asyncio.LimitOverrunError:
+        raise TransportError(f"answer head over {MAX_HEAD} bytes") from None
+    except (asyncio.IncompleteReadError, OSError, ssl.SSLError) as exc:
+        raise TransportError(f"the answer was cut short: {exc}") from exc
+    status, reason, version, headers = _parse_head(raw)
+    keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+    try:
+        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+            data = b""
+        elif "chunked" in headers.get("transfer-encoding", "").lower():
+            data = await _chunked(conn.reader)
+        elif (length := headers.get("content-length")) is not None:
+            if not length.isdigit():
+                raise TransportError(f"bad Content-Length {length!r}")
+            data = await conn.reader.readexactly(int(length))
+        else:
+            data, keep = await conn.reader.read(), False  # delimited by the connection's end
+    except (asyncio.IncompleteReadError, OSError, ssl.SSLError) as exc:
+        raise TransportError(f"the answer's body was cut short: {exc}") from exc
+    return Answer(status, reason, headers, data), keep
+
+
+def _parse_head(raw: bytes) -> tuple[int, str, str, dict[str, str]]:
+    lines = raw.decode("latin-1").split("\r\n")
+    version, _, rest = lines[0].partition(" ")
+    code, _, reason = rest.partition(" ")
+    if not version.startswith("HTTP/1.") or not (code.isdigit() and len(code) == 3):
+        raise TransportError(f"not an HTTP/1.1 answer: {lines[0][:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if line:
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise TransportError(f"malformed header line {line[:80]!r}")
+            headers[name.strip().lower()] = value.strip()
+    return int(code), reason, version, headers
+
+
+async def _chunked(reader: asyncio.StreamReader) -> bytes:
+    parts: list[bytes] = []
+    while True:
+        size_line = await reader.readuntil(b"\r\n")
+        size_text = size_line.split(b";", 1)[0].strip()
+        try:
+            size = int(size_text, 16)
+        except ValueError:
+            raise TransportError(f"bad chunk size {size_text[:20]!r}") from None
+        if size == 0:
+            while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers
+                pass
+            return b"".join(parts)
+        parts.append(await reader.readexactly(size))
+        await reader.readexactly(2)

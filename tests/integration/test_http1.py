@@ -1,0 +1,133 @@
+"""bulletin_core.http1, the nodelet's client for short exchanges, against a real uvicorn on
+loopback: whole answers of both framings, kept-alive connections reused, one the server
+closed while idle replaced without an error, timeouts and refusals as transport errors."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from bulletin_core import http1
+
+IDLE_CLOSE_S = 0.3
+peers: list[int] = []
+
+
+async def echo(request: Request) -> Response:
+    assert request.client is not None
+    peers.append(request.client.port)
+    body = await request.body()
+    return Response(body + b"|" + request.headers.get("x-test", "").encode(), status_code=201)
+
+
+async def chunks(request: Request) -> Response:
+    async def parts() -> AsyncIterator[bytes]:
+        for part in (b"one,", b"two,", b"three"):
+            yield part
+
+    return StreamingResponse(parts())
+
+
+async def slow(request: Request) -> Response:
+    await asyncio.sleep(2)
+    return Response(b"late")
+
+
+async def missing(request: Request) -> Response:
+    return Response(b'{"detail":"no"}', status_code=404, media_type="application/json")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    app = Starlette(
+        routes=[
+            Route("/echo", echo, methods=["POST"]),
+            Route("/chunks", chunks),
+            Route("/slow", slow),
+            Route("/missing", missing),
+        ]
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_level="warning", timeout_keep_alive=IDLE_CLOSE_S, loop="asyncio", http="h11"
+    )
+    served = uvicorn.Server(config)
+    thread = threading.Thread(target=served.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not served.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    served.should_exit = True
+    thread.join(10)
+
+
+def test_answers_are_read_whole_and_connections_are_reused(server: str) -> None:
+    async def main() -> None:
+        pool = http1.Pool(server, headers={"X-Test": "pool"})
+        peers.clear()
+        for n in range(5):
+            answer = await pool.request("POST", "/echo", body=b"%d" % n, timeout_s=5)
+            assert (answer.status, answer.body) == (201, b"%d|pool" % n)
+        assert len(set(peers)) == 1, "one kept-alive connection served them all"
+        streamed = await pool.request("GET", "/chunks", timeout_s=5)
+        assert streamed.headers["transfer-encoding"] == "chunked"
+        assert streamed.body == b"one,two,three"
+        answer = await pool.request("GET", "/missing", timeout_s=5)
+        assert answer.is_error and answer.status == 404 and answer.text == '{"detail":"no"}'
+        await pool.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_unseen(server: str) -> None:
+    async def main() -> None:
+        pool = http1.Pool(server, headers={})
+        peers.clear()
+        await pool.request("POST", "/echo", body=b"a", timeout_s=5)
+        await asyncio.sleep(IDLE_CLOSE_S * 3)  # uvicorn closes it; the pool would still reuse it
+        answer = await pool.request("POST", "/echo", body=b"b", timeout_s=5)
+        assert answer.body == b"b|"
+        assert len(set(peers)) == 2, "the second went on a new connection"
+        await pool.aclose()
+
+    asyncio.run(main())
+
+
+def test_timeouts_and_refusals_are_transport_errors(server: str) -> None:
+    async def main() -> None:
+        pool = http1.Pool(server, headers={})
+        started = time.monotonic()
+        with pytest.raises(http1.TimedOut):
+            await pool.request("GET", "/slow", timeout_s=0.3)
+        assert time.monotonic() - started < 1.5
+        # The timed-out connection is not reused: the next answer is its own.
+        assert (await pool.request("POST", "/echo", body=b"c", timeout_s=5)).body == b"c|"
+        await pool.aclose()
+        free = socket.socket()
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+        free.close()
+        refused = http1.Pool(f"http://127.0.0.1:{port}", headers={})
+        with pytest.raises(http1.TransportError, match="cannot connect"):
+            await refused.request("GET", "/", timeout_s=5)
+
+    asyncio.run(main())
+
+
+def test_only_http_urls_are_taken() -> None:
+    with pytest.raises(ValueError, match="not an http"):
+        http1.Pool("ftp://127.0.0.1/", headers={})
