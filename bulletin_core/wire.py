@@ -828,6 +828,16 @@ class ClusterInfo(_Msg, frozen=True, kw_only=True):
             description="Files left in the shared directory longer than this (seconds) are deleted."
         ),
     ] = None
+    keepalive_s: Annotated[
+        float | None,
+        msgspec.Meta(
+            description=(
+                "How often a caller session must keep its calls alive (seconds), as "
+                "SubmitResponse.keepalive_s says; null when the gateway cancels no call for "
+                "want of its caller."
+            )
+        ),
+    ] = None
 
 
 class GpuInfo(_Request, frozen=True, kw_only=True):

@@ -60,6 +60,7 @@ def info(
         user=user,
         node=node,
         shared_ttl_s=config.shared_ttl_s if config.shared_dir else None,
+        keepalive_s=config.caller_keepalive_s,
     )
 
 

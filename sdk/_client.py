@@ -187,7 +187,11 @@ class Client:
 
     def submit_waiting(self, spec: wire.CallSpec, wait_s: float) -> wire.SubmitResponse:
         """Submit one call and wait in the same request, up to ``wait_s``, for its first news
-        (finished, with its result, or log chunks): a blocking call's first watch round."""
+        (finished, with its result, or log chunks): a blocking call's first watch round. Its
+        session is kept alive meanwhile: the keepalive interval is known before the answer
+        (``ClusterInfo.keepalive_s``)."""
+        if spec.caller_session is not None:
+            self.liveness.set_interval(self.cluster().keepalive_s)
         body = _ENCODER.encode(wire.SubmitRequest(calls=[spec]))
         answer = self._request(
             "POST",
