@@ -61,17 +61,18 @@ class Liveness:
                 self._wake.notify_all()
 
     def _run(self) -> None:
-        due = time.monotonic() + self.interval_s
+        last = time.monotonic()
         while True:
             with self._lock:
-                self._wake.wait(max(0.0, due - time.monotonic()))
+                # The interval is read under the lock each round: one set before this thread
+                # first waited (its notification then woke no one) counts all the same.
+                self._wake.wait(max(0.0, last + self.interval_s - time.monotonic()))
                 if self._holders == 0:
                     self._thread = None
                     return
-                if time.monotonic() < due:  # woken early: a holder left, or a new interval
-                    due = min(due, time.monotonic() + self.interval_s)
-                    continue
-            due = time.monotonic() + self.interval_s
+                if time.monotonic() < last + self.interval_s:
+                    continue  # woken early: a holder left, or a new interval
+            last = time.monotonic()
             try:
                 self._send()
             except Exception as exc:  # the next one may get through; the waits report errors
