@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import BinaryIO
@@ -28,7 +29,7 @@ from gateway.http import (
     stream_file,
     wait_param,
 )
-from gateway.notify import GatewayStopping
+from gateway.notify import GatewayStopping, Subscription
 from scheduler import Pending, Quota, never_fits, placement
 
 MAX_LOG_CHUNKS = 10_000
@@ -109,18 +110,31 @@ async def submit(request: Request) -> Response:
     sessions = {c.caller_session for c in calls if c.caller_session is not None}
     if sessions:  # before the calls exist: the leader never sees them without their session
         await db.start_sessions(request.app.state.relaxed, owner, sorted(sessions))
-    try:
-        async with request.app.state.pool.acquire() as conn, conn.transaction():
-            made = await db.insert_calls(
-                conn, owner, calls, None if key is None else (key, request_hash)
-            )
-            await _place(conn, config, caller, calls, made)
-    except db.KeyTaken:  # a concurrent duplicate committed first
-        assert key is not None
-        earlier = await idempotency.earlier(request, owner, key, request_hash)
-        assert earlier is not None
-        return await _submitted(request, owner, earlier, wait, replayed=True)
-    return await _submitted(request, owner, made.ids, wait)
+    new_ids = [str(uuid.uuid4()) for _ in calls]
+    async with contextlib.AsyncExitStack() as waiting:
+        sub = None
+        if wait > 0:
+            # Before the calls exist, so that no news of them can come before it: the wait
+            # need not read them before it first sleeps.
+            hub = request.app.state.hub
+            sub = await waiting.enter_async_context(hub.subscribe(f"i:{i}" for i in new_ids))
+        try:
+            async with request.app.state.pool.acquire() as conn:
+                async with conn.transaction():
+                    made = await db.insert_calls(
+                        conn, owner, calls, None if key is None else (key, request_hash), new_ids
+                    )
+                    nodes = await _place(conn, config, caller, calls, made)
+                # Committed: the nodes' polls waiting here take their work now.
+                request.app.state.hub.woke(conn.get_server_pid(), [f"n:{n}" for n in nodes])
+        except db.KeyTaken:  # a concurrent duplicate committed first
+            assert key is not None
+            earlier = await idempotency.earlier(request, owner, key, request_hash)
+            assert earlier is not None
+            return await _submitted(request, owner, earlier, wait, replayed=True)
+        # Calls that existed before (a retry) may have news already: those are read first.
+        unread = sub if made.ids == new_ids else None
+        return await _submitted(request, owner, made.ids, wait, unread=unread)
 
 
 async def _place(
@@ -129,9 +143,10 @@ async def _place(
     caller: db.Principal,
     calls: list[wire.CallSpec],
     made: db.Submitted,
-) -> None:
+) -> set[int]:
     """Place the calls the submission created at once if the cluster has room and nothing
-    else waits (``scheduling.place_at_once``), else wake the leader to plan them."""
+    else waits (``scheduling.place_at_once``), else wake the leader to plan them. Returns
+    the nodes given work."""
     fresh = [
         Pending(
             invocation_id,
@@ -148,21 +163,29 @@ async def _place(
         for invocation_id, call in zip(made.ids, calls, strict=True)
         if invocation_id in made.fresh
     ]
-    placed = await scheduling.place_at_once(conn, config, fresh) if config.place_at_submit else 0
-    if placed < len(fresh):
+    placed = await scheduling.place_at_once(conn, config, fresh) if config.place_at_submit else []
+    if len(placed) < len(fresh):
         await db.wake_scheduler(conn)
+    return {node for _, node in placed}
 
 
 async def _submitted(
-    request: Request, owner: int, ids: list[str], wait: float, *, replayed: bool = False
+    request: Request,
+    owner: int,
+    ids: list[str],
+    wait: float,
+    *,
+    replayed: bool = False,
+    unread: Subscription | None = None,
 ) -> Response:
     """The ids; with ``wait``, also the news of the calls (finished ones with their results,
-    log chunks) once there is any or ``wait`` seconds have passed, as a watch answers."""
+    log chunks) once there is any or ``wait`` seconds have passed, as a watch answers.
+    ``unread``: the calls were just made, under this subscription to their news."""
     keepalive_s = request.app.state.config.caller_keepalive_s
     answer = wire.SubmitResponse(ids=ids, keepalive_s=keepalive_s)
     if wait > 0:
         try:
-            found = await news(request, owner, dict.fromkeys(ids, 0), wait)
+            found = await news(request, owner, dict.fromkeys(ids, 0), wait, unread=unread)
         except GatewayStopping:
             pass  # the calls exist: the caller watches them elsewhere
         else:
@@ -371,30 +394,56 @@ async def watch(request: Request) -> Response:
 
 
 async def news(
-    request: Request, owner: int, seen: dict[str, int], hold_s: float
+    request: Request,
+    owner: int,
+    seen: dict[str, int],
+    hold_s: float,
+    *,
+    unread: Subscription | None = None,
 ) -> wire.WatchResponse:
     """Wait (at most ``hold_s``, capped by ``long_poll_s``) until one of the owner's
     invocations in ``seen`` (id: log chunks seen) is terminal or has unseen log chunks;
-    then those, with their results and new chunks (or nothing, when the hold ran out)."""
-    config, pool = request.app.state.config, request.app.state.pool
-    deadline = time.monotonic() + min(max(hold_s, 0.0), config.long_poll_s)
+    then those, with their results and new chunks (or nothing, when the hold ran out).
+    ``unread``: a subscription to their news taken before they were made, so there is none
+    to read before the first wait."""
+    deadline = time.monotonic() + min(max(hold_s, 0.0), request.app.state.config.long_poll_s)
+    if unread is not None:
+        found = await _news(request, owner, seen, deadline, unread, read_first=False)
+    else:
+        async with request.app.state.hub.subscribe(f"i:{i}" for i in seen) as sub:
+            found = await _news(request, owner, seen, deadline, sub, read_first=True)
+    found = _within_answer_size(found)
+    with_logs = [(f.id, seen[f.id]) for f in found if f.log_count > seen[f.id]]
+    pool = request.app.state.pool
+    logs = await db.logs_after(pool, with_logs, MAX_LOG_CHUNKS) if with_logs else []
+    return wire.WatchResponse(invocations=found, logs=logs)
+
+
+async def _news(
+    request: Request,
+    owner: int,
+    seen: dict[str, int],
+    deadline: float,
+    sub: Subscription,
+    *,
+    read_first: bool,
+) -> list[wire.Invocation]:
+    config = request.app.state.config
     cursors = list(seen.items())
-    async with request.app.state.hub.subscribe(f"i:{i}" for i in seen) as sub:
-        while True:
+    found: list[wire.Invocation] = []
+    while True:
+        if read_first:
             # The first fetch of a finished call is stamped as it is read (a stamp a database
             # crash loses costs nothing: the relaxed pool). One that does not fit this answer
             # (_within_answer_size) comes with the next, stamped a little early.
             found = await db.changed_fetched(request.app.state.relaxed, owner, cursors)
-            remaining = deadline - time.monotonic()
-            if found or remaining <= 0:
-                break
-            if await sub.wait(min(remaining, config.recheck_s)) and len(cursors) > 1:
-                # Fan-out: let a few more completions land so one answer carries many.
-                await asyncio.sleep(FAN_IN_LINGER_S)
-    found = _within_answer_size(found)
-    with_logs = [(f.id, seen[f.id]) for f in found if f.log_count > seen[f.id]]
-    logs = await db.logs_after(pool, with_logs, MAX_LOG_CHUNKS) if with_logs else []
-    return wire.WatchResponse(invocations=found, logs=logs)
+        read_first = True
+        remaining = deadline - time.monotonic()
+        if found or remaining <= 0:
+            return found
+        if await sub.wait(min(remaining, config.recheck_s)) and len(cursors) > 1:
+            # Fan-out: let a few more completions land so one answer carries many.
+            await asyncio.sleep(FAN_IN_LINGER_S)
 
 
 def _within_answer_size(found: list[wire.Invocation]) -> list[wire.Invocation]:

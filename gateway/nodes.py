@@ -117,16 +117,14 @@ async def poll(request: Request) -> Response:
     node_id, incarnation = node.node_id, node.incarnation
     assert node_id is not None
     req = await body(request, wire.PollRequest)
-    config, pool = request.app.state.config, request.app.state.pool
-    relaxed = request.app.state.relaxed
+    config, relaxed = request.app.state.config, request.app.state.relaxed
     deadline = time.monotonic() + min(max(req.timeout_s, 0.0), config.long_poll_s)
     async with request.app.state.hub.subscribe([f"n:{node_id}"]) as sub:
         while True:
-            orders = await db.stop_orders(pool, node_id, req.running)
-            preempt = _preemptions(request, orders.preempt, req.preempting)
-            work = await db.deliver(
+            orders, work = await db.poll(
                 relaxed, node_id, incarnation, req.running, config.inline_limit, config.lease_s
             )
+            preempt = _preemptions(request, orders.preempt, req.preempting)
             remaining = deadline - time.monotonic()
             if work or orders.revoked or preempt or remaining <= 0:
                 return reply(
@@ -201,8 +199,11 @@ async def complete(request: Request) -> Response:
     _check_result(request, req)
     if req.result_file is not None:
         await _check_result_file(request, node_id, invocation_id, req)
-    if not await db.complete(request.app.state.pool, node_id, [(invocation_id, req)]):
-        raise _stale(invocation_id)
+    async with request.app.state.pool.acquire() as conn:
+        if not await db.complete(conn, node_id, [(invocation_id, req)]):
+            raise _stale(invocation_id)
+        # Committed: its caller, waiting here, has its result now.
+        request.app.state.hub.woke(conn.get_server_pid(), [f"i:{invocation_id}"])
     return Response(status_code=204)
 
 

@@ -36,6 +36,10 @@ class GatewayStopping(ServiceUnavailable):
         )
 
 
+#: How long a local wake waits for its notification to come back before it is forgotten.
+ECHO_S = 1.0
+
+
 class Subscription:
     def __init__(self, hub: Hub, stoppable: bool) -> None:
         self.event = asyncio.Event()
@@ -68,6 +72,12 @@ class Hub:
         self._url = database_url
         self._waiters: dict[str, set[Subscription]] = defaultdict(set)
         self._conn: asyncpg.Connection | None = None
+        # Local wakes (see woke): by (backend pid, key), when each local wake whose
+        # notification has not come back yet was made, and when each notification that no
+        # local wake has claimed yet came. Both forgotten after ECHO_S.
+        self._expected: dict[tuple[int, str], list[float]] = defaultdict(list)
+        self._arrived: dict[tuple[int, str], list[float]] = defaultdict(list)
+        self._pruned = time.monotonic()
         #: The gateway is stopping: waiting requests end (GatewayStopping).
         self.stopping = False
 
@@ -103,11 +113,53 @@ class Hub:
                 await self._conn.close(timeout=2)
             self._conn = None
 
-    def _on_notify(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:
+    def woke(self, pid: int, keys: Iterable[str]) -> None:
+        """Wake this process's waiters on ``keys`` at once, for a transaction that notified
+        them and just committed on the database backend ``pid``; called while the connection
+        is still held, so that nothing else commits on that backend in between. The
+        notification itself still goes to every gateway; here it comes back from that
+        backend after the wake (each backend's notifications arrive in commit order) and
+        wakes no one a second time. One that came back first already woke everyone: then
+        the wake is skipped instead."""
+        now = time.monotonic()
+        self._prune(now)
+        for key in dict.fromkeys(keys):
+            arrived = self._arrived.get((pid, key))
+            if arrived:
+                arrived.pop(0)
+                continue
+            self._expected[(pid, key)].append(now)
+            for sub in self._waiters.get(key, ()):
+                sub.event.set()
+
+    def _on_notify(self, _conn: object, pid: int, _channel: str, payload: str) -> None:
+        now = time.monotonic()
+        self._prune(now)
+        expected = self._expected.get((pid, payload))
+        if expected:
+            expected.pop(0)  # the echo of a local wake: its waiters are already awake
+            return
+        self._arrived[(pid, payload)].append(now)
         for sub in self._waiters.get(payload, ()):
             sub.event.set()
 
+    def _prune(self, now: float) -> None:
+        """Forget local wakes and notifications older than ECHO_S (an echo lost to a
+        reconnect, notifications of transactions that woke no one locally)."""
+        if now - self._pruned < ECHO_S:
+            return
+        self._pruned = now
+        for table in (self._expected, self._arrived):
+            for key in list(table):
+                times = [t for t in table[key] if now - t < ECHO_S]
+                if times:
+                    table[key] = times
+                else:
+                    del table[key]
+
     def _wake_all(self) -> None:
+        self._expected.clear()
+        self._arrived.clear()
         for subs in self._waiters.values():
             for sub in subs:
                 sub.event.set()

@@ -159,32 +159,31 @@ async def plan_round(
 
 async def place_at_once(
     conn: asyncpg.Connection, config: GatewayConfig, fresh: Sequence[Pending]
-) -> int:
+) -> list[tuple[str, int]]:
     """Within a submission's transaction: place its new calls now, without waiting for the
     leader's round, when nothing else is queued (so none of higher standing waits). The
     configured policy decides, on the same snapshot a round would read (live nodes locked,
     leases, quotas, usage) with these calls as the whole queue, and the placements commit with
     the submission through the same capacity-checked statement as a round's. Returns how many
     were placed; the rest, and any call the policy would preempt for, are left to the leader
-    (which the caller wakes). Cheap when declined: one index probe."""
-    if not fresh or await db.others_queued(conn, [p.id for p in fresh]):
-        return 0
-    nodes = await db.live_nodes(conn, config.node_timeout_s, lock=True)
+    (which the caller wakes). Declined in one statement when another call waits."""
+    if not fresh:
+        return []
+    nodes = await db.live_nodes_if_idle(conn, config.node_timeout_s, [p.id for p in fresh])
     if not nodes:
-        return 0
+        return []  # none live, or another call waits
     leases = await db.leases(conn)
     free = capacity(nodes, leases)
     fits, _ = one_node_calls(list(fresh), free)
     if not fits or not any(n.free_gpus or n.free_cpu_slots for n in free):
-        return 0
+        return []
     policy = config.policy()
     quotas: dict[str, Quota] = {}
     usage: dict[str, float] = {}
     user_usage: dict[tuple[str, str], float] = {}
     if policy.uses_quotas:
-        groups = await db.groups(conn)
-        quotas = {g.name: Quota(g.guaranteed_gpus, g.borrow_limit_gpus) for g in groups}
-        usage, user_usage = await db.fair_usage(conn)
+        limits, usage, user_usage = await db.quotas_and_usage(conn)
+        quotas = {name: Quota(*limit) for name, limit in limits.items()}
     now = max(p.submit_time for p in fits)
     snapshot = Snapshot(
         nodes=free,
@@ -197,13 +196,13 @@ async def place_at_once(
     )
     result = policy.plan(snapshot)
     if result.preemptions or not result:
-        return 0  # reclaiming capacity is the leader's to decide, with the whole queue
+        return []  # reclaiming capacity is the leader's to decide, with the whole queue
     placed = await db.assign(
         conn,
         [(d.invocation_id, d.node_id, d.gpu_indices, d.borrowed) for d in result],
         config.lease_s,
     )
-    return len(placed)
+    return placed
 
 
 class Expiry:

@@ -185,14 +185,16 @@ async def insert_calls(
     owner_id: int,
     calls: Sequence[wire.CallSpec],
     key: HttpKey | None = None,
+    new_ids: Sequence[str] | None = None,
 ) -> Submitted:
     """Within the caller's transaction: insert the calls (exactly once per idempotency key).
 
     A retried batch finds its earlier rows through ``(owner_id, idempotency_key)``. With an
     Idempotency-Key header's ``key``, the request's key is taken in the same transaction
     (``KeyTaken`` if another request has it). Nobody is woken: the caller places the calls
-    or wakes the scheduler."""
-    ids = [uuid.uuid4() for _ in calls]
+    or wakes the scheduler. ``new_ids``: the ids the new ones get (fresh random ones by
+    default)."""
+    ids = [uuid.uuid4() for _ in calls] if new_ids is None else [uuid.UUID(i) for i in new_ids]
     await _take_key(conn, owner_id, key, answered=True)
     rows = await conn.fetch(
         _SUBMIT,

@@ -159,6 +159,39 @@ RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_
   CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload
 """
 
+# A poll's one statement: which of the attempts the node runs ($2, $3) are still its own and
+# whether they are preempted ('kept' rows; the others are revoked), and the work assigned to
+# it that it does not run yet, delivered ('work' rows). One snapshot for both.
+_POLL = """
+WITH running AS (
+  SELECT * FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)
+), work AS (
+  UPDATE invocations i SET delivered_at = coalesce(i.delivered_at, clock_timestamp()),
+    lease_expires_at = clock_timestamp() + make_interval(secs => $5)
+  FROM users u
+  WHERE u.id = i.owner_id AND i.node_id = $1 AND i.state = 'assigned'
+    AND EXISTS (SELECT 1 FROM nodes n WHERE n.id = $1 AND n.incarnation = $6)
+    AND NOT EXISTS (SELECT 1 FROM running a WHERE a.id = i.id AND a.epoch = i.epoch)
+  RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,
+    i.owner_id, i.payload_file, i.arguments, i.function_owner,
+    u.name AS owner_name, u.is_admin AS owner_admin,
+    CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload
+)
+SELECT 'kept' AS kind, a.id, NULL::int AS epoch, NULL::int[] AS gpu_indices,
+  NULL::float8 AS timeout_s, NULL::text AS function_name, NULL::bigint AS payload_size,
+  NULL::bigint AS owner_id, NULL::text AS payload_file, NULL::bytea AS arguments,
+  NULL::text AS function_owner, NULL::text AS owner_name, NULL::bool AS owner_admin,
+  NULL::bytea AS payload, i.preempt_at IS NOT NULL AS preempt, i.preempt_reason
+FROM running a
+JOIN invocations i ON i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1
+  AND i.state IN ('assigned', 'running')
+UNION ALL
+SELECT 'work', w.id, w.epoch, w.gpu_indices, w.timeout_s, w.function_name, w.payload_size,
+  w.owner_id, w.payload_file, w.arguments, w.function_owner, w.owner_name, w.owner_admin,
+  w.payload, NULL, NULL
+FROM work w
+"""
+
 #: Which held attempts ``register_node`` takes back (``$1``: the node).
 _ON_NODE = "node_id = $1"
 
@@ -395,6 +428,22 @@ async def node_statuses(conn: Conn) -> list[NodeStatus]:
     ]
 
 
+async def poll(
+    conn: Conn,
+    node_id: int,
+    incarnation: int,
+    running: Sequence[wire.Attempt],
+    inline_limit: int,
+    lease_s: float,
+) -> tuple[StopOrders, list[wire.Assignment]]:
+    """In one statement: :func:`stop_orders` of ``running`` and :func:`deliver`."""
+    rows = await conn.fetch(
+        _POLL, node_id, *_attempt_arrays(running), inline_limit, lease_s, incarnation
+    )
+    kept = {str(r["id"]): r for r in rows if r["kind"] == "kept"}
+    return _orders(running, kept), [_assignment(r) for r in rows if r["kind"] == "work"]
+
+
 async def stop_orders(conn: Conn, node_id: int, running: Sequence[wire.Attempt]) -> StopOrders:
     """Of the attempts in ``running``: those no longer leased to this node, and those the
     scheduler preempts."""
@@ -420,21 +469,22 @@ async def deliver(
     rows = await conn.fetch(
         _DELIVER, node_id, *_attempt_arrays(running), inline_limit, lease_s, incarnation
     )
-    return [
-        wire.Assignment(
-            invocation_id=str(r["id"]),
-            epoch=r["epoch"],
-            gpu_indices=list(r["gpu_indices"]),
-            timeout_s=r["timeout_s"],
-            function_name=r["function_name"],
-            payload_size=r["payload_size"],
-            payload=None if r["payload"] is None else bytes(r["payload"]),
-            payload_file=r["payload_file"],
-            owner=str(r["owner_id"]),
-            owner_name=r["owner_name"] or "",
-            owner_admin=bool(r["owner_admin"]),
-            function_owner=r["function_owner"] or "",
-            arguments=None if r["arguments"] is None else bytes(r["arguments"]),
-        )
-        for r in rows
-    ]
+    return [_assignment(r) for r in rows]
+
+
+def _assignment(r: asyncpg.Record) -> wire.Assignment:
+    return wire.Assignment(
+        invocation_id=str(r["id"]),
+        epoch=r["epoch"],
+        gpu_indices=list(r["gpu_indices"]),
+        timeout_s=r["timeout_s"],
+        function_name=r["function_name"],
+        payload_size=r["payload_size"],
+        payload=None if r["payload"] is None else bytes(r["payload"]),
+        payload_file=r["payload_file"],
+        owner=str(r["owner_id"]),
+        owner_name=r["owner_name"] or "",
+        owner_admin=bool(r["owner_admin"]),
+        function_owner=r["function_owner"] or "",
+        arguments=None if r["arguments"] is None else bytes(r["arguments"]),
+    )

@@ -41,6 +41,18 @@ ORDER BY id
 FOR UPDATE
 """
 
+# The live nodes locked, as _LIVE_NODES_LOCKED, but none when any call but $2's is queued:
+# a submission's placement (gateway/scheduling.py: place_at_once) goes no further then.
+_LIVE_NODES_IF_IDLE = f"""
+SELECT id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm
+FROM nodes
+WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) AND NOT draining
+  AND removed_at IS NULL AND protocol_version >= {SAFE_PROTOCOL}
+  AND NOT EXISTS (SELECT 1 FROM invocations WHERE state = 'queued' AND id <> ALL($2::uuid[]))
+ORDER BY id
+FOR UPDATE
+"""
+
 _LEASES = f"""
 SELECT i.id::text AS id, i.node_id, i.gpu_indices, u.name AS "user",
   u.group_name AS "group", i.function_name AS function, i.priority, i.borrowed,
@@ -71,10 +83,6 @@ WHERE i.id = d.id AND i.state = 'queued'
 RETURNING i.id, i.node_id
 )
 SELECT a.id, a.node_id, pg_notify('{CHANNEL}', 'n:' || a.node_id) FROM a
-"""
-
-_OTHERS_QUEUED = """
-SELECT EXISTS (SELECT 1 FROM invocations WHERE state = 'queued' AND id <> ALL($1::uuid[]))
 """
 
 _PREEMPT = """
@@ -169,6 +177,14 @@ async def live_nodes(
     return [_node_row(r) for r in rows]
 
 
+async def live_nodes_if_idle(
+    conn: Conn, heartbeat_timeout_s: float, ids: Sequence[str]
+) -> list[NodeRow]:
+    """:func:`live_nodes` locked, or none when any call but those of ``ids`` is queued."""
+    rows = await conn.fetch(_LIVE_NODES_IF_IDLE, heartbeat_timeout_s, [uuid.UUID(i) for i in ids])
+    return [_node_row(r) for r in rows]
+
+
 async def leases(conn: Conn) -> list[Running]:
     """Every call holding resources on a node (assigned or running), as the scheduler sees
     it; ``start_time`` is when it got them (database clock)."""
@@ -204,11 +220,6 @@ async def assign(
         [d[3] for d in decisions],
     )
     return [(str(r["id"]), int(r["node_id"])) for r in rows]
-
-
-async def others_queued(conn: Conn, ids: Sequence[str]) -> bool:
-    """Whether any call but those of ``ids`` is queued (one index probe)."""
-    return bool(await conn.fetchval(_OTHERS_QUEUED, [uuid.UUID(i) for i in ids]))
 
 
 async def preempt(
