@@ -1,0 +1,187 @@
+"""Where a blocking no-op call's cost goes: latency, CPU per call of each process, and the
+HTTP requests and SQL statements it takes.
+
+Starts its own single-machine cluster (``bulletin up``, 2 fake GPUs, 2 CPU slots) with a
+``sitecustomize`` on the cluster's ``PYTHONPATH`` that counts, in the gateway process, every
+statement asyncpg sends (``Connection.execute`` without arguments, ``Connection._execute``:
+BEGIN and COMMIT count), and dumps the counts on SIGUSR1. Then N sequential
+``@sdk.function(gpus=0)`` no-op calls, after a warm-up, and prints:
+
+  * p50 / p90 / p99 of the call as the caller sees it;
+  * CPU time per call of the client, the gateway, the nodelet, the workers and PostgreSQL
+    (every backend), from ``/proc/PID/stat`` before and after;
+  * the sdk's HTTP requests per call (an httpx event hook) and the gateway's SQL statements
+    per call, each statement's share.
+
+Usage: python bench/hot_path.py [--calls 300] [--no-place-at-submit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import sdk
+
+SITECUSTOMIZE = """
+import collections, os, signal
+try:
+    import asyncpg.connection as _c
+except ImportError:
+    _c = None
+if _c is not None and os.environ.get("BULLETIN_BENCH_COUNT") == "1":
+    counts = collections.Counter()
+    _execute, _execute_args = _c.Connection.execute, _c.Connection._execute
+
+    async def execute(self, query, *args, **kwargs):
+        if not args:
+            counts[" ".join(query.split())[:72]] += 1
+        return await _execute(self, query, *args, **kwargs)
+
+    async def _execute_counted(self, query, args, *more, **kwargs):
+        counts[" ".join(query.split())[:72]] += 1
+        return await _execute_args(self, query, args, *more, **kwargs)
+
+    _c.Connection.execute, _c.Connection._execute = execute, _execute_counted
+
+    def dump(*_):
+        with open(os.environ["BULLETIN_BENCH_COUNTS"] + f".{os.getpid()}", "w") as out:
+            for query, n in counts.items():
+                out.write(f"{n}\\t{query}\\n")
+
+    signal.signal(signal.SIGUSR1, dump)
+"""
+
+HZ = os.sysconf("SC_CLK_TCK")
+
+
+def noop(x: int) -> int:
+    return x
+
+
+def cpu_by_process() -> Counter[str]:
+    """Seconds of CPU so far of each kind of process of the cluster, and of this one."""
+    used: Counter[str] = Counter()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(pid) == os.getpid():
+            kind = "client"
+        elif "-m gateway" in cmd:
+            kind = "gateway"
+        elif "-m nodelet.worker_main" in cmd:
+            kind = "workers"
+        elif "-m nodelet" in cmd:
+            kind = "nodelet"
+        elif cmd.startswith("postgres"):
+            kind = "postgres"
+        else:
+            continue
+        used[kind] += (int(fields[11]) + int(fields[12])) / HZ
+    return used
+
+
+def statements(counts: Path, gateway_pid: int) -> Counter[str]:
+    os.kill(gateway_pid, signal.SIGUSR1)
+    dumped = Path(f"{counts}.{gateway_pid}")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        if dumped.exists():
+            break
+    found: Counter[str] = Counter()
+    for line in dumped.read_text().splitlines():
+        n, _, query = line.partition("\t")
+        found[query] = int(n)
+    dumped.unlink()
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--no-place-at-submit", action="store_true")
+    args = parser.parse_args()
+    print(
+        f"machine: {platform.platform()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o711)  # as root, PostgreSQL's system account must traverse it
+        site = Path(tmp) / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        counts = Path(tmp) / "counts"
+        env = {
+            **os.environ,
+            "PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}",
+            "BULLETIN_BENCH_COUNT": "1",
+            "BULLETIN_BENCH_COUNTS": str(counts),
+        }
+        if args.no_place_at_submit:
+            env["BULLETIN_PLACE_AT_SUBMIT"] = "false"
+        state = Path(tmp) / "state"
+        cluster = subprocess.Popen(
+            [sys.executable, "-m", "bulletin", "--log-level", "warning", "up", "--state-dir",
+             str(state), "--port", "0", "--fake-gpus", "2"],
+            env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while not (state / "client.toml").exists():
+                if cluster.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("bulletin up did not start")
+                time.sleep(0.2)
+            time.sleep(1.0)
+            client = sdk.connect(config=state / "client.toml")
+            fn = sdk.function(gpus=0)(noop)
+            for i in range(50):
+                fn(i)
+            found = subprocess.check_output(["pgrep", "-f", "--", f"-m gateway .*{state}"])
+            gateway = int(found.split()[0])
+            requests: list[str] = []
+            client._http.event_hooks["request"].append(lambda r: requests.append(r.url.path))
+            before_sql, before_cpu = statements(counts, gateway), cpu_by_process()
+            latency = []
+            for i in range(args.calls):
+                started = time.perf_counter()
+                assert fn(i) == i
+                latency.append((time.perf_counter() - started) * 1000)
+            after_cpu, after_sql = cpu_by_process(), statements(counts, gateway)
+        finally:
+            cluster.send_signal(signal.SIGTERM)
+            cluster.wait(60)
+    n = args.calls
+    ordered = sorted(latency)
+    pick = lambda q: ordered[min(n - 1, int(q * n))]  # noqa: E731
+    print(
+        f"{n} calls: p50 {pick(0.5):.2f} ms, p90 {pick(0.9):.2f} ms, p99 {pick(0.99):.2f} ms, "
+        f"mean {statistics.fmean(latency):.2f} ms"
+    )
+    print("CPU per call:")
+    for kind in ("client", "gateway", "nodelet", "workers", "postgres"):
+        print(f"  {kind:9s} {(after_cpu[kind] - before_cpu[kind]) / n * 1000:6.2f} ms")
+    total = sum(after_cpu.values()) - sum(before_cpu.values())
+    print(f"  {'total':9s} {total / n * 1000:6.2f} ms")
+    print(f"sdk HTTP requests per call: {len(requests) / n:.2f} ({Counter(requests)})")
+    per_call = {q: (after_sql[q] - before_sql.get(q, 0)) / n for q in after_sql}
+    print(f"gateway SQL statements per call: {sum(per_call.values()):.2f}")
+    for query, share in sorted(per_call.items(), key=lambda kv: -kv[1]):
+        if share >= 0.05:
+            print(f"  {share:5.2f}  {query}")
+
+
+if __name__ == "__main__":
+    main()
