@@ -86,6 +86,9 @@ def bulletin_side(args: argparse.Namespace) -> None:
             [sys.executable, "-m", "bulletin", "--log-level", "warning", "up", "--state-dir",
              str(state), "--port", "0", "--fake-gpus", "0", "--cpu-slots", "2"],
             start_new_session=True, stdout=log, stderr=subprocess.STDOUT,
+            # The harness's OMP_NUM_THREADS=1 reaches the peers' workers by inheritance;
+            # Bulletin's workers get a minimal environment, so the nodelet passes it on.
+            env={**os.environ, "BULLETIN_WORKER_ENV": "OMP_NUM_THREADS"},
         )
     try:
         config = state / "client.toml"
