@@ -41,6 +41,7 @@ def test_the_cluster_route_says_there_is_no_shared_directory(gateway: Cluster) -
         shared_dir=None,
         shared_dir_id=None,
         user="alice",
+        keepalive_s=10.0,  # caller_timeout_s (60 s) / 6
     )
     assert httpx.get(f"{gateway.url}/v1/cluster").status_code == 401
     node = Http(gateway.url, gateway.node_token("n1").read_text())
