@@ -1134,6 +1134,18 @@ class CompleteRequest(_Request, frozen=True, kw_only=True):
         Text | None,
         msgspec.Meta(description="JSON invocations: why the returned value is not JSON."),
     ] = None
+    logs: Annotated[
+        list[NodeLogChunk],
+        msgspec.Meta(
+            description=(
+                "The call's last log chunks, not sent yet: appended before the outcome, in the "
+                "same transaction, as a LogsRequest with `logs_first_seq` would be."
+            )
+        ),
+    ] = msgspec.field(default_factory=list)
+    logs_first_seq: Annotated[
+        Int32, msgspec.Meta(description="The attempt's number of the first of `logs` (from 0).")
+    ] = 0
 
 
 # ------------------------------------------------------------- worker process (nodelet <-> worker)

@@ -200,7 +200,15 @@ async def complete(request: Request) -> Response:
     if req.result_file is not None:
         await _check_result_file(request, node_id, invocation_id, req)
     async with request.app.state.pool.acquire() as conn:
-        if not await db.complete(conn, node_id, [(invocation_id, req)]):
+        if req.logs:  # its last output first, in the same transaction
+            logs = wire.LogsRequest(epoch=req.epoch, first_seq=req.logs_first_seq, chunks=req.logs)
+            async with conn.transaction():
+                done = await db.append_logs_in(conn, node_id, invocation_id, logs)
+                if done and not await db.complete(conn, node_id, [(invocation_id, req)]):
+                    raise _stale(invocation_id)  # rolls the chunks back with it
+        else:
+            done = bool(await db.complete(conn, node_id, [(invocation_id, req)]))
+        if not done:
             raise _stale(invocation_id)
         # Committed: its caller, waiting here, has its result now.
         request.app.state.hub.woke(conn.get_server_pid(), [f"i:{invocation_id}"])

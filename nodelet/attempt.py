@@ -56,6 +56,8 @@ EOF_GRACE_S = 2.0
 #: How long a killed attempt waits for its worker and all it started to be gone, before
 #: its GPUs may go to the next attempt anyway (with a warning).
 REAP_S = 10.0
+#: The most output (bytes) kept back to go with the completion; more is posted first.
+HANDED_OVER_BYTES = 1024 * 1024
 #: How long an attempt runs before the nodelet marks it started (state ``running``); one
 #: that completes sooner is never marked.
 START_AFTER_S = 0.05
@@ -289,6 +291,8 @@ class Attempt:
             if report is None or (self.preempting and report.request.state != "succeeded"):
                 # Its processes are gone before its GPUs are given to someone else.
                 await self._reap()
+                if report is not None:
+                    await self._post_logs(report.request)
                 await self._hand_back()
                 return
             await self._complete(report, files)
@@ -432,7 +436,8 @@ class Attempt:
                     worker.pid,
                 )
             await _drain(tasks[1:])
-            shipper.close()
+            # The last chunks go with the completion, one request instead of two.
+            shipper.hand_over(HANDED_OVER_BYTES)
             await tasks[0]
         finally:
             for pending in tasks:
@@ -440,8 +445,14 @@ class Attempt:
         if shipper.stale is not None:
             raise shipper.stale
         report = await self._report(files, worker, ending, oom_kills)
-        timing = {"worker_acquired": acquired, "warm": worker.warm}
-        report = replace(report, request=msgspec.structs.replace(report.request, **timing))
+        first_seq, rest = shipper.rest()
+        more = {
+            "worker_acquired": acquired,
+            "warm": worker.warm,
+            "logs": rest,
+            "logs_first_seq": first_seq,
+        }
+        report = replace(report, request=msgspec.structs.replace(report.request, **more))
         if ending is _Ending.FINISHED and not self.killed and not self.preempting:
             self._worker = None
             self._pool.release(
@@ -570,12 +581,28 @@ class Attempt:
             log.warning("%s: unreadable worker outcome: %s", self, exc)
             return None
 
+    async def _post_logs(self, request: wire.CompleteRequest) -> None:
+        """Post the log chunks kept for a completion that will not be sent (best effort)."""
+        if not request.logs:
+            return
+        logs = wire.LogsRequest(
+            epoch=request.epoch, first_seq=request.logs_first_seq, chunks=request.logs
+        )
+        try:
+            await self._client.logs(self.ref.invocation_id, logs)
+        except NodeletError as exc:
+            log.warning("%s: its last output was lost (%s)", self, exc)
+
     async def _complete(self, report: Report, files: _Files | None) -> None:
+        # Whatever outcome is sent in the end, the output kept for it goes with it.
+        output = {"logs": report.request.logs, "logs_first_seq": report.request.logs_first_seq}
+        report = replace(report, request=msgspec.structs.replace(report.request, **output))
         request = report.request
         if report.result_path is not None and files is not None:
             request = await self._result_file(request, report.result_path, files)
         elif request.result is not None and len(request.result) > self._facts.inline_limit:
             request = await self._result_blob(request, self._client.upload_result, request.result)
+        request = msgspec.structs.replace(request, **output)
         try:
             await _retrying(self._client.complete, self.ref.invocation_id, request)
         except GatewayRejected as exc:
@@ -589,6 +616,7 @@ class Attempt:
                 f"the call's outcome was refused by the gateway ({exc.detail}): the worker "
                 "did not write it, or the call's code wrote over it",
             ).request
+            request = msgspec.structs.replace(request, **output)
             await _retrying(self._client.complete, self.ref.invocation_id, request)
         except StaleAttempt:
             if request.result_file is not None and self._facts.shared_dir is not None:

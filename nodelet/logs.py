@@ -54,6 +54,9 @@ class LogShipper:
         self._room.set()
         self._closing = False
         self._stopped = False
+        self._handed_over = False
+        #: The sender gave up (stale, or the gateway refused): nothing is left to hand over.
+        self._stopped_early = False
         self.stale: StaleAttempt | None = None
 
     async def pump(
@@ -91,20 +94,26 @@ class LogShipper:
             self._room.clear()
 
     async def run(self) -> None:
-        """The sender: returns once :meth:`close` was called and everything was posted."""
+        """The sender: returns once :meth:`close` was called and everything was posted (or,
+        after :meth:`hand_over`, everything but what :meth:`rest` then gives)."""
         try:
             while await self._next_round():
+                if self._handed_over:
+                    break
                 batch = self._take()
                 if batch:
                     await self._post(batch)
         except StaleAttempt as exc:
             self.stale = exc
+            self._stopped_early = True
             self._on_stale()
         except NodeletError as exc:
             # Not the attempt's fault: stop shipping its output but let it finish and complete.
             log.error("dropping the rest of the output of %s: %s", self._describe(), exc)
+            self._stopped_early = True
         self._stopped = True
-        self._pending.clear()
+        if not self._handed_over or self._stopped_early:
+            self._pending.clear()
         self._room.set()  # the pipes must still be drained, or the worker blocks for ever
 
     def close(self) -> None:
@@ -112,6 +121,20 @@ class LogShipper:
         self._closing = True
         self._has_data.set()
         self._urgent.set()
+
+    def hand_over(self, most_bytes: int) -> None:
+        """No more output will come, and the attempt completes next: unless more than
+        ``most_bytes`` is pending, :meth:`run` returns once what is in flight was posted,
+        leaving the rest to go with the completion (:meth:`rest`): one request, not two."""
+        self._handed_over = self._pending_bytes <= most_bytes
+        self.close()
+
+    def rest(self) -> tuple[int, list[wire.NodeLogChunk]]:
+        """After :meth:`run` returned: the number of the first chunk not posted, and those
+        chunks (none unless handed over)."""
+        if self._stopped_early:
+            return self._sent, []
+        return self._sent, list(self._pending)
 
     async def _next_round(self) -> bool:
         await self._has_data.wait()

@@ -173,30 +173,38 @@ async def append_logs(
     """Append an attempt's log chunks, skipping any a retried request already applied.
     False if the attempt is stale."""
     async with conn.transaction():
-        row = await conn.fetchrow(
-            _LOCK_FOR_LOGS, uuid.UUID(invocation_id), node_id, request.epoch
-        )
-        if row is None:
-            return False
-        skip = max(0, row["log_ack"] + 1 - request.first_seq)
-        fresh = request.chunks[skip:]
-        if not fresh:
-            return True
-        first_n = row["log_count"] + 1
-        await conn.execute(
-            _INSERT_LOGS,
-            uuid.UUID(invocation_id),
-            first_n,
-            [int(c.stream) for c in fresh],
-            [c.data for c in fresh],
-        )
-        await conn.execute(
-            _COUNT_LOGS,
-            uuid.UUID(invocation_id),
-            len(fresh),
-            request.first_seq + len(request.chunks) - 1,
-        )
-        await _notify(conn, f"i:{invocation_id}")
+        return await append_logs_in(conn, node_id, invocation_id, request)
+
+
+async def append_logs_in(
+    conn: asyncpg.Connection,
+    node_id: int,
+    invocation_id: str,
+    request: wire.LogsRequest,
+) -> bool:
+    """:func:`append_logs` within the caller's transaction."""
+    row = await conn.fetchrow(_LOCK_FOR_LOGS, uuid.UUID(invocation_id), node_id, request.epoch)
+    if row is None:
+        return False
+    skip = max(0, row["log_ack"] + 1 - request.first_seq)
+    fresh = request.chunks[skip:]
+    if not fresh:
+        return True
+    first_n = row["log_count"] + 1
+    await conn.execute(
+        _INSERT_LOGS,
+        uuid.UUID(invocation_id),
+        first_n,
+        [int(c.stream) for c in fresh],
+        [c.data for c in fresh],
+    )
+    await conn.execute(
+        _COUNT_LOGS,
+        uuid.UUID(invocation_id),
+        len(fresh),
+        request.first_seq + len(request.chunks) - 1,
+    )
+    await _notify(conn, f"i:{invocation_id}")
     return True
 
 

@@ -77,6 +77,35 @@ def test_a_submission_that_waits_answers_with_the_result(gateway: Cluster) -> No
     assert bad.status_code == 422 and "wait must be a number of seconds" in bad.text
 
 
+def test_a_completion_carries_the_last_log_chunks_in_order_and_only_once(
+    gateway: Cluster,
+) -> None:
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway, gpus=1)
+    [invocation_id] = submit(user, call(gpus=1))
+    [work] = poll(node).assignments
+    base = f"/v1/node/invocations/{invocation_id}"
+    out = wire.Stream.STDOUT
+    first = [wire.NodeLogChunk(stream=out, data=b"one\n")]
+    posted = wire.LogsRequest(epoch=work.epoch, first_seq=0, chunks=first)
+    assert node.post(f"{base}/logs", posted).status_code == 204
+    last = [wire.NodeLogChunk(stream=out, data=b"two\n"), wire.NodeLogChunk(stream=out, data=b"3")]
+    done = wire.CompleteRequest(
+        epoch=work.epoch, state="succeeded", result=b"r", logs=last, logs_first_seq=1
+    )
+    # A stale attempt's chunks are refused with its outcome, and appended nothing.
+    stale = msgspec.structs.replace(done, epoch=work.epoch + 1)
+    assert node.post(f"{base}/complete", stale).status_code == 409
+    assert node.post(f"{base}/complete", done).status_code == 204
+    answer = user.post(
+        "/v1/invocations/watch", wire.WatchRequest(items=[wire.WatchItem(id=invocation_id)])
+    )
+    news = msgspec.json.decode(answer.content, type=wire.WatchResponse)
+    assert [(c.n, c.data) for c in news.logs] == [(1, b"one\n"), (2, b"two\n"), (3, b"3")]
+    [finished] = news.invocations
+    assert finished.state == "succeeded" and finished.log_count == 3
+
+
 def test_a_short_blocking_call_costs_the_sdk_one_request(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
