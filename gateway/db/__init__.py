@@ -103,7 +103,6 @@ from gateway.db.nodes import (
     NodeRow,
     NodeStatus,
     StopOrders,
-    deliver,
     heartbeat,
     held_attempts,
     leave,
@@ -114,7 +113,6 @@ from gateway.db.nodes import (
     registered_nodes,
     remove_node,
     set_draining,
-    stop_orders,
 )
 from gateway.db.quotas import (
     GroupRow,
@@ -206,7 +204,6 @@ __all__ = [
     "create_user",
     "delete_blob",
     "delete_function",
-    "deliver",
     "ensure_database",
     "expire_leases",
     "explain_waits",
@@ -266,7 +263,6 @@ __all__ = [
     "silence",
     "start",
     "start_sessions",
-    "stop_orders",
     "storage_usage",
     "submit",
     "to_invocation",

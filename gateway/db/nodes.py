@@ -138,27 +138,6 @@ WHERE removed_at IS NULL
 ORDER BY name
 """
 
-_STOP_ORDERS = """
-SELECT a.id, i.preempt_at IS NOT NULL AS preempt, i.preempt_reason
-FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)
-JOIN invocations i ON i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1
-  AND i.state IN ('assigned', 'running')
-"""
-
-_DELIVER = """
-UPDATE invocations i SET delivered_at = coalesce(i.delivered_at, clock_timestamp()),
-  lease_expires_at = clock_timestamp() + make_interval(secs => $5)
-FROM users u
-WHERE u.id = i.owner_id AND i.node_id = $1 AND i.state = 'assigned'
-  AND EXISTS (SELECT 1 FROM nodes n WHERE n.id = $1 AND n.incarnation = $6)
-  AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)
-    WHERE a.id = i.id AND a.epoch = i.epoch)
-RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,
-  i.owner_id, i.payload_file, i.arguments, i.function_owner,
-  u.name AS owner_name, u.is_admin AS owner_admin,
-  CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload
-"""
-
 # A poll's one statement: which of the attempts the node runs ($2, $3) are still its own and
 # whether they are preempted ('kept' rows; the others are revoked), and the work assigned to
 # it that it does not run yet, delivered ('work' rows). One snapshot for both.
@@ -436,40 +415,17 @@ async def poll(
     inline_limit: int,
     lease_s: float,
 ) -> tuple[StopOrders, list[wire.Assignment]]:
-    """In one statement: :func:`stop_orders` of ``running`` and :func:`deliver`."""
+    """In one statement: of the attempts in ``running``, those no longer leased to this node
+    and those the scheduler preempts; and the assigned work of this node that it does not
+    already run, if ``incarnation`` is still the node's (a poll that waited while a new start
+    registered gets nothing). Work is redelivered until the node starts it, so a lost poll
+    answer loses nothing. Delivery renews the lease: the node starts its own lease clock on
+    receipt, and must never believe in more lease than it has."""
     rows = await conn.fetch(
         _POLL, node_id, *_attempt_arrays(running), inline_limit, lease_s, incarnation
     )
     kept = {str(r["id"]): r for r in rows if r["kind"] == "kept"}
     return _orders(running, kept), [_assignment(r) for r in rows if r["kind"] == "work"]
-
-
-async def stop_orders(conn: Conn, node_id: int, running: Sequence[wire.Attempt]) -> StopOrders:
-    """Of the attempts in ``running``: those no longer leased to this node, and those the
-    scheduler preempts."""
-    if not running:
-        return StopOrders([], [])
-    rows = await conn.fetch(_STOP_ORDERS, node_id, *_attempt_arrays(running))
-    return _orders(running, {str(r["id"]): r for r in rows})
-
-
-async def deliver(
-    conn: Conn,
-    node_id: int,
-    incarnation: int,
-    running: Sequence[wire.Attempt],
-    inline_limit: int,
-    lease_s: float,
-) -> list[wire.Assignment]:
-    """Assigned work of this node that it does not already run, if ``incarnation`` is still
-    the node's (a poll that waited while a new start registered gets nothing). Redelivered
-    until the node starts it, so a lost poll answer loses nothing. Delivery renews the lease:
-    the node starts its own lease clock on receipt, and must never believe in more lease than
-    it has."""
-    rows = await conn.fetch(
-        _DELIVER, node_id, *_attempt_arrays(running), inline_limit, lease_s, incarnation
-    )
-    return [_assignment(r) for r in rows]
 
 
 def _assignment(r: asyncpg.Record) -> wire.Assignment:
