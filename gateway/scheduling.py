@@ -20,7 +20,7 @@ from gateway import db, expiry
 from gateway.config import GatewayConfig
 from gateway.expiry import Outages
 from gateway.notify import Hub
-from scheduler import Gpu, NodeCapacity, Pending, Quota, Running, Snapshot, placement
+from scheduler import Gpu, NodeCapacity, Pending, Plan, Quota, Running, Snapshot, placement
 
 log = logging.getLogger(__name__)
 #: How often the leader stores each queued call's position and reason (call.status()).
@@ -125,24 +125,10 @@ async def plan_round(
         # A call runs on one node: one bigger than every live node waits, reserving nothing,
         # until such a node is back (it fitted a registered node when it was submitted).
         queued, too_big = one_node_calls(queued, free)
-        groups = await db.groups(conn)
-        usage, user_usage = await db.fair_usage(conn)
-        snapshot = Snapshot(
-            nodes=free,
-            pending=queued,
-            running=leases,
-            quotas={g.name: Quota(g.guaranteed_gpus, g.borrow_limit_gpus) for g in groups},
-            usage=usage,
-            user_usage=user_usage,
-            now=await db.now(conn),
-        )
+        snapshot = await _snapshot(conn, free, queued, leases, await db.now(conn), quotas=True)
         why: dict[str, tuple[int, str]] | None = {} if explain else None
         result = config.policy().plan(snapshot, why)
-        placed = await db.assign(
-            conn,
-            [(d.invocation_id, d.node_id, d.gpu_indices, d.borrowed) for d in result],
-            config.lease_s,
-        )
+        placed = await _assign(conn, config, result)
         preempted = await db.preempt(
             conn, [(p.invocation_id, p.reason) for p in result.preemptions]
         )
@@ -164,9 +150,10 @@ async def place_at_once(
     leader's round, when nothing else is queued (so none of higher standing waits). The
     configured policy decides, on the same snapshot a round would read (live nodes locked,
     leases, quotas, usage) with these calls as the whole queue, and the placements commit with
-    the submission through the same capacity-checked statement as a round's. Returns how many
-    were placed; the rest, and any call the policy would preempt for, are left to the leader
-    (which the caller wakes). Declined in one statement when another call waits."""
+    the submission through the same capacity-checked statement as a round's. Returns the
+    ``(invocation_id, node_id)`` placed; the rest, and any call the policy would preempt
+    for, are left to the leader (which the caller wakes). Declined in one statement when
+    another call waits."""
     if not fresh:
         return []
     nodes = await db.live_nodes_if_idle(conn, config.node_timeout_s, [p.id for p in fresh])
@@ -178,31 +165,45 @@ async def place_at_once(
     if not fits or not any(n.free_gpus or n.free_cpu_slots for n in free):
         return []
     policy = config.policy()
-    quotas: dict[str, Quota] = {}
-    usage: dict[str, float] = {}
-    user_usage: dict[tuple[str, str], float] = {}
-    if policy.uses_quotas:
-        limits, usage, user_usage = await db.quotas_and_usage(conn)
-        quotas = {name: Quota(*limit) for name, limit in limits.items()}
     now = max(p.submit_time for p in fits)
-    snapshot = Snapshot(
+    snapshot = await _snapshot(conn, free, fits, leases, now, quotas=policy.uses_quotas)
+    result = policy.plan(snapshot)
+    if result.preemptions or not result:
+        return []  # reclaiming capacity is the leader's to decide, with the whole queue
+    return await _assign(conn, config, result)
+
+
+async def _snapshot(
+    conn: asyncpg.Connection,
+    free: list[NodeCapacity],
+    pending: list[Pending],
+    leases: list[Running],
+    now: float,
+    *,
+    quotas: bool,
+) -> Snapshot:
+    """What a policy plans on; with ``quotas``, the groups' quotas and decayed usage read."""
+    limits, usage, user_usage = await db.quotas_and_usage(conn) if quotas else ({}, {}, {})
+    return Snapshot(
         nodes=free,
-        pending=fits,
+        pending=pending,
         running=leases,
-        quotas=quotas,
+        quotas={name: Quota(*limit) for name, limit in limits.items()},
         usage=usage,
         user_usage=user_usage,
         now=now,
     )
-    result = policy.plan(snapshot)
-    if result.preemptions or not result:
-        return []  # reclaiming capacity is the leader's to decide, with the whole queue
-    placed = await db.assign(
+
+
+async def _assign(
+    conn: asyncpg.Connection, config: GatewayConfig, plan: Plan
+) -> list[tuple[str, int]]:
+    """Commit a plan's placements (under the caller's node locks); those made."""
+    return await db.assign(
         conn,
-        [(d.invocation_id, d.node_id, d.gpu_indices, d.borrowed) for d in result],
+        [(d.invocation_id, d.node_id, d.gpu_indices, d.borrowed) for d in plan],
         config.lease_s,
     )
-    return placed
 
 
 class Expiry:

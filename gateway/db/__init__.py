@@ -9,7 +9,7 @@ changed: the scheduler should plan), ``n:<node_id>`` (a node has new work or rev
 a nodelet checks ``(id, node_id, epoch)`` in the statement that applies it, so a stale
 attempt changes nothing. Times come from the database clock only.
 
-Callers write ``from gateway import db`` and ``db.submit(...)``; the modules, lower ones
+Callers write ``from gateway import db`` and ``db.insert_calls(...)``; the modules, lower ones
 first (a module imports only those above it):
 
 - ``_common``: the connection type, notifications, Bulletin's own log lines, stored lists
@@ -95,7 +95,6 @@ from gateway.db.invocations import (
     logs_after,
     mark_fetched,
     missing,
-    submit,
     to_invocation,
 )
 from gateway.db.nodes import (
@@ -118,7 +117,6 @@ from gateway.db.quotas import (
     GroupRow,
     UsageRow,
     accrue_usage,
-    fair_usage,
     group_exists,
     groups,
     now,
@@ -208,7 +206,6 @@ __all__ = [
     "expire_leases",
     "explain_waits",
     "extend_leases",
-    "fair_usage",
     "find_function",
     "find_key",
     "find_user",
@@ -264,7 +261,6 @@ __all__ = [
     "start",
     "start_sessions",
     "storage_usage",
-    "submit",
     "to_invocation",
     "tokens",
     "try_lead",

@@ -166,20 +166,6 @@ class Submitted:
     fresh: dict[str, float]
 
 
-async def submit(
-    conn: asyncpg.Connection,
-    owner_id: int,
-    calls: Sequence[wire.CallSpec],
-    key: HttpKey | None = None,
-) -> list[str]:
-    """Insert the calls (exactly once per idempotency key), wake the scheduler, and return
-    their ids in order. See :func:`insert_calls`."""
-    async with conn.transaction():
-        made = await insert_calls(conn, owner_id, calls, key)
-        await _notify(conn, "q")
-    return made.ids
-
-
 async def insert_calls(
     conn: asyncpg.Connection,
     owner_id: int,

@@ -54,10 +54,6 @@ _NOW = """
 SELECT extract(epoch FROM clock_timestamp())
 """
 
-_FAIR_USAGE = """
-SELECT group_name, user_name, decayed_gpu_seconds FROM fair_usage
-"""
-
 # Quotas and decayed usage in one statement: ('quota', group, guaranteed, borrow limit) and
 # ('usage', group, user, decayed GPU-seconds) rows.
 _QUOTAS_AND_USAGE = """
@@ -161,22 +157,11 @@ async def now(conn: Conn) -> float:
     return float(await conn.fetchval(_NOW))
 
 
-async def fair_usage(conn: Conn) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
-    """Decayed GPU-seconds per group, and per (group, user), as of the last accrual."""
-    rows = await conn.fetch(_FAIR_USAGE)
-    groups = {r["group_name"]: r["decayed_gpu_seconds"] for r in rows if r["user_name"] == ""}
-    users = {
-        (r["group_name"], r["user_name"]): r["decayed_gpu_seconds"]
-        for r in rows
-        if r["user_name"] != ""
-    }
-    return groups, users
-
-
 async def quotas_and_usage(
     conn: Conn,
 ) -> tuple[dict[str, tuple[int, int | None]], dict[str, float], dict[tuple[str, str], float]]:
-    """In one statement: each group's (guaranteed, borrow limit), and :func:`fair_usage`."""
+    """In one statement: each group's (guaranteed, borrow limit), and the decayed GPU-seconds
+    per group and per (group, user), as of the last accrual."""
     rows = await conn.fetch(_QUOTAS_AND_USAGE)
     quotas = {
         r["group_name"]: (r["guaranteed_gpus"], r["borrow_limit_gpus"])
