@@ -24,26 +24,63 @@ from tests.integration.test_gateway_api import Http, call, poll, register, statu
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
+class NoLeader:
+    """Holds the scheduling leader's lock, so that no gateway leads (no round runs) until
+    :meth:`release`."""
+
+    def __init__(self, database_url: str) -> None:
+        self._url = database_url
+        self._held, self._release = threading.Event(), threading.Event()
+        self._holder = threading.Thread(target=asyncio.run, args=(self._hold(),), daemon=True)
+        self._holder.start()
+        assert self._held.wait(30), "could not take the leader lock"
+
+    async def _hold(self) -> None:
+        import asyncpg
+
+        from gateway.db import LEADER_LOCK
+
+        conn = await asyncpg.connect(self._url)
+        try:
+            await conn.execute("SELECT pg_advisory_lock($1)", LEADER_LOCK)
+            self._held.set()
+            await asyncio.to_thread(self._release.wait)
+        finally:
+            await conn.close()
+
+    def release(self) -> None:
+        self._release.set()
+        self._holder.join(30)
+
+
 def test_a_call_on_an_idle_cluster_is_placed_by_its_submission_and_never_ahead_of_one_waiting(
-    gateway: Cluster,
+    database_url: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    user = Http(gateway.url, gateway.token)
-    node = register(gateway, gpus=1)
-    # Nothing queued and a GPU free: assigned when the submission answers, not a round later.
-    [first] = submit(user, call(gpus=1))
-    assert status(user, first).state == "assigned"
-    # The GPU is taken: the next calls wait, in order.
-    [second] = submit(user, call(gpus=1))
-    [third] = submit(user, call(gpus=1))
-    assert status(user, second).state == "queued"
-    assert status(user, third).state == "queued"
-    [work] = poll(node).assignments
-    assert work.invocation_id == first
-    done = wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"r")
-    assert node.post(f"/v1/node/invocations/{first}/complete", done).status_code == 204
-    # The freed GPU goes to the call that waited longest.
-    wait_until(lambda: status(user, second).state == "assigned", 10, "the waiting call placed")
-    assert status(user, third).state == "queued"
+    no_leader = NoLeader(database_url)
+    try:
+        with running(Cluster(database_url, tmp_path), request) as gateway:
+            user = Http(gateway.url, gateway.token)
+            node = register(gateway, gpus=1)  # and 1 CPU slot
+            # No round runs: only the submission itself can place a call.
+            [first] = submit(user, call(gpus=1))
+            assert status(user, first).state == "assigned"
+            # The GPU is taken: the next waits. A CPU call after it finds the CPU slot free,
+            # but a call waits: the submission leaves it to the leader's policy.
+            [second] = submit(user, call(gpus=1))
+            [third] = submit(user, call(gpus=0))
+            time.sleep(1.5)  # more than a round's interval: nothing places them meanwhile
+            assert status(user, second).state == "queued"
+            assert status(user, third).state == "queued"
+            no_leader.release()  # the gateway leads at its next try
+            wait_until(lambda: status(user, third).state == "assigned", 10, "the backfill")
+            assert status(user, second).state == "queued"
+            [work] = [w for w in poll(node).assignments if w.invocation_id == first]
+            done = wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"r")
+            assert node.post(f"/v1/node/invocations/{first}/complete", done).status_code == 204
+            # The freed GPU goes to the call that waited.
+            wait_until(lambda: status(user, second).state == "assigned", 10, "the waiting call")
+    finally:
+        no_leader.release()
 
 
 def test_a_submission_that_waits_answers_with_the_result(gateway: Cluster) -> None:
