@@ -596,7 +596,6 @@ class Attempt:
     async def _complete(self, report: Report, files: _Files | None) -> None:
         # Whatever outcome is sent in the end, the output kept for it goes with it.
         output = {"logs": report.request.logs, "logs_first_seq": report.request.logs_first_seq}
-        report = replace(report, request=msgspec.structs.replace(report.request, **output))
         request = report.request
         if report.result_path is not None and files is not None:
             request = await self._result_file(request, report.result_path, files)
@@ -616,7 +615,8 @@ class Attempt:
                 f"the call's outcome was refused by the gateway ({exc.detail}): the worker "
                 "did not write it, or the call's code wrote over it",
             ).request
-            request = msgspec.structs.replace(request, **output)
+            # Its output on its own, so that output the gateway refuses cannot refuse this too.
+            await self._post_logs(msgspec.structs.replace(request, **output))
             await _retrying(self._client.complete, self.ref.invocation_id, request)
         except StaleAttempt:
             if request.result_file is not None and self._facts.shared_dir is not None:
