@@ -113,6 +113,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--no-place-at-submit", action="store_true")
+    parser.add_argument("--map", type=int, default=0, metavar="N",
+                        help="measure one list(fn.map(range(N))) instead of sequential calls")
     args = parser.parse_args()
     print(
         f"machine: {platform.platform()}, {os.cpu_count()} cores, "
@@ -155,21 +157,30 @@ def main() -> None:
             client._http.event_hooks["request"].append(lambda r: requests.append(r.url.path))
             before_sql, before_cpu = statements(counts, gateway), cpu_by_process()
             latency = []
-            for i in range(args.calls):
+            if args.map:
                 started = time.perf_counter()
-                assert fn(i) == i
-                latency.append((time.perf_counter() - started) * 1000)
+                assert list(fn.map(range(args.map))) == list(range(args.map))
+                took = time.perf_counter() - started
+            else:
+                for i in range(args.calls):
+                    started = time.perf_counter()
+                    assert fn(i) == i
+                    latency.append((time.perf_counter() - started) * 1000)
             after_cpu, after_sql = cpu_by_process(), statements(counts, gateway)
         finally:
             cluster.send_signal(signal.SIGTERM)
             cluster.wait(60)
-    n = args.calls
-    ordered = sorted(latency)
-    pick = lambda q: ordered[min(n - 1, int(q * n))]  # noqa: E731
-    print(
-        f"{n} calls: p50 {pick(0.5):.2f} ms, p90 {pick(0.9):.2f} ms, p99 {pick(0.99):.2f} ms, "
-        f"mean {statistics.fmean(latency):.2f} ms"
-    )
+    if args.map:
+        n = args.map
+        print(f"map of {n} items: {took:.2f} s, {n / took:.0f} calls/s")
+    else:
+        n = args.calls
+        ordered = sorted(latency)
+        pick = lambda q: ordered[min(n - 1, int(q * n))]  # noqa: E731
+        print(
+            f"{n} calls: p50 {pick(0.5):.2f} ms, p90 {pick(0.9):.2f} ms, "
+            f"p99 {pick(0.99):.2f} ms, mean {statistics.fmean(latency):.2f} ms"
+        )
     print("CPU per call:")
     for kind in ("client", "gateway", "nodelet", "workers", "postgres"):
         print(f"  {kind:9s} {(after_cpu[kind] - before_cpu[kind]) / n * 1000:6.2f} ms")

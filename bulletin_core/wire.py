@@ -142,6 +142,8 @@ class _Request(_Msg, frozen=True, kw_only=True, forbid_unknown_fields=True):
 #: The most calls one SubmitRequest may carry, and invocations one watch or cancel may name.
 MAX_SUBMIT = 1000
 MAX_WATCH = 1000
+#: The most outcomes one CompleteManyRequest may carry.
+MAX_COMPLETE = 256
 MAX_RETRIES = 10
 
 #: A name that is also a path segment (users, groups, registered functions).
@@ -330,6 +332,18 @@ class SubmitRequest(_Request, frozen=True, kw_only=True):
             description=f"The calls to queue: 1 to {MAX_SUBMIT} per request.",
         ),
     ]
+    map_id: Annotated[
+        Id | None,
+        msgspec.Meta(
+            description=(
+                "The calls are items of one map (the sdk's `Function.map` sends one random id "
+                "with every batch of a map): they must ask for the same resources and "
+                "priority. While nothing else waits, a node that finishes an item of a map is "
+                "given its next items at once, in the answer to that completion, instead of "
+                "waiting for the scheduler; each item stays an invocation of its own."
+            )
+        ),
+    ] = None
 
 
 class SubmitResponse(_Msg, frozen=True, kw_only=True):
@@ -968,6 +982,16 @@ class Assignment(_Msg, frozen=True, kw_only=True):
             )
         ),
     ] = None
+    lease: Annotated[
+        str | None,
+        msgspec.Meta(
+            description=(
+                "Items of a map: the slot lease the attempt runs in. A node runs the attempts "
+                "of one lease one after another, in the order it got them, on the GPUs (or "
+                "CPU slot) of the lease; they count for that capacity once."
+            )
+        ),
+    ] = None
 
 
 class GpuHealthReport(_Request, frozen=True, kw_only=True):
@@ -1146,6 +1170,56 @@ class CompleteRequest(_Request, frozen=True, kw_only=True):
     logs_first_seq: Annotated[
         Int32, msgspec.Meta(description="The attempt's number of the first of `logs` (from 0).")
     ] = 0
+
+
+class Completion(CompleteRequest, frozen=True, kw_only=True):
+    """One attempt's outcome in a :class:`CompleteManyRequest`."""
+
+    invocation_id: Id
+
+
+class CompleteManyRequest(_Request, frozen=True, kw_only=True):
+    completions: Annotated[
+        list[Completion],
+        msgspec.Meta(
+            min_length=1,
+            max_length=MAX_COMPLETE,
+            description=(
+                f"1 to {MAX_COMPLETE} outcomes, each committed as the single-attempt route "
+                "would (fenced by its epoch, exactly once, its logs first)."
+            ),
+        ),
+    ]
+    take_more: Annotated[
+        bool,
+        msgspec.Meta(
+            description=(
+                "Whether the node takes the next items of the maps whose items it completes "
+                "here (see `Assignment.lease`); false while it is stopping."
+            )
+        ),
+    ] = True
+
+
+class CompleteManyResponse(_Msg, frozen=True, kw_only=True):
+    done: Annotated[list[str], msgspec.Meta(description="The outcomes committed.")]
+    stale: Annotated[
+        list[str],
+        msgspec.Meta(
+            description=(
+                "Attempts no longer this node's at their epoch: their outcomes were discarded."
+            )
+        ),
+    ]
+    assignments: Annotated[
+        list[Assignment],
+        msgspec.Meta(
+            description=(
+                "The next items of the maps, leased to this node in the same transaction: "
+                "each to run after the attempts of its `lease` the node already holds."
+            )
+        ),
+    ] = msgspec.field(default_factory=list)
 
 
 # ------------------------------------------------------------- worker process (nodelet <-> worker)

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import asyncpg
 import msgspec
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Match, Route
 
@@ -188,6 +188,13 @@ def _is_connection_failure(exc: OSError) -> bool:
     )
 
 
+async def on_client_gone(request: Request, exc: Exception) -> Response:
+    # The client went away before its body was in (a nodelet cancels a start that its
+    # completion makes moot): nobody reads the answer, and nothing was done.
+    log.debug("client went away during %s %s", request.method, request.url.path)
+    return problem(400, "Bad Request", "the client went away before its body was in", "gone")
+
+
 async def on_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return problem(
@@ -220,5 +227,6 @@ HANDLERS = {
     msgspec.ValidationError: on_validation_error,
     msgspec.DecodeError: on_decode_error,
     HTTPException: on_http_exception,
+    ClientDisconnect: on_client_gone,
     Exception: on_unexpected,
 }

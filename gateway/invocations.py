@@ -76,6 +76,32 @@ def _check_payload_file(name: str, where: str, root: str, user: str) -> None:
         )
 
 
+def _check_one_map(calls: list[wire.CallSpec]) -> None:
+    """The items of one map ask for the same resources and priority: a node finishing one
+    may run the next in its place (``db.top_up``)."""
+    first = _shape(calls[0])
+    for i, call in enumerate(calls):
+        if _shape(call) != first:
+            raise Unprocessable(
+                f"calls[{i}] asks for other resources or priority than calls[0], and map_id "
+                "makes them items of one map: submit calls that differ without map_id (or as "
+                "maps of their own)",
+                code="map_items_differ",
+            )
+
+
+def _shape(call: wire.CallSpec) -> tuple[object, ...]:
+    return (
+        call.gpus,
+        call.priority,
+        call.gpu_model,
+        call.gpu_memory_mb,
+        call.expected_s,
+        call.timeout_s,
+        call.caller_session,
+    )
+
+
 async def submit(request: Request) -> Response:
     caller = await auth.principal(request, "user")
     assert caller.user_id is not None
@@ -95,6 +121,8 @@ async def submit(request: Request) -> Response:
             "may raise a call's priority above 0; a negative priority lets others go first",
             code="priority_not_allowed",
         )
+    if req.map_id is not None:
+        _check_one_map(calls)
     await check_fits(request, caller.group, calls)
     await room_for_calls(request, owner, sum(c.payload_size for c in calls if c.payload_file))
     keys = [c.idempotency_key for c in calls]
@@ -122,7 +150,12 @@ async def submit(request: Request) -> Response:
             async with request.app.state.pool.acquire() as conn:
                 async with conn.transaction():
                     made = await db.insert_calls(
-                        conn, owner, calls, None if key is None else (key, request_hash), new_ids
+                        conn,
+                        owner,
+                        calls,
+                        None if key is None else (key, request_hash),
+                        new_ids,
+                        map_id=None if req.map_id is None else valid_id(req.map_id),
                     )
                     nodes = await _place(conn, config, caller, calls, made)
                 # Committed: the nodes' polls waiting here take their work now.

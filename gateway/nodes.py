@@ -17,6 +17,7 @@ from gateway import auth, db
 from gateway.errors import Conflict, NotFound, Unprocessable
 from gateway.http import body, int_param, reply, store_blob, stream_blob
 from gateway.invocations import valid_id
+from scheduler import chunk_size
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,69 @@ async def complete(request: Request) -> Response:
     return Response(status_code=204)
 
 
+async def complete_many(request: Request) -> Response:
+    """Commit many attempts' outcomes in one transaction, and give the node the next items
+    of the maps whose items it completed (``db.top_up``)."""
+    node = await auth.node(request)
+    node_id = node.node_id
+    assert node_id is not None
+    req = await body(request, wire.CompleteManyRequest)
+    ids = [valid_id(c.invocation_id) for c in req.completions]
+    if len(set(ids)) != len(ids):
+        raise Unprocessable("two completions name the same invocation")
+    for completion in req.completions:
+        _check_result(request, completion)
+        if completion.result_file is not None:
+            await _check_result_file(request, node_id, completion.invocation_id, completion)
+    config = request.app.state.config
+    outcomes = list(zip(ids, req.completions, strict=True))
+    async with request.app.state.pool.acquire() as conn:
+        async with conn.transaction():
+            # The node's row first, as a scheduling round locks it: no lock-order deadlock.
+            open_ = await db.lock_node_for_work(conn, node_id, node.incarnation)
+            for invocation_id, c in outcomes:
+                if c.logs:  # its last output first (nothing if the attempt is stale)
+                    first = c.logs_first_seq
+                    logs = wire.LogsRequest(epoch=c.epoch, first_seq=first, chunks=c.logs)
+                    await db.append_logs_in(conn, node_id, invocation_id, logs)
+            completed = await db.complete_in(conn, node_id, outcomes)
+            assignments: list[wire.Assignment] = []
+            if open_ and req.take_more:
+                by_id = dict(outcomes)
+                wants = {
+                    c.lease: (c.id, chunk_size(c.gpus, _seconds(by_id[c.id])))
+                    for c in completed
+                    if c.mapped
+                }
+                assignments = await db.top_up(
+                    conn,
+                    node_id,
+                    wants,
+                    lease_s=config.lease_s,
+                    inline_limit=config.inline_limit,
+                    late_s=config.caller_late_s,
+                )
+            await db.wake_if_freed(conn, node_id, sorted({c.lease for c in completed}))
+            done = {c.id for c in completed}
+        # Committed: their callers, waiting here, have their results now.
+        request.app.state.hub.woke(conn.get_server_pid(), [f"i:{i}" for i in done])
+    return reply(
+        wire.CompleteManyResponse(
+            done=[i for i in ids if i in done],
+            stale=[i for i in ids if i not in done],
+            assignments=assignments,
+        )
+    )
+
+
+def _seconds(req: wire.CompleteRequest) -> float | None:
+    """How long the attempt held its slot for its call, by the node's clock."""
+    began = req.worker_acquired if req.worker_acquired is not None else req.started
+    if began is None or req.finished is None:
+        return None
+    return max(0.0, req.finished - began)
+
+
 def _check_result(request: Request, req: wire.CompleteRequest) -> None:
     given = [r for r in (req.result, req.result_blob, req.result_file) if r is not None]
     if len(given) > 1:
@@ -263,4 +327,5 @@ ROUTES = [
     Route("/v1/node/invocations/{id}/logs", logs, methods=["POST"]),
     Route("/v1/node/invocations/{id}/result", put_result, methods=["PUT"]),
     Route("/v1/node/invocations/{id}/complete", complete, methods=["POST"]),
+    Route("/v1/node/complete", complete_many, methods=["POST"]),
 ]

@@ -23,6 +23,7 @@ from bulletin_core.backoff import Backoff
 from nodelet.accounts import Accounts, unreachable
 from nodelet.attempt import Attempt, NodeFacts, removals_done
 from nodelet.client import GatewayClient
+from nodelet.completions import Completions
 from nodelet.config import NodeletConfig
 from nodelet.errors import AuthRejected, GatewayUnavailable, NodeletError, Superseded
 from nodelet.gpus import GpuProvider, choose_provider, describe
@@ -262,7 +263,11 @@ class Node:
         self.registration = registration
         self.lease_s = registration.lease_s
         self.attempts: dict[tuple[str, int], Attempt] = {}
+        #: The last attempt of each map lease (Assignment.lease): the next one runs after it.
+        self._lease_tails: dict[str, Attempt] = {}
+        self._stopping = False
         self._client = client
+        self.completions = Completions(client, self._launch_all, lambda: not self._stopping)
         self._pool = pool
         self._facts = facts
         # The GPUs' latest health sample, and critical reports not yet delivered (an XID is
@@ -292,11 +297,13 @@ class Node:
         try:
             await asyncio.wait([*loops, stopped], return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self._stopping = True
             for task in [*loops, stopped]:
                 task.cancel()
             await asyncio.wait([*loops, stopped])
             handed_back = self.running()
             await self._kill_all("the nodelet is stopping")
+            await self.completions.aclose()
             await self._release(handed_back)
         for task in loops:
             failure = None if task.cancelled() else task.exception()
@@ -321,15 +328,28 @@ class Node:
             backoff.reset()
             self._revoke(response.revoked)
             self._preempt(response.preempt)
-            for assignment in response.assignments:
-                self._launch(assignment)
+            self._launch_all(response.assignments)
+
+    def _launch_all(self, assignments: list[wire.Assignment]) -> None:
+        for assignment in assignments:
+            self._launch(assignment)
 
     def _launch(self, assignment: wire.Assignment) -> None:
         key = (assignment.invocation_id, assignment.epoch)
         if key in self.attempts:
             return  # already running: the gateway did not see it in `running` yet
-        attempt = Attempt(assignment, client=self._client, pool=self._pool, facts=self._facts)
+        attempt = Attempt(
+            assignment,
+            client=self._client,
+            pool=self._pool,
+            facts=self._facts,
+            complete=self.completions.complete,
+        )
         self.attempts[key] = attempt
+        behind = None
+        if assignment.lease is not None:  # after the lease's attempts this node holds
+            behind = self._lease_tails.get(assignment.lease)
+            self._lease_tails[assignment.lease] = attempt
         # A GPU is never in two live attempts: one revoked in the same answer that gives its
         # GPUs to this one is still dying.
         gpus = set(assignment.gpu_indices)
@@ -338,13 +358,24 @@ class Node:
             for a in self.attempts.values()
             if a.killed and a.task is not None and gpus & set(a.assignment.gpu_indices)
         ]
-        attempt.start(after=dying).add_done_callback(lambda _: self.attempts.pop(key, None))
-        log.info(
-            "started %s (%s) on GPUs %s",
-            attempt,
-            assignment.function_name or "unnamed function",
-            assignment.gpu_indices,
+        attempt.start(after=dying, behind=behind).add_done_callback(
+            lambda _: self._ended(key, attempt)
         )
+        if behind is None:
+            log.info(
+                "started %s (%s) on GPUs %s",
+                attempt,
+                assignment.function_name or "unnamed function",
+                assignment.gpu_indices,
+            )
+        else:
+            log.debug("queued %s behind %s in its lease", attempt, behind)
+
+    def _ended(self, key: tuple[str, int], attempt: Attempt) -> None:
+        self.attempts.pop(key, None)
+        lease = attempt.assignment.lease
+        if lease is not None and self._lease_tails.get(lease) is attempt:
+            del self._lease_tails[lease]
 
     def _revoke(self, revoked: list[wire.Attempt]) -> None:
         for ref in revoked:

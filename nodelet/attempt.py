@@ -191,14 +191,20 @@ class Attempt:
         client: GatewayClient,
         pool: WorkerPool,
         facts: NodeFacts,
+        complete: Callable[[str, wire.CompleteRequest], Awaitable[None]] | None = None,
     ) -> None:
         self.assignment = assignment
         self.ref = wire.Attempt(invocation_id=assignment.invocation_id, epoch=assignment.epoch)
         self._client = client
         self._pool = pool
         self._facts = facts
+        #: Sends the outcome (``Completions.complete``: batched with others).
+        self._complete_with = complete
         self._worker: Worker | None = None
         self.task: asyncio.Task[None] | None = None
+        #: Set once the attempt no longer holds its slot: its worker given back (its outcome
+        #: may still be on its way) or gone. The next attempt of its lease starts then.
+        self.freed = asyncio.Event()
         self.killed = False
         #: The scheduler preempts this attempt (see :meth:`preempt`).
         self.preempting = False
@@ -215,16 +221,24 @@ class Attempt:
     def __str__(self) -> str:
         return f"invocation {self.ref.invocation_id} epoch {self.ref.epoch}"
 
-    def start(self, after: Sequence[asyncio.Task[None]] = ()) -> asyncio.Task[None]:
+    def start(
+        self, after: Sequence[asyncio.Task[None]] = (), behind: Attempt | None = None
+    ) -> asyncio.Task[None]:
         """Run the attempt in a named task, kept on ``self.task``, once the ``after`` tasks
-        (killed attempts on the same GPUs, their processes dying) are done."""
-        self.task = asyncio.create_task(self._run_after(after), name=self.name)
+        (killed attempts on the same GPUs, their processes dying) are done and the attempt
+        ``behind`` (the one before it in its lease) freed its slot."""
+        self.task = asyncio.create_task(self._run_after(after, behind), name=self.name)
         return self.task
 
-    async def _run_after(self, after: Sequence[asyncio.Task[None]]) -> None:
-        if after:
-            await asyncio.wait(after)
-        await self.run()
+    async def _run_after(self, after: Sequence[asyncio.Task[None]], behind: Attempt | None) -> None:
+        try:
+            if after:
+                await asyncio.wait(after)
+            if behind is not None:
+                await behind.freed.wait()
+            await self.run()
+        finally:
+            self.freed.set()
 
     def kill(self) -> None:
         """Kill the worker and all it started, and abandon the attempt without completing it."""
@@ -463,6 +477,7 @@ class Attempt:
                 recycle=_broken_cuda(report.request)
                 or (None if clean else "what its call started could not all be killed"),
             )
+            self.freed.set()
         return report
 
     def _ship_output(
@@ -603,7 +618,7 @@ class Attempt:
             request = await self._result_blob(request, self._client.upload_result, request.result)
         request = msgspec.structs.replace(request, **output)
         try:
-            await _retrying(self._client.complete, self.ref.invocation_id, request)
+            await _retrying(self._send_outcome, self.ref.invocation_id, request)
         except GatewayRejected as exc:
             if exc.status != 422:
                 raise
@@ -617,7 +632,7 @@ class Attempt:
             ).request
             # Its output on its own, so that output the gateway refuses cannot refuse this too.
             await self._post_logs(msgspec.structs.replace(request, **output))
-            await _retrying(self._client.complete, self.ref.invocation_id, request)
+            await _retrying(self._send_outcome, self.ref.invocation_id, request)
         except StaleAttempt:
             if request.result_file is not None and self._facts.shared_dir is not None:
                 # Nobody will read a discarded result: do not leave it to the sweeper.
@@ -625,6 +640,10 @@ class Attempt:
                 await asyncio.to_thread(shared.remove, root, names)
             raise
         log.info("%s completed: %s", self, request.state)
+
+    async def _send_outcome(self, invocation_id: str, request: wire.CompleteRequest) -> None:
+        send = self._complete_with or self._client.complete
+        await send(invocation_id, request)
 
     async def _result_file(
         self, request: wire.CompleteRequest, path: str, files: _Files

@@ -33,10 +33,13 @@ _T = TypeVar("_T")
 
 #: Payload downloads and result uploads are streamed in chunks of at most this size.
 TRANSFER_CHUNK = 4 * 1024 * 1024
+#: Many attempts' outcomes in one request.
+COMPLETE_MANY = "/v1/node/complete"
 
 _register_decoder = msgspec.json.Decoder(wire.RegisterResponse)
 _heartbeat_decoder = msgspec.json.Decoder(wire.HeartbeatResponse)
 _poll_decoder = msgspec.json.Decoder(wire.PollResponse)
+_complete_many_decoder = msgspec.json.Decoder(wire.CompleteManyResponse)
 _blob_decoder = msgspec.json.Decoder(wire.BlobRef)
 _cluster_decoder = msgspec.json.Decoder(wire.ClusterInfo)
 _problem_decoder = msgspec.json.Decoder(wire.Problem)
@@ -189,6 +192,15 @@ class GatewayClient:
 
     async def complete(self, invocation_id: str, request: wire.CompleteRequest) -> None:
         await self._post(_route(invocation_id, "complete"), request)
+
+    async def complete_many(
+        self, completions: list[wire.Completion], *, take_more: bool
+    ) -> wire.CompleteManyResponse:
+        """Many outcomes in one request (``nodelet.completions`` batches them); the answer
+        says which were committed and brings the next items of the maps completed."""
+        request = wire.CompleteManyRequest(completions=completions, take_more=take_more)
+        response = await self._post(COMPLETE_MANY, request)
+        return _decode(_complete_many_decoder, response, "POST", COMPLETE_MANY)
 
     async def _post(
         self, path: str, body: msgspec.Struct, *, timeout_s: float | None = None

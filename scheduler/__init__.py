@@ -7,11 +7,13 @@ in the trace-replay simulator (``python -m scheduler.replay``).
 Modules: ``model`` (the data), ``placement`` (filter and rank steps on one node),
 ``capacity`` (the round's indexed free capacity), ``backfill`` (EASY reservations),
 ``quotas`` / ``reclaim`` / ``fairshare`` (guarantees, borrowing, fair share), ``policies``
-(``fifo``, ``fair``), ``admission`` (submit-time rejection), ``core`` (entry points),
+(``fifo``, ``fair``), ``admission`` (submit-time rejection), ``chunks`` (how far ahead a
+node gets the items of a map), ``core`` (entry points),
 ``traces`` / ``metrics`` / ``replay`` (the simulator).
 """
 
 from scheduler.admission import never_fits
+from scheduler.chunks import chunk_size
 from scheduler.core import explain, plan
 from scheduler.fairshare import UsageMeter, decayed_total
 from scheduler.model import (
@@ -48,6 +50,7 @@ __all__ = [
     "Snapshot",
     "UnknownPolicyError",
     "UsageMeter",
+    "chunk_size",
     "decayed_total",
     "explain",
     "never_fits",

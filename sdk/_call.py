@@ -216,10 +216,13 @@ class Call(Generic[R]):
         return self._final
 
 
-def submit(client: Client, specs: Sequence[wire.CallSpec]) -> list[str]:
-    """Submit calls; if Ctrl-C interrupts, cancel whatever the gateway may have created."""
+def submit(
+    client: Client, specs: Sequence[wire.CallSpec], *, map_id: str | None = None
+) -> list[str]:
+    """Submit calls (``map_id``: as items of that map); if Ctrl-C interrupts, cancel
+    whatever the gateway may have created."""
     try:
-        return client.submit(specs)
+        return client.submit(specs, map_id=map_id)
     except KeyboardInterrupt:
         _withdraw(client, specs)
         raise

@@ -167,10 +167,15 @@ class Client:
     # ------------------------------------------------------------------ routes
 
     def submit(
-        self, calls: Sequence[wire.CallSpec], *, deadline_s: float | None = None
+        self,
+        calls: Sequence[wire.CallSpec],
+        *,
+        deadline_s: float | None = None,
+        map_id: str | None = None,
     ) -> list[str]:
-        """Submit calls (at most ``wire.MAX_SUBMIT``); returns their ids in input order."""
-        body = _ENCODER.encode(wire.SubmitRequest(calls=list(calls)))
+        """Submit calls (at most ``wire.MAX_SUBMIT``); returns their ids in input order.
+        ``map_id``: they are items of that map (``SubmitRequest.map_id``)."""
+        body = _ENCODER.encode(wire.SubmitRequest(calls=list(calls), map_id=map_id))
         answer = self._request(
             "POST",
             "/v1/invocations",

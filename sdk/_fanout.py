@@ -8,6 +8,7 @@ unfinished ones within one watch request.
 
 from __future__ import annotations
 
+import uuid
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -48,6 +49,8 @@ class _Fanout:
         self._watcher = Watcher(client)
         self._order: deque[str] = deque()  # submitted, not yet yielded, input order
         self._finished: dict[str, wire.Invocation] = {}
+        # Every batch names the map: a node finishing an item may be given the next at once.
+        self._map_id = str(uuid.uuid4())
 
     def results(self, return_exceptions: bool) -> Iterator[Any]:
         self._top_up()
@@ -74,7 +77,8 @@ class _Fanout:
             if not batch:
                 continue
             try:
-                ids = submit(self._client, [prepared.spec for prepared in batch])
+                specs = [prepared.spec for prepared in batch]
+                ids = submit(self._client, specs, map_id=self._map_id)
             except BaseException:
                 for prepared in batch:
                     prepared.discard()

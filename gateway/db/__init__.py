@@ -25,6 +25,7 @@ first (a module imports only those above it):
   removal
 - ``attempts``: a nodelet's fenced writes of one attempt (start, logs, release, complete)
 - ``scheduling``: the leader lock, the planning snapshot, placements, lease expiry
+- ``slots``: completing items of maps and giving their node the next ones in the same slot
 - ``functions``: registered functions and their JSON invocations
 - ``retention``: purging what ended long ago
 """
@@ -151,6 +152,7 @@ from gateway.db.sessions import (
     keep_alive,
     start_sessions,
 )
+from gateway.db.slots import Completed, complete_in, lock_node_for_work, top_up, wake_if_freed
 
 __all__ = [
     "ABANDONED",
@@ -161,6 +163,7 @@ __all__ = [
     "PREEMPTING_PROTOCOL",
     "SAFE_PROTOCOL",
     "TOKENS_CHANGED",
+    "Completed",
     "Conn",
     "Drain",
     "FunctionRow",
@@ -197,6 +200,7 @@ __all__ = [
     "changed",
     "changed_fetched",
     "complete",
+    "complete_in",
     "create_blob",
     "create_node",
     "create_user",
@@ -228,6 +232,7 @@ __all__ = [
     "live_nodes_if_idle",
     "live_payload_files",
     "lock_node",
+    "lock_node_for_work",
     "logs_after",
     "lookup_token",
     "mark_fetched",
@@ -263,7 +268,9 @@ __all__ = [
     "storage_usage",
     "to_invocation",
     "tokens",
+    "top_up",
     "try_lead",
     "usage",
+    "wake_if_freed",
     "wake_scheduler",
 ]

@@ -82,10 +82,17 @@ UPDATE invocations SET log_count = log_count + $2, log_ack = $3 WHERE id = $1
 """
 
 # Outcomes of many attempts in one statement, each fenced; every call completed is woken, and
-# the scheduling leader too when something waits for the capacity it freed (PostgreSQL folds
-# equal notifications of a transaction). A single statement commits on its own: no
-# transaction round trips.
-_COMPLETE = f"""
+# (``wake_leader``) the scheduling leader too when something waits for the capacity it freed
+# (PostgreSQL folds equal notifications of a transaction). A single statement commits on its
+# own: no transaction round trips.
+def _complete_sql(*, wake_leader: bool) -> str:
+    leader = (
+        f"CASE WHEN EXISTS (SELECT 1 FROM invocations q WHERE q.state = 'queued') "
+        f"THEN pg_notify('{CHANNEL}', 'q') END"
+        if wake_leader
+        else "NULL"
+    )
+    return f"""
 WITH c AS (
   UPDATE invocations i SET state = o.state, error_kind = o.error_kind,
     error_type = o.error_type, error_message = o.error_message, traceback = o.traceback,
@@ -105,16 +112,18 @@ WITH c AS (
     AND i.state IN ('assigned', 'running')
     AND (o.result_blob IS NULL OR EXISTS (SELECT 1 FROM blobs b
       WHERE b.id = o.result_blob AND b.owner_id = i.owner_id AND b.complete))
-  RETURNING i.id
+  RETURNING i.id, coalesce(i.lease_id, i.id) AS lease, i.map_id IS NOT NULL AS mapped, i.gpus
 ), woken AS (
   SELECT pg_notify('{CHANNEL}', 'i:' || c.id) FROM c
 )
-SELECT c.id,
+SELECT c.id, c.lease, c.mapped, c.gpus,
   (SELECT count(*) FROM woken) AS woken,
-  CASE WHEN EXISTS (SELECT 1 FROM invocations q WHERE q.state = 'queued')
-    THEN pg_notify('{CHANNEL}', 'q') END AS leader
+  {leader} AS leader
 FROM c
 """
+
+
+_COMPLETE = _complete_sql(wake_leader=True)
 
 
 async def start(conn: Conn, node_id: int, invocation_id: str, epoch: int) -> bool:
@@ -215,9 +224,16 @@ async def complete(
     returns the invocation ids whose outcome was taken (the others' attempts are stale)."""
     if not outcomes:
         return set()
+    rows = await conn.fetch(_COMPLETE, *complete_args(node_id, outcomes))
+    return {str(r["id"]) for r in rows}
+
+
+def complete_args(
+    node_id: int, outcomes: Sequence[tuple[str, wire.CompleteRequest]]
+) -> tuple[object, ...]:
+    """The parameters of :func:`_complete_sql` for these outcomes."""
     reqs = [r for _, r in outcomes]
-    rows = await conn.fetch(
-        _COMPLETE,
+    return (
         node_id,
         [uuid.UUID(i) for i, _ in outcomes],
         [r.epoch for r in reqs],
@@ -237,4 +253,3 @@ async def complete(
         [r.result_json_error for r in reqs],
         [r.result_size for r in reqs],
     )
-    return {str(r["id"]) for r in rows}

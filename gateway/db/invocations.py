@@ -17,10 +17,10 @@ from gateway.db.idempotency import HttpKey, _key_made, _take_key
 _SUBMIT = """
 INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,
   max_retries, timeout_s, payload, payload_blob, payload_file, payload_size,
-  priority, gpu_model, gpu_memory_mb, expected_s, caller_session)
+  priority, gpu_model, gpu_memory_mb, expected_s, caller_session, map_id)
 SELECT u.id, $1, u.key, u.fn, u.gpus, u.retries, u.timeout, u.payload, u.blob,
   u.file, coalesce(length(u.payload), b.size, CASE WHEN u.file IS NOT NULL
-  THEN u.declared END, 0), u.priority, u.model, u.memory, u.expected, u.session
+  THEN u.declared END, 0), u.priority, u.model, u.memory, u.expected, u.session, $17::uuid
 FROM unnest($2::uuid[], $3::text[], $4::text[], $5::int[], $6::int[],
   $7::float8[], $8::bytea[], $9::uuid[], $10::text[], $11::int[], $12::text[],
   $13::int[], $14::float8[], $15::bigint[], $16::uuid[]) WITH ORDINALITY
@@ -172,6 +172,8 @@ async def insert_calls(
     calls: Sequence[wire.CallSpec],
     key: HttpKey | None = None,
     new_ids: Sequence[str] | None = None,
+    *,
+    map_id: str | None = None,
 ) -> Submitted:
     """Within the caller's transaction: insert the calls (exactly once per idempotency key).
 
@@ -179,7 +181,8 @@ async def insert_calls(
     Idempotency-Key header's ``key``, the request's key is taken in the same transaction
     (``KeyTaken`` if another request has it). Nobody is woken: the caller places the calls
     or wakes the scheduler. ``new_ids``: the ids the new ones get (fresh random ones by
-    default)."""
+    default). ``map_id``: the calls are items of that map (the caller checked that they ask
+    for the same resources)."""
     ids = [uuid.uuid4() for _ in calls] if new_ids is None else [uuid.UUID(i) for i in new_ids]
     await _take_key(conn, owner_id, key, answered=True)
     rows = await conn.fetch(
@@ -200,6 +203,7 @@ async def insert_calls(
         [c.expected_s for c in calls],
         [c.payload_size for c in calls],
         [None if c.caller_session is None else uuid.UUID(c.caller_session) for c in calls],
+        None if map_id is None else uuid.UUID(map_id),
     )
     fresh = {str(r["id"]): float(r["submitted"]) for r in rows}
     if len(fresh) == len(calls):  # the common case: no retry, no earlier rows to find

@@ -154,21 +154,25 @@ WITH running AS (
   RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,
     i.owner_id, i.payload_file, i.arguments, i.function_owner,
     u.name AS owner_name, u.is_admin AS owner_admin,
-    CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload
+    CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload,
+    CASE WHEN i.map_id IS NOT NULL THEN coalesce(i.lease_id, i.id) END AS lease, i.seq
 )
 SELECT 'kept' AS kind, a.id, NULL::int AS epoch, NULL::int[] AS gpu_indices,
   NULL::float8 AS timeout_s, NULL::text AS function_name, NULL::bigint AS payload_size,
   NULL::bigint AS owner_id, NULL::text AS payload_file, NULL::bytea AS arguments,
   NULL::text AS function_owner, NULL::text AS owner_name, NULL::bool AS owner_admin,
-  NULL::bytea AS payload, i.preempt_at IS NOT NULL AS preempt, i.preempt_reason
+  NULL::bytea AS payload, i.preempt_at IS NOT NULL AS preempt, i.preempt_reason,
+  NULL::uuid AS lease, NULL::bigint AS seq
 FROM running a
 JOIN invocations i ON i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1
   AND i.state IN ('assigned', 'running')
 UNION ALL
 SELECT 'work', w.id, w.epoch, w.gpu_indices, w.timeout_s, w.function_name, w.payload_size,
   w.owner_id, w.payload_file, w.arguments, w.function_owner, w.owner_name, w.owner_admin,
-  w.payload, NULL, NULL
+  w.payload, NULL, NULL, w.lease, w.seq
 FROM work w
+-- A lease's attempts in their order.
+ORDER BY seq NULLS FIRST
 """
 
 #: Which held attempts ``register_node`` takes back (``$1``: the node).
@@ -443,4 +447,5 @@ def _assignment(r: asyncpg.Record) -> wire.Assignment:
         owner_admin=bool(r["owner_admin"]),
         function_owner=r["function_owner"] or "",
         arguments=None if r["arguments"] is None else bytes(r["arguments"]),
+        lease=None if r["lease"] is None else str(r["lease"]),
     )

@@ -53,8 +53,11 @@ ORDER BY id
 FOR UPDATE
 """
 
+# One row per slot lease: the attempts of a map's items that run one after another in one
+# lease (lease_id) hold its capacity once, through the first of them (db/slots.py).
 _LEASES = f"""
-SELECT i.id::text AS id, i.node_id, i.gpu_indices, u.name AS "user",
+SELECT DISTINCT ON (coalesce(i.lease_id, i.id))
+  i.id::text AS id, i.node_id, i.gpu_indices, u.name AS "user",
   u.group_name AS "group", i.function_name AS function, i.priority, i.borrowed,
   i.preempt_at IS NOT NULL AS preempting,
   extract(epoch FROM coalesce(i.scheduled_at, i.submitted_at))::float8 AS start_time,
@@ -65,6 +68,7 @@ FROM invocations i
 JOIN users u ON u.id = i.owner_id
 JOIN nodes n ON n.id = i.node_id
 WHERE i.state IN ('assigned', 'running')
+ORDER BY coalesce(i.lease_id, i.id), i.seq
 """
 
 # Each node given work is woken in the same statement (one notification per node: PostgreSQL
@@ -76,7 +80,7 @@ UPDATE invocations i SET state = 'assigned', node_id = d.node_id,
   log_ack = -1, scheduled_at = clock_timestamp(), delivered_at = NULL, started_at = NULL,
   worker_acquired_at = NULL, code_started_at = NULL, code_finished_at = NULL, warm = NULL,
   borrowed = d.borrowed, preempt_at = NULL, queue_position = NULL, wait_reason = NULL,
-  lease_expires_at = clock_timestamp() + make_interval(secs => $4)
+  lease_id = NULL, lease_expires_at = clock_timestamp() + make_interval(secs => $4)
 FROM unnest($1::uuid[], $2::bigint[], $3::text[], $5::bool[])
   AS d(id, node_id, gpus, borrowed)
 WHERE i.id = d.id AND i.state = 'queued'

@@ -138,6 +138,8 @@ CREATE TABLE public.invocations (
     function_owner text,
     result_size bigint DEFAULT 0 NOT NULL,
     caller_session uuid,
+    map_id uuid,
+    lease_id uuid,
     CONSTRAINT invocations_gpus_check CHECK ((gpus >= 0)),
     CONSTRAINT invocations_max_retries_check CHECK ((max_retries >= 0)),
     CONSTRAINT invocations_payload_check CHECK (((payload IS NOT NULL) OR (payload_blob IS NOT NULL) OR (payload_file IS NOT NULL))),
@@ -332,6 +334,8 @@ CREATE INDEX invocations_owner ON public.invocations USING btree (owner_id, seq 
 CREATE INDEX invocations_payload_blob ON public.invocations USING btree (payload_blob) WHERE (payload_blob IS NOT NULL);
 
 CREATE INDEX invocations_queued ON public.invocations USING btree (seq) WHERE (state = 'queued'::text);
+
+CREATE INDEX invocations_queued_map ON public.invocations USING btree (owner_id, COALESCE(map_id, id), seq) WHERE (state = 'queued'::text);
 
 CREATE INDEX invocations_queued_owner ON public.invocations USING btree (owner_id, seq) WHERE (state = 'queued'::text);
 
