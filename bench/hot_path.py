@@ -13,7 +13,10 @@ BEGIN and COMMIT count), and dumps the counts on SIGUSR1. Then N sequential
   * the sdk's HTTP requests per call (an httpx event hook) and the gateway's SQL statements
     per call, each statement's share.
 
-Usage: python bench/hot_path.py [--calls 300] [--no-place-at-submit]
+With ``--map N``: one ``list(fn.map(range(N)))`` instead (calls/s, and the client's and
+the gateway's resident memory before and after).
+
+Usage: python bench/hot_path.py [--calls 300] [--no-place-at-submit] [--map N]
 """
 
 from __future__ import annotations
@@ -93,6 +96,14 @@ def cpu_by_process() -> Counter[str]:
     return used
 
 
+def rss_mib(pid: int) -> float:
+    """A process's resident memory now (MiB)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def statements(counts: Path, gateway_pid: int) -> Counter[str]:
     os.kill(gateway_pid, signal.SIGUSR1)
     dumped = Path(f"{counts}.{gateway_pid}")
@@ -158,9 +169,15 @@ def main() -> None:
             before_sql, before_cpu = statements(counts, gateway), cpu_by_process()
             latency = []
             if args.map:
+                memory = {"client": rss_mib(os.getpid()), "gateway": rss_mib(gateway)}
                 started = time.perf_counter()
-                assert list(fn.map(range(args.map))) == list(range(args.map))
+                for i, result in enumerate(fn.map(range(args.map))):
+                    assert result == i
                 took = time.perf_counter() - started
+                memory = {
+                    who: (before, rss_mib(os.getpid() if who == "client" else gateway))
+                    for who, before in memory.items()
+                }
             else:
                 for i in range(args.calls):
                     started = time.perf_counter()
@@ -173,6 +190,8 @@ def main() -> None:
     if args.map:
         n = args.map
         print(f"map of {n} items: {took:.2f} s, {n / took:.0f} calls/s")
+        for who, (before, after) in memory.items():
+            print(f"  {who} resident memory: {before:.0f} MiB before, {after:.0f} MiB after")
     else:
         n = args.calls
         ordered = sorted(latency)

@@ -192,7 +192,9 @@ async def on_client_gone(request: Request, exc: Exception) -> Response:
     # The client went away before its body was in (a nodelet cancels a start that its
     # completion makes moot): nobody reads the answer, and nothing was done.
     log.debug("client went away during %s %s", request.method, request.url.path)
-    return problem(400, "Bad Request", "the client went away before its body was in", "gone")
+    return problem(
+        400, "Bad Request", "the client went away before its body was in", "client_gone"
+    )
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:

@@ -246,7 +246,7 @@ async def complete_many(request: Request) -> Response:
             if open_ and req.take_more:
                 by_id = dict(outcomes)
                 wants = {
-                    c.lease: (c.id, chunk_size(c.gpus, _seconds(by_id[c.id])))
+                    c.lease: (c.id, chunk_size(c.gpus, _seconds(by_id[c.id]), c.max_retries))
                     for c in completed
                     if c.mapped
                 }

@@ -112,11 +112,12 @@ WITH c AS (
     AND i.state IN ('assigned', 'running')
     AND (o.result_blob IS NULL OR EXISTS (SELECT 1 FROM blobs b
       WHERE b.id = o.result_blob AND b.owner_id = i.owner_id AND b.complete))
-  RETURNING i.id, coalesce(i.lease_id, i.id) AS lease, i.map_id IS NOT NULL AS mapped, i.gpus
+  RETURNING i.id, coalesce(i.lease_id, i.id) AS lease, i.map_id IS NOT NULL AS mapped, i.gpus,
+    i.max_retries
 ), woken AS (
   SELECT pg_notify('{CHANNEL}', 'i:' || c.id) FROM c
 )
-SELECT c.id, c.lease, c.mapped, c.gpus,
+SELECT c.id, c.lease, c.mapped, c.gpus, c.max_retries,
   (SELECT count(*) FROM woken) AS woken,
   {leader} AS leader
 FROM c

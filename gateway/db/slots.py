@@ -112,6 +112,7 @@ class Completed:
     lease: str
     mapped: bool
     gpus: int
+    max_retries: int
 
 
 async def lock_node_for_work(conn: asyncpg.Connection, node_id: int, incarnation: int) -> bool:
@@ -130,7 +131,8 @@ async def complete_in(
         return []
     rows = await conn.fetch(_complete_sql(wake_leader=False), *complete_args(node_id, outcomes))
     return [
-        Completed(str(r["id"]), str(r["lease"]), bool(r["mapped"]), int(r["gpus"])) for r in rows
+        Completed(str(r["id"]), str(r["lease"]), r["mapped"], r["gpus"], r["max_retries"])
+        for r in rows
     ]
 
 

@@ -5,18 +5,27 @@ else's call does, and a lease counts for capacity once."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import signal
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import asyncpg
+import cloudpickle
 import msgspec
 import pytest
 
+import sdk
 from bulletin_core import wire
 from scheduler import chunk_size
 from tests.conftest import Cluster, running
 from tests.integration.test_gateway_api import Http, call, poll, status, submit
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture
@@ -107,6 +116,17 @@ def test_a_node_completing_an_item_of_a_map_gets_its_next_items_in_the_same_leas
     finished = [status(user, i) for i in ids]
     assert {i.state for i in finished} == {"succeeded"}
     assert {i.attempts for i in finished} == {1}
+
+
+def test_items_that_may_not_be_retried_are_given_one_at_a_time(gateway: Cluster) -> None:
+    """A lost node's attempts count against their calls' retries, run or not: of a map that
+    may not be retried, a node holds only the item it runs."""
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway)
+    ids = submit_map(user, 5, max_retries=0)
+    [head] = poll(node).assignments
+    answer = complete_many(node, outcome(head))
+    assert [a.invocation_id for a in answer.assignments] == [ids[1]]
 
 
 def test_a_map_gets_no_more_of_a_slot_while_another_users_call_waits(gateway: Cluster) -> None:
@@ -200,3 +220,74 @@ def test_items_of_one_map_must_ask_for_the_same_resources(gateway: Cluster) -> N
     assert r.status_code == 422 and r.json()["code"] == "map_items_differ"
     assert "calls[1]" in r.json()["detail"]
     assert user.get("/v1/invocations").json() == []
+
+
+# ---------------------------------------------------------------- with a real nodelet and sdk
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def nap_then_square(x: int) -> int:
+    time.sleep(0.002)
+    return x * x
+
+
+def items_in_leases(cluster: Cluster) -> tuple[int, int]:
+    """How many invocations ran in another's lease, and how many there are."""
+
+    async def count() -> tuple[int, int]:
+        conn = await asyncpg.connect(cluster.database_url)
+        try:
+            row = await conn.fetchrow(
+                "SELECT count(*) FILTER (WHERE lease_id IS NOT NULL), count(*) FROM invocations"
+            )
+        finally:
+            await conn.close()
+        assert row is not None
+        return int(row[0]), int(row[1])
+
+    return asyncio.run(count())
+
+
+def test_a_map_runs_its_items_one_after_another_in_its_slot_each_an_invocation_of_its_own(
+    gateway: Cluster,
+) -> None:
+    gateway.start_nodelet(fake_gpus=0, cpu_slots=1)
+    sdk.connect(gateway.url, gateway.token)
+    fn = sdk.function(gpus=0)(square)
+    assert list(fn.map(range(300))) == [x * x for x in range(300)]
+
+    user = Http(gateway.url, gateway.token)
+    r = user.get("/v1/invocations", params={"limit": 500})
+    listed = msgspec.json.decode(r.content, type=list[wire.Invocation])
+    assert len(listed) == 300 and {i.state for i in listed} == {"succeeded"}
+    assert {i.attempts for i in listed} == {1}
+    # One slot: never two items at once, though most were on the node ahead of their turn.
+    runs = sorted((i.timeline.started, i.timeline.finished) for i in listed)
+    assert all(s is not None and f is not None for s, f in runs)
+    for (_, finished), (started, _) in itertools.pairwise(runs):
+        assert started >= finished  # type: ignore[operator]
+    in_leases, total = items_in_leases(gateway)
+    assert total == 300 and in_leases >= 250, "the map's items did not run in slot leases"
+
+
+def test_a_map_whose_node_is_killed_and_restarted_loses_no_item(gateway: Cluster) -> None:
+    """The items a killed nodelet held ahead in its leases are taken back when its node
+    registers again, and run; every item's one result comes back, in order."""
+    first = gateway.start_nodelet(fake_gpus=0, cpu_slots=1)
+    sdk.connect(gateway.url, gateway.token)
+    fn = sdk.function(gpus=0)(nap_then_square)
+    results = fn.map(range(400))
+    got = [next(results) for _ in range(50)]
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    gateway.start_nodelet(fake_gpus=0, cpu_slots=1)
+    got += list(results)
+    assert got == [x * x for x in range(400)]
+    user = Http(gateway.url, gateway.token)
+    r = user.get("/v1/invocations", params={"limit": 500})
+    listed = msgspec.json.decode(r.content, type=list[wire.Invocation])
+    assert {i.state for i in listed} == {"succeeded"}
+    assert max(i.attempts for i in listed) == 2  # those the killed node held, run again
