@@ -15,6 +15,7 @@ one) gets every outcome on its own from then on.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Callable
 
@@ -44,7 +45,7 @@ class Completions:
         self._client = client
         self._on_assignments = on_assignments
         self._take_more = take_more
-        self._pending: list[_Pending] = []
+        self._pending: collections.deque[_Pending] = collections.deque()
         self._sender: asyncio.Task[None] | None = None
         #: False once the gateway answered that it has no batch route.
         self._batched = True
@@ -92,7 +93,7 @@ class Completions:
             size += len(request.result or b"") + sum(len(c.data) for c in request.logs)
             if batch and size > BATCH_BYTES:
                 break
-            self._pending.pop(0)
+            self._pending.popleft()
             if not done.done():  # its attempt was killed meanwhile: nobody waits for it
                 batch.append((invocation_id, request, done))
         return batch

@@ -187,10 +187,17 @@ def test_a_lease_counts_for_one_slot_however_many_items_it_holds(gateway: Cluste
     # there, beside the first lease's many items.
     work = poll(node, refs(held)).assignments
     assert [a.invocation_id for a in work] == [other]
-    # No third slot: nothing else is placed while the two leases hold.
-    ids_more = submit(user, call(gpus=0))
-    time.sleep(0.5)
-    assert status(user, ids_more[0]).state == "queued"
+    # No third slot: nothing more is placed through a long poll (rounds every second)
+    # while the two leases hold; once the first lease's items are all done, its one slot
+    # goes to the call first in the queue (the map's next item: fifo), and only that.
+    [more] = submit(user, call(gpus=0))
+    assert poll(node, refs([*held, *work])).assignments == []
+    first_waiting = next(i for i in ids if status(user, i).state == "queued")
+    answer = complete_many(node, *map(outcome, held))
+    assert answer.assignments == []
+    placed = poll(node, refs(work)).assignments
+    assert [a.invocation_id for a in placed] == [first_waiting]
+    assert status(user, more).state == "queued"
 
 
 def test_a_stale_outcome_in_a_batch_is_discarded_and_the_others_committed(
@@ -209,6 +216,27 @@ def test_a_stale_outcome_in_a_batch_is_discarded_and_the_others_committed(
     # Sent again, both are already settled: the committed one is not taken twice.
     answer = complete_many(node, outcome(good), outcome(old))
     assert answer.done == [old.invocation_id] and answer.stale == [good.invocation_id]
+
+
+def test_a_node_cannot_complete_another_nodes_items_nor_take_their_map(
+    gateway: Cluster,
+) -> None:
+    user = Http(gateway.url, gateway.token)
+    n1, n2 = register(gateway, "n1"), register(gateway, "n2")
+    ids = submit_map(user, 10)
+    work = poll(n1).assignments or poll(n2).assignments
+    [head] = work
+    owner, other = (n1, n2) if status(user, head.invocation_id).node == "n1" else (n2, n1)
+    answer = complete_many(other, outcome(head))
+    assert answer.done == [] and answer.stale == [head.invocation_id]
+    assert answer.assignments == []
+    assert status(user, head.invocation_id).state == "assigned"
+    assert status(user, ids[2]).state == "queued"  # one item per node's slot, no more
+    # The same outcome twice in one request is refused whole.
+    twice = wire.CompleteManyRequest(completions=[outcome(head), outcome(head)])
+    r = owner.post("/v1/node/complete", twice)
+    assert r.status_code == 422 and "same invocation" in r.json()["detail"]
+    assert status(user, head.invocation_id).state == "assigned"
 
 
 def test_items_of_one_map_must_ask_for_the_same_resources(gateway: Cluster) -> None:
