@@ -462,10 +462,11 @@ async def _news(
     read_first: bool,
 ) -> list[wire.Invocation]:
     config = request.app.state.config
-    cursors = list(seen.items())
+    every = list(seen.items())
+    cursors = every
     found: list[wire.Invocation] = []
     while True:
-        if read_first:
+        if read_first and cursors:
             # The first fetch of a finished call is stamped as it is read (a stamp a database
             # crash loses costs nothing: the relaxed pool). One that does not fit this answer
             # (_within_answer_size) comes with the next, stamped a little early.
@@ -474,9 +475,15 @@ async def _news(
         remaining = deadline - time.monotonic()
         if found or remaining <= 0:
             return found
-        if await sub.wait(min(remaining, config.recheck_s)) and len(cursors) > 1:
+        woken = await sub.wait(min(remaining, config.recheck_s))
+        if woken and len(every) > 1:
             # Fan-out: let a few more completions land so one answer carries many.
             await asyncio.sleep(FAN_IN_LINGER_S)
+        # Woken: re-read only the calls whose notifications came (a map watches up to
+        # MAX_WATCH, and reading them all at every completion costs more than the rest of
+        # the map). The timer's recheck, or a wake for everything, re-reads them all.
+        fired = sub.take_fired() if woken else None
+        cursors = every if fired is None else [(i, seen[i]) for i in seen if f"i:{i}" in fired]
 
 
 def _within_answer_size(found: list[wire.Invocation]) -> list[wire.Invocation]:

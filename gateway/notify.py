@@ -45,6 +45,22 @@ class Subscription:
         self.event = asyncio.Event()
         self._hub = hub
         self._stoppable = stoppable
+        # Which keys woke it since the last take_fired(); None: anything may have changed
+        # (a reconnect, a stopping gateway), so the waiter must re-read everything.
+        self._fired: set[str] | None = set()
+
+    def fire(self, key: str | None) -> None:
+        """Wake it for ``key`` (None: for everything)."""
+        if key is None:
+            self._fired = None
+        elif self._fired is not None:
+            self._fired.add(key)
+        self.event.set()
+
+    def take_fired(self) -> set[str] | None:
+        """The keys that woke it since the last call (None: re-read everything), forgotten."""
+        fired, self._fired = self._fired, set()
+        return fired
 
     async def wait(self, timeout: float) -> bool:
         """Wait for a notification or ``timeout``; True if woken. Clears for the next wait.
@@ -130,7 +146,7 @@ class Hub:
                 continue
             self._expected[(pid, key)].append(now)
             for sub in self._waiters.get(key, ()):
-                sub.event.set()
+                sub.fire(key)
 
     def _on_notify(self, _conn: object, pid: int, _channel: str, payload: str) -> None:
         now = time.monotonic()
@@ -141,7 +157,7 @@ class Hub:
             return
         self._arrived[(pid, payload)].append(now)
         for sub in self._waiters.get(payload, ()):
-            sub.event.set()
+            sub.fire(payload)
 
     def _prune(self, now: float) -> None:
         """Forget local wakes and notifications older than ECHO_S (an echo lost to a
@@ -162,7 +178,7 @@ class Hub:
         self._arrived.clear()
         for subs in self._waiters.values():
             for sub in subs:
-                sub.event.set()
+                sub.fire(None)
 
     @contextlib.asynccontextmanager
     async def subscribe(

@@ -2,8 +2,8 @@
 
 Call specs are pulled lazily from an iterator, so an item is pickled only when its batch is
 about to be submitted and its payload is dropped once the batch is sent. At most ``WINDOW``
-calls are outstanding (submitted, result not yet yielded), which bounds memory and keeps the
-unfinished ones within one watch request.
+calls are outstanding (submitted, result not yet yielded), which bounds memory; a watch names
+the first ``WATCH_AHEAD`` unfinished ones.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ SUBMIT_BATCH = 500
 #: body stays a reasonable size however big the items are.
 BATCH_BYTES = 16 * 1024 * 1024
 WINDOW = 2 * SUBMIT_BATCH
+#: A watch names the first this many unfinished calls, not the whole window: the gateway
+#: reads every call a watch names each time it is asked, and results are yielded in order
+#: anyway. The later calls' logs stream once they are among these.
+WATCH_AHEAD = 256
 
 
 def run(client: Client, calls: Iterator[Prepared], *, return_exceptions: bool) -> Iterator[Any]:
@@ -98,7 +102,7 @@ class _Fanout:
         return batch
 
     def _watch(self) -> None:
-        ids = self._unfinished()
+        ids = self._unfinished()[:WATCH_AHEAD]
         self._finished.update(self._watcher.poll(ids, self._client.watch_timeout_s))
 
     def _unfinished(self) -> list[str]:

@@ -143,6 +143,8 @@ class Function(Generic[P, R]):
         Unfinished calls are cancelled when the iteration stops early (an exception, Ctrl-C,
         or a ``break``). Globals the function changes are not brought back by ``map`` (the
         items run in parallel: there is no one order to apply them in); return what you need.
+        Items' output streams into the caller for the next 256 unfinished items (those whose
+        results come next); a later item's output comes once it is among them.
         """
         if not iterables:
             raise TypeError("map() needs at least one iterable")

@@ -88,16 +88,26 @@ WHERE i.state IN ('succeeded', 'failed', 'timed_out', 'cancelled')
   OR i.log_count > c.seen
 """
 
+_TERMINAL = "('succeeded', 'failed', 'timed_out', 'cancelled')"
+
 # What a watch answers, stamping the first fetch of terminal invocations by their owner in the
-# same statement (the answer carries the stamp).
+# same statement (the answer carries the stamp). Each named call is looked up by its id
+# alone, the owner checked after (LATERAL ... OFFSET 0 keeps the planner from merging the
+# two): statistics lag behind a fast-growing map, and a plan cached while the table was
+# small walked the owner's index, every one of the owner's calls for every id, every watch.
 _CHANGED_FETCHED = f"""
-WITH c AS (
-  SELECT * FROM unnest($1::uuid[], $2::int[]) AS c(id, seen)
+WITH c AS MATERIALIZED (
+  SELECT c.id, s.state, s.fetched_at
+  FROM unnest($1::uuid[], $2::int[]) AS c(id, seen)
+  CROSS JOIN LATERAL (
+    SELECT owner_id, state, log_count, fetched_at FROM invocations WHERE id = c.id
+    OFFSET 0
+  ) s
+  WHERE s.owner_id = $3 AND (s.state IN {_TERMINAL} OR s.log_count > c.seen)
 ), f AS (
   UPDATE invocations SET fetched_at = clock_timestamp()
-  FROM c
-  WHERE invocations.id = c.id AND owner_id = $3 AND fetched_at IS NULL
-    AND state IN ('succeeded', 'failed', 'timed_out', 'cancelled')
+  WHERE id = ANY(ARRAY(SELECT id FROM c WHERE fetched_at IS NULL AND state IN {_TERMINAL}))
+    AND fetched_at IS NULL AND state IN {_TERMINAL}
   RETURNING invocations.id, invocations.fetched_at
 )
 SELECT {_invocation_columns().replace(
@@ -105,11 +115,9 @@ SELECT {_invocation_columns().replace(
     "extract(epoch FROM coalesce(f.fetched_at, i.fetched_at)) AS t_fetched",
 )}
 FROM c
-JOIN invocations i ON i.id = c.id AND i.owner_id = $3
+CROSS JOIN LATERAL (SELECT * FROM invocations WHERE id = c.id OFFSET 0) i
 LEFT JOIN nodes n ON n.id = i.node_id
 LEFT JOIN f ON f.id = i.id
-WHERE i.state IN ('succeeded', 'failed', 'timed_out', 'cancelled')
-  OR i.log_count > c.seen
 """
 
 _LIST_INVOCATIONS = f"""
@@ -127,11 +135,12 @@ WHERE id = ANY($1::uuid[]) AND owner_id = $2 AND fetched_at IS NULL
 RETURNING id, extract(epoch FROM fetched_at) AS t
 """
 
+# Looked up by id alone, as _CHANGED_FETCHED's.
 _MISSING = """
 SELECT c.id
 FROM unnest($1::uuid[]) AS c(id)
-LEFT JOIN invocations i ON i.id = c.id AND i.owner_id = $2
-WHERE i.id IS NULL
+LEFT JOIN LATERAL (SELECT owner_id FROM invocations WHERE id = c.id OFFSET 0) i ON true
+WHERE i.owner_id IS DISTINCT FROM $2
 """
 
 _LOGS_AFTER = """

@@ -225,6 +225,63 @@ def test_watch_wakes_on_completion_without_waiting_for_the_recheck_timer(gateway
     assert elapsed < 0.3 + 0.5, elapsed
 
 
+def test_a_watch_of_many_answers_those_that_finished_and_finds_one_whose_news_was_lost(
+    gateway: Cluster,
+) -> None:
+    """A woken watch re-reads only the calls whose notifications came; the recheck timer
+    still finds a call that finished without one (a notification lost to a reconnect)."""
+    import asyncio
+    import threading
+
+    import asyncpg
+
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway)
+    ids = submit(user, *[call() for _ in range(300)])
+    watched = [wire.WatchItem(id=i) for i in ids]
+
+    def watch() -> tuple[list[str], float]:
+        started = time.monotonic()
+        r = user.post("/v1/invocations/watch", wire.WatchRequest(items=watched, timeout_s=5))
+        assert r.status_code == 200, r.text
+        return [i["id"] for i in r.json()["invocations"]], time.monotonic() - started
+
+    def finish_unheard(invocation_id: str) -> None:
+        async def update() -> None:
+            conn = await asyncpg.connect(gateway.database_url)
+            try:  # as a completion would, but with no notification
+                await conn.execute(
+                    "UPDATE invocations SET state = 'succeeded', result = 'r', "
+                    "finished_at = clock_timestamp() WHERE id = $1",
+                    uuid.UUID(invocation_id),
+                )
+            finally:
+                await conn.close()
+
+        asyncio.run(update())
+
+    # Woken by one completion among 300: the answer is that call.
+    work = poll(node).assignments[0]
+
+    def complete() -> None:
+        time.sleep(0.3)
+        node.post(
+            f"/v1/node/invocations/{work.invocation_id}/complete",
+            wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"r"),
+        )
+
+    threading.Thread(target=complete).start()
+    answered, _ = watch()
+    assert answered == [work.invocation_id]
+    # One that finishes with no notification while the watch waits: the recheck timer (1 s
+    # here) re-reads them all and finds it.
+    watched = [w for w in watched if w.id != work.invocation_id]
+    unheard = next(i for i in reversed(ids) if i != work.invocation_id)
+    threading.Timer(0.2, finish_unheard, args=(unheard,)).start()
+    answered, took = watch()
+    assert answered == [unheard] and 0.2 < took < 3, (answered, took)
+
+
 def test_lost_lease_requeues_with_a_new_epoch_and_fences_the_old_attempt(gateway: Cluster) -> None:
     user = Http(gateway.url, gateway.token)
     node = register(gateway)

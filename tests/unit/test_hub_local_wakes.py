@@ -60,3 +60,23 @@ def test_a_lost_echo_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
             assert woken(sub)
 
     asyncio.run(main())
+
+
+def test_a_subscription_tells_which_keys_woke_it_and_a_reconnect_says_everything() -> None:
+    async def main() -> None:
+        hub = Hub("postgresql://unused")
+        async with hub.subscribe(["i:a", "i:b", "i:c"]) as sub:
+            hub._on_notify(None, 7, "ch", "i:a")
+            hub.woke(41, ["i:c"])
+            hub._on_notify(None, 7, "ch", "i:z")  # not subscribed: names nothing
+            assert await sub.wait(1)
+            assert sub.take_fired() == {"i:a", "i:c"}
+            assert sub.take_fired() == set(), "taken: forgotten"
+            hub._on_notify(None, 7, "ch", "i:b")
+            hub._wake_all()  # a reconnect: anything may have changed while it was away
+            assert await sub.wait(1)
+            assert sub.take_fired() is None
+            assert not await sub.wait(0.01)
+            assert sub.take_fired() == set()
+
+    asyncio.run(main())
