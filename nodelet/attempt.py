@@ -24,6 +24,7 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -46,7 +47,7 @@ from nodelet.errors import (
 from nodelet.gpus import GpuProvider
 from nodelet.logs import LogShipper
 from nodelet.pool import Worker, WorkerPool
-from nodelet.userfiles import make_private_dir, open_owned, read_owned
+from nodelet.userfiles import make_private_dir, open_owned, read_owned_soon
 from nodelet.worker_main import SPILLED
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,19 @@ class Report:
     result_path: str | None = None
 
 
+#: Entries of ``out`` the nodelet unlinks itself, at once, when there are no more (and no
+#: directory among them); otherwise they are removed as the account, in a process.
+_AT_ONCE = 8
+
+
+#: Emptied attempt directories kept for the next call of the same owner and account, at
+#: most this many each: making and removing two directories costs more here than a short
+#: call itself (the kernel frees a removed directory's inode at its last close, ~150 µs).
+_KEEP_PER_OWNER = 4
+
+_KeepKey = tuple[str, str, int, int]  # work dir, owner, uid, gid
+
+
 @dataclass(slots=True)
 class _Files:
     """An attempt's directory (the nodelet's), and ``out`` in it: the call's account's,
@@ -120,12 +134,26 @@ class _Files:
     #: Who must own what the worker leaves in ``out``.
     uid: int
     gid: int
+    #: Whose calls may reuse it once it is emptied (see ``keep``), and where it was made.
+    owner: str = ""
+    work_dir: str = ""
+    #: The call ended cleanly (nothing it started is left running): once emptied, the
+    #: directory may serve the owner's next call instead of being removed.
+    keep: bool = False
 
     @classmethod
-    def make(cls, work_dir: str, run_as: wire.RunAs | None) -> _Files:
+    def make(cls, work_dir: str, run_as: wire.RunAs | None, owner: str = "") -> _Files:
+        """A directory for an attempt of ``owner``'s: an emptied one of theirs kept from an
+        earlier call under the same account, else a new one."""
+        uid, gid = (run_as.uid, run_as.gid) if run_as else (os.geteuid(), os.getegid())
+        kept = _kept.get((work_dir, owner, uid, gid))
+        while kept:
+            files = kept.pop()
+            if files._ready_again():
+                return files
+            _remove_later(files)
         path = tempfile.mkdtemp(prefix="attempt-", dir=work_dir)
         fd = out_fd = -1
-        uid, gid = (run_as.uid, run_as.gid) if run_as else (os.geteuid(), os.getegid())
         try:
             if run_as is not None:
                 os.chmod(path, 0o711)  # the account passes through to its own ``out``
@@ -137,29 +165,96 @@ class _Files:
                     os.close(opened)
             shutil.rmtree(path, ignore_errors=True)
             raise
-        return cls(path, fd, out_fd, uid, gid)
+        return cls(path, fd, out_fd, uid, gid, owner, work_dir)
+
+    def _ready_again(self) -> bool:
+        """Whether a kept directory is as a new one would be: ``out`` still the account's,
+        empty (a process of the last call's may have written since), mode 0700 again (its
+        owner may have changed it)."""
+        try:
+            info = os.fstat(self.out_fd)
+            if info.st_uid != self.uid or not stat.S_ISDIR(info.st_mode):
+                return False
+            with os.scandir(self.out_fd) as entries:
+                if next(entries, None) is not None:
+                    return False
+            os.fchmod(self.out_fd, 0o700)
+        except OSError:
+            return False
+        self.keep = False
+        return True
 
     @property
     def out(self) -> str:
         return os.path.join(self.path, OUT)
 
     async def close(self) -> None:
-        """Remove the attempt's directory. What the call left in ``out`` is removed as the
-        call's own account, in a process of its own (``find -delete``): a tree made to
+        """Remove the attempt's directory. When ``out`` holds no more than a few entries
+        and no directory (what a call usually leaves: its outcome), they are unlinked at
+        once through the descriptor of ``out``: no path is followed and nothing recursed
+        into, so a link swapped in is only unlinked itself. Anything bigger is removed as
+        the call's own account, in a process of its own (``find -delete``): a tree made to
         exhaust the nodelet's descriptors or stack, or links swapped in meanwhile, cost only
         that process, and can only touch the account's own files. Then the nodelet removes
-        what is its own, entry by entry, never recursing into what the account controls."""
+        what is its own, entry by entry, never recursing into what the account controls.
+        An emptied directory of a call that ended cleanly (``keep``) may be kept instead,
+        for the next call of the same owner under the same account."""
+        if self.keep and self._emptied_at_once() and self._kept_for_next():
+            return  # its descriptors stay open with it
         try:
-            if self.uid == os.geteuid():  # single-tenant: the same account, trusted
-                await asyncio.to_thread(shutil.rmtree, self.path, ignore_errors=True)
-            else:
-                await self._empty_out_as_the_account()
-                await asyncio.to_thread(self._remove_own)
+            if not self._removed_at_once():
+                if self.uid == os.geteuid():  # single-tenant: the same account, trusted
+                    await asyncio.to_thread(shutil.rmtree, self.path, ignore_errors=True)
+                else:
+                    await self._empty_out_as_the_account()
+                    await asyncio.to_thread(self._remove_own)
         except (OSError, RecursionError) as exc:
             log.warning("could not remove %s (%s); left in place", self.path, exc)
         finally:
             os.close(self.out_fd)
             os.close(self.fd)
+
+    def _removed_at_once(self) -> bool:
+        """Remove the directory at once if ``out`` holds little (``_emptied_at_once``)."""
+        if not self._emptied_at_once():
+            return False
+        try:
+            self._remove_own()
+        except OSError:  # a process of the call's left more meanwhile: the slow path
+            return False
+        return True
+
+    def _kept_for_next(self) -> bool:
+        """Keep the emptied directory for the owner's next call, if there is room."""
+        kept = _kept.setdefault((self.work_dir, self.owner, self.uid, self.gid), [])
+        if len(kept) >= _KEEP_PER_OWNER or _closing:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(PAYLOAD, dir_fd=self.fd)
+        kept.append(self)
+        return True
+
+    def _emptied_at_once(self) -> bool:
+        """Unlink what ``out`` holds if that is at most ``_AT_ONCE`` entries, none of them
+        a directory; False (the rest left for the slow path) otherwise."""
+        names: list[str] = []
+        try:
+            entries = os.scandir(self.out_fd)
+        except OSError:
+            return False
+        with entries:
+            for entry in entries:
+                if len(names) == _AT_ONCE:
+                    return False
+                names.append(entry.name)
+        for name in names:
+            try:
+                os.unlink(name, dir_fd=self.out_fd)
+            except FileNotFoundError:
+                continue
+            except OSError:  # a directory (EISDIR), or a file made immutable
+                return False
+        return True
 
     async def _empty_out_as_the_account(self) -> None:
         process = await asyncio.create_subprocess_exec(
@@ -334,7 +429,7 @@ class Attempt:
             if problem is not None:
                 return self._failed(wire.ErrorKind.BAD_PAYLOAD, problem)
         # Local directory operations, made here at once: a cancellation cannot strand them.
-        files = _Files.make(facts.work_dir, run_as)
+        files = _Files.make(facts.work_dir, run_as, assignment.owner_name)
         try:
             payload_path = None
             if assignment.payload is None and payload_file is None:
@@ -468,6 +563,7 @@ class Attempt:
         }
         report = replace(report, request=msgspec.structs.replace(report.request, **more))
         if ending is _Ending.FINISHED and not self.killed and not self.preempting:
+            files.keep = clean  # nothing of the call is left running to write there
             self._worker = None
             self._pool.release(
                 worker,
@@ -548,7 +644,7 @@ class Attempt:
                 wire.CompleteRequest(epoch=epoch, state="timed_out", error_message=message)
             )
         try:
-            outcome = await asyncio.to_thread(self._read_outcome, files)
+            outcome = await self._read_outcome(files)
         except UntrustedFile as exc:
             return self._failed(wire.ErrorKind.WORKER_DIED, f"the worker's outcome: {exc}")
         limiter = self._pool.limiter
@@ -583,11 +679,11 @@ class Attempt:
         )
         return Report(request, outcome.result_path)
 
-    def _read_outcome(self, files: _Files) -> wire.WorkerOutcome | None:
+    async def _read_outcome(self, files: _Files) -> wire.WorkerOutcome | None:
         """The outcome the worker left in ``out`` (None if none); UntrustedFile if what is
         there is not a bounded regular file of the call's account."""
         limit = 2 * self._facts.inline_limit + _OUTCOME_SLACK
-        data = read_owned(files.out_fd, OUTCOME, files.uid, max_bytes=limit)
+        data = await read_owned_soon(files.out_fd, OUTCOME, files.uid, max_bytes=limit)
         if data is None:
             return None
         try:
@@ -768,6 +864,10 @@ def _marked(pumps: list[asyncio.Task[Any]]) -> bool:
 
 #: Attempt directories being removed (kept referenced until they are).
 _removing: set[asyncio.Task[None]] = set()
+#: Emptied attempt directories kept for their owner's next call (_KEEP_PER_OWNER).
+_kept: dict[_KeepKey, list[_Files]] = {}
+#: The nodelet is stopping: nothing more is kept.
+_closing = False
 
 
 def _remove_later(files: _Files) -> None:
@@ -780,7 +880,15 @@ def _remove_later(files: _Files) -> None:
 
 
 async def removals_done(timeout_s: float) -> None:
-    """Wait (at most ``timeout_s``) for the attempt directories being removed."""
+    """Remove the attempt directories kept for later calls, and wait (at most
+    ``timeout_s``) for those being removed."""
+    global _closing
+    _closing = True
+    for kept in _kept.values():
+        while kept:
+            files = kept.pop()
+            files.keep = False
+            _remove_later(files)
     if _removing:
         await asyncio.wait(set(_removing), timeout=timeout_s)
 

@@ -14,6 +14,8 @@ import time
 import uuid
 from typing import Any
 
+import pytest
+
 import sdk
 from bulletin_core import wire
 from tests.integration.conftest import Tenants, wait_until_running
@@ -126,6 +128,29 @@ def deep_tree(depth: int) -> str:
     return here
 
 
+def plant_links(targets: list[str], files: int) -> str:
+    """Leave symbolic links to ``targets`` where the nodelet cleans up after the call, and
+    ``files`` plain files beside them."""
+    import os
+
+    for n, target in enumerate(targets):
+        os.symlink(target, f"link-{n}")
+    for n in range(files):
+        with open(f"file-{n}", "w") as file:
+            file.write("x")
+    return os.getcwd()
+
+
+def where_am_i(leave: str) -> tuple[str, list[str]]:
+    """The call's directory, what was in it when the call began, and a file left there."""
+    import os
+
+    found = sorted(os.listdir("."))
+    with open(leave, "w") as file:
+        file.write("left")
+    return os.getcwd(), found
+
+
 def unacceptable_outcome(ran: str) -> None:
     """Leave an outcome the gateway refuses (a NUL in its text: the worker escapes those, but
     the call writes this one itself), and count how often this code ran."""
@@ -235,6 +260,44 @@ def test_a_tree_too_deep_to_remove_recursively_costs_the_node_nothing(tenants: T
     assert sdk.function()(hold)(0.0) == "alice's result"
     log = (tenants.cluster.dir / "node-a.log").read_text()
     assert "crashed" not in log and "Traceback" not in log
+
+
+@pytest.mark.parametrize("files", [0, 20], ids=["unlinked-by-the-node", "removed-as-the-account"])
+def test_links_left_for_the_clean_up_are_removed_as_links_never_what_they_name(
+    tenants: Tenants, files: int
+) -> None:
+    from pathlib import Path
+
+    from tests.conftest import wait_until
+
+    token = tenants.node_token.read_bytes()
+    node_dir = tenants.node_token.parent
+    before = sorted(p.name for p in node_dir.iterdir())
+    targets = [str(tenants.node_token), str(node_dir), "/etc/passwd"]
+    tenants.be("bt-bob")
+    out = Path(sdk.function()(plant_links)(targets, files))
+    # Removed, or (a few plain entries, unlinked by the node) kept empty for Bob's next call.
+    wait_until(lambda: not out.exists() or not any(out.iterdir()), 30, f"{out} to be emptied")
+    assert tenants.node_token.read_bytes() == token
+    assert sorted(p.name for p in node_dir.iterdir()) == before
+    assert Path("/etc/passwd").stat().st_size > 0
+    log = (tenants.cluster.dir / "node-a.log").read_text()
+    assert "left in place" not in log and "Traceback" not in log
+
+
+def test_a_directory_kept_for_the_next_call_is_empty_and_only_ever_its_owners(
+    tenants: Tenants,
+) -> None:
+    seen: dict[str, set[str]] = {"bt-alice": set(), "bt-bob": set()}
+    for n in range(6):
+        user = ("bt-alice", "bt-bob")[n % 2]
+        tenants.be(user)
+        here, found = sdk.function()(where_am_i)(f"{user}-{n}")
+        assert found == [], f"{user}'s call began among {found}"
+        seen[user].add(here)
+    assert not seen["bt-alice"] & seen["bt-bob"], seen
+    # Kept, not remade each time: a user's calls one after the other reuse their directory.
+    assert len(seen["bt-alice"]) < 3 and len(seen["bt-bob"]) < 3, seen
 
 
 def test_an_outcome_the_gateway_refuses_fails_the_call_once_and_never_reruns_it(
