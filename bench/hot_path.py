@@ -88,6 +88,9 @@ def cpu_by_process() -> Counter[str]:
             kind = "workers"
         elif "-m nodelet" in cmd:
             kind = "nodelet"
+            # Workers it reaped (recycled, crashed) took their CPU time with them: it is
+            # counted in the nodelet's children's time (cutime, cstime).
+            used["workers"] += (int(fields[13]) + int(fields[14])) / HZ
         elif cmd.startswith("postgres"):
             kind = "postgres"
         else:

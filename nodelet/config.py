@@ -114,7 +114,9 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
     """)] = ""
     worker_max_calls: Annotated[int, AT_LEAST_0, doc("""
         A worker is recycled (a fresh one takes its place) after this many calls; 0: never.
-    """)] = 1000
+        Each recycling costs a process start with its imports (torch: about a second of CPU),
+        so a low bound slows down maps of short calls.
+    """)] = 100_000
     worker_max_rss_mb: Annotated[int, AT_LEAST_0, doc("""
         A worker whose resident memory is over this many MiB after a call is recycled; 0: no
         bound (a call that leaks, or caches too much, would otherwise keep it).
