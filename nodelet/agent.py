@@ -9,6 +9,7 @@ worker pool's maintainer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -343,7 +344,9 @@ class Node:
             client=self._client,
             pool=self._pool,
             facts=self._facts,
-            complete=self.completions.complete,
+            complete=functools.partial(
+                self.completions.complete, mapped=assignment.lease is not None
+            ),
         )
         self.attempts[key] = attempt
         behind = None

@@ -9,7 +9,9 @@ was committed, :class:`~nodelet.errors.StaleAttempt` when it was discarded, the 
 error otherwise (the caller retries while the gateway is unavailable). A batch the gateway
 refuses as a whole (422: one outcome it does not take) is sent again one outcome at a time,
 so that one call's outcome cannot refuse the others'; a gateway without the route (an older
-one) gets every outcome on its own from then on.
+one) gets every outcome on its own from then on. An outcome that goes alone and is no map
+item's (nothing to take next) takes the single-attempt route: one statement, where a batch
+also locks the node for the next items.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 #: The most bytes of inline results one request carries (one outcome may be bigger).
 BATCH_BYTES = 8 * 1024 * 1024
 
-_Pending = tuple[str, wire.CompleteRequest, "asyncio.Future[None]"]
+_Pending = tuple[str, wire.CompleteRequest, "asyncio.Future[None]", bool]  # ..., mapped
 
 
 class Completions:
@@ -50,14 +52,17 @@ class Completions:
         #: False once the gateway answered that it has no batch route.
         self._batched = True
 
-    async def complete(self, invocation_id: str, request: wire.CompleteRequest) -> None:
+    async def complete(
+        self, invocation_id: str, request: wire.CompleteRequest, *, mapped: bool = True
+    ) -> None:
         """Send one attempt's outcome (with others in flight meanwhile); raises as
-        ``GatewayClient.complete`` does."""
+        ``GatewayClient.complete`` does. ``mapped``: the attempt is a map item's (its
+        assignment had a ``lease``), so the answer may bring the map's next items."""
         if not self._batched:
             await self._client.complete(invocation_id, request)
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((invocation_id, request, done))
+        self._pending.append((invocation_id, request, done, mapped))
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send_all(), name="nodelet-completions")
         await done
@@ -66,7 +71,7 @@ class Completions:
         if self._sender is not None:
             self._sender.cancel()
             await asyncio.wait([self._sender])
-        for _, _, done in self._pending:
+        for _, _, done, _ in self._pending:
             done.cancel()
         self._pending.clear()
 
@@ -76,12 +81,12 @@ class Completions:
             try:
                 await self._send(batch)
             except asyncio.CancelledError:
-                for _, _, done in batch:
+                for _, _, done, _ in batch:
                     done.cancel()
                 raise
             except Exception as exc:  # not the gateway's answer: a fault of this node's
                 log.exception("sending %d outcomes failed", len(batch))
-                for _, _, done in batch:
+                for _, _, done, _ in batch:
                     if not done.done():
                         done.set_exception(exc)
 
@@ -89,20 +94,25 @@ class Completions:
         batch: list[_Pending] = []
         size = 0
         while self._pending and len(batch) < wire.MAX_COMPLETE:
-            invocation_id, request, done = self._pending[0]
+            pending = self._pending[0]
+            request, done = pending[1], pending[2]
             size += len(request.result or b"") + sum(len(c.data) for c in request.logs)
             if batch and size > BATCH_BYTES:
                 break
             self._pending.popleft()
             if not done.done():  # its attempt was killed meanwhile: nobody waits for it
-                batch.append((invocation_id, request, done))
+                batch.append(pending)
         return batch
 
     async def _send(self, batch: list[_Pending]) -> None:
         if not batch:
             return
+        if len(batch) == 1 and not batch[0][3]:
+            await self._send_one(*batch[0])
+            return
         completions = [
-            wire.Completion(invocation_id=i, **msgspec.structs.asdict(r)) for i, r, _ in batch
+            wire.Completion(invocation_id=i, **msgspec.structs.asdict(r))
+            for i, r, _, _ in batch
         ]
         try:
             answer = await self._client.complete_many(completions, take_more=self._take_more())
@@ -113,12 +123,12 @@ class Completions:
             await asyncio.gather(*(self._send_one(*pending) for pending in batch))
             return
         except NodeletError as exc:
-            for _, _, done in batch:
+            for _, _, done, _ in batch:
                 if not done.done():
                     done.set_exception(exc)
             return
         committed = set(answer.done)
-        for invocation_id, _, done in batch:
+        for invocation_id, _, done, _ in batch:
             if done.done():
                 continue
             if invocation_id in committed:
@@ -135,7 +145,11 @@ class Completions:
             self._on_assignments(answer.assignments)
 
     async def _send_one(
-        self, invocation_id: str, request: wire.CompleteRequest, done: asyncio.Future[None]
+        self,
+        invocation_id: str,
+        request: wire.CompleteRequest,
+        done: asyncio.Future[None],
+        _mapped: bool = False,
     ) -> None:
         try:
             await self._client.complete(invocation_id, request)

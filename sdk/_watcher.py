@@ -51,7 +51,9 @@ class LogPrinter:
         return fresh
 
     def close(self, invocation_id: str) -> None:
-        """Flush what the decoders of a finished invocation still hold."""
+        """Flush what the decoders of a finished invocation still hold, and forget it (a
+        map of many items keeps nothing of those it is done with)."""
+        self._printed.pop(invocation_id, None)
         for stream in wire.Stream:
             decoder = self._decoders.pop((invocation_id, stream), None)
             if decoder is not None:
