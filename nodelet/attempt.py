@@ -115,12 +115,21 @@ class Report:
 _AT_ONCE = 8
 
 
-#: Emptied attempt directories kept for the next call of the same owner and account, at
-#: most this many each: making and removing two directories costs more here than a short
-#: call itself (the kernel frees a removed directory's inode at its last close, ~150 µs).
+#: Emptied attempt directories kept for the next call of the same warm-worker owner (see
+#: ``_warm_owner``: a colleague's function never shares one with the owner's own code) and
+#: account, at most this many each and ``_KEEP_MAX`` in all, for at most ``_KEEP_S``: making
+#: and removing two directories costs more here than a short call itself (the kernel frees
+#: a removed directory's inode at its last close, ~150 µs).
 _KEEP_PER_OWNER = 4
+_KEEP_MAX = 64
+_KEEP_S = 60.0
+#: What the nodelet unlinks on its event loop: files of at most this many bytes allocated
+#: (freeing a big file's blocks takes a while), in an ``out`` whose directory file is at
+#: most this big (one that once held very many names stays big, and slow to list).
+_AT_ONCE_BYTES = 1 << 20
+_AT_ONCE_DIR_BYTES = 64 * 1024
 
-_KeepKey = tuple[str, str, int, int]  # work dir, owner, uid, gid
+_KeepKey = tuple[str, str, int, int]  # work dir, warm owner, uid, gid
 
 
 @dataclass(slots=True)
@@ -134,7 +143,8 @@ class _Files:
     #: Who must own what the worker leaves in ``out``.
     uid: int
     gid: int
-    #: Whose calls may reuse it once it is emptied (see ``keep``), and where it was made.
+    #: Whose calls may reuse it once it is emptied (see ``keep``: ``_warm_owner``), and
+    #: where it was made.
     owner: str = ""
     work_dir: str = ""
     #: The call ended cleanly (nothing it started is left running): once emptied, the
@@ -146,12 +156,15 @@ class _Files:
         """A directory for an attempt of ``owner``'s: an emptied one of theirs kept from an
         earlier call under the same account, else a new one."""
         uid, gid = (run_as.uid, run_as.gid) if run_as else (os.geteuid(), os.getegid())
+        _expire_kept()
         kept = _kept.get((work_dir, owner, uid, gid))
         while kept:
-            files = kept.pop()
+            files, _ = kept.pop()
+            if not kept:
+                del _kept[(work_dir, owner, uid, gid)]
             if files._ready_again():
                 return files
-            _remove_later(files)
+            _remove_later(files)  # keep is False: removed, never kept again
         path = tempfile.mkdtemp(prefix="attempt-", dir=work_dir)
         fd = out_fd = -1
         try:
@@ -169,11 +182,19 @@ class _Files:
 
     def _ready_again(self) -> bool:
         """Whether a kept directory is as a new one would be: ``out`` still the account's,
-        empty (a process of the last call's may have written since), mode 0700 again (its
-        owner may have changed it)."""
+        still the directory at ``out`` (nothing mounted over it), small and empty (a process
+        of the last call's may have written since), mode 0700 again (its owner may have
+        changed it)."""
+        self.keep = False
         try:
             info = os.fstat(self.out_fd)
-            if info.st_uid != self.uid or not stat.S_ISDIR(info.st_mode):
+            named = os.stat(OUT, dir_fd=self.fd, follow_symlinks=False)
+            if (
+                info.st_uid != self.uid
+                or not stat.S_ISDIR(info.st_mode)
+                or (named.st_dev, named.st_ino) != (info.st_dev, info.st_ino)
+                or info.st_size > _AT_ONCE_DIR_BYTES
+            ):
                 return False
             with os.scandir(self.out_fd) as entries:
                 if next(entries, None) is not None:
@@ -181,7 +202,6 @@ class _Files:
             os.fchmod(self.out_fd, 0o700)
         except OSError:
             return False
-        self.keep = False
         return True
 
     @property
@@ -199,8 +219,11 @@ class _Files:
         what is its own, entry by entry, never recursing into what the account controls.
         An emptied directory of a call that ended cleanly (``keep``) may be kept instead,
         for the next call of the same owner under the same account."""
-        if self.keep and self._emptied_at_once() and self._kept_for_next():
-            return  # its descriptors stay open with it
+        try:
+            if self.keep and self._emptied_at_once() and self._kept_for_next():
+                return  # its descriptors stay open with it
+        except OSError:
+            pass  # removed instead, below
         try:
             if not self._removed_at_once():
                 if self.uid == os.geteuid():  # single-tenant: the same account, trusted
@@ -226,12 +249,15 @@ class _Files:
 
     def _kept_for_next(self) -> bool:
         """Keep the emptied directory for the owner's next call, if there is room."""
-        kept = _kept.setdefault((self.work_dir, self.owner, self.uid, self.gid), [])
-        if len(kept) >= _KEEP_PER_OWNER or _closing:
+        key = (self.work_dir, self.owner, self.uid, self.gid)
+        kept = _kept.get(key, [])
+        if len(kept) >= _KEEP_PER_OWNER or sum(map(len, _kept.values())) >= _KEEP_MAX:
+            return False
+        if _closing:
             return False
         with contextlib.suppress(FileNotFoundError):
             os.unlink(PAYLOAD, dir_fd=self.fd)
-        kept.append(self)
+        _kept.setdefault(key, []).append((self, time.monotonic()))
         return True
 
     def _emptied_at_once(self) -> bool:
@@ -239,14 +265,18 @@ class _Files:
         a directory; False (the rest left for the slow path) otherwise."""
         names: list[str] = []
         try:
-            entries = os.scandir(self.out_fd)
+            if os.fstat(self.out_fd).st_size > _AT_ONCE_DIR_BYTES:
+                return False
+            with os.scandir(self.out_fd) as entries:
+                for entry in entries:
+                    if len(names) == _AT_ONCE:
+                        return False
+                    info = entry.stat(follow_symlinks=False)
+                    if stat.S_ISDIR(info.st_mode) or info.st_blocks * 512 > _AT_ONCE_BYTES:
+                        return False
+                    names.append(entry.name)
         except OSError:
             return False
-        with entries:
-            for entry in entries:
-                if len(names) == _AT_ONCE:
-                    return False
-                names.append(entry.name)
         for name in names:
             try:
                 os.unlink(name, dir_fd=self.out_fd)
@@ -429,7 +459,7 @@ class Attempt:
             if problem is not None:
                 return self._failed(wire.ErrorKind.BAD_PAYLOAD, problem)
         # Local directory operations, made here at once: a cancellation cannot strand them.
-        files = _Files.make(facts.work_dir, run_as, assignment.owner_name)
+        files = _Files.make(facts.work_dir, run_as, _warm_owner(assignment))
         try:
             payload_path = None
             if assignment.payload is None and payload_file is None:
@@ -864,10 +894,25 @@ def _marked(pumps: list[asyncio.Task[Any]]) -> bool:
 
 #: Attempt directories being removed (kept referenced until they are).
 _removing: set[asyncio.Task[None]] = set()
-#: Emptied attempt directories kept for their owner's next call (_KEEP_PER_OWNER).
-_kept: dict[_KeepKey, list[_Files]] = {}
+#: Emptied attempt directories kept for their owner's next call, with when they were kept.
+_kept: dict[_KeepKey, list[tuple[_Files, float]]] = {}
 #: The nodelet is stopping: nothing more is kept.
 _closing = False
+
+
+def _expire_kept() -> None:
+    """Remove the kept directories nobody reused for ``_KEEP_S``."""
+    old = time.monotonic() - _KEEP_S
+    for key in [k for k, kept in _kept.items() if kept[0][1] < old]:
+        stale = [f for f, at in _kept[key] if at < old]
+        fresh = [(f, at) for f, at in _kept[key] if at >= old]
+        if fresh:
+            _kept[key] = fresh
+        else:
+            del _kept[key]
+        for files in stale:
+            files.keep = False
+            _remove_later(files)
 
 
 def _remove_later(files: _Files) -> None:
@@ -885,10 +930,17 @@ async def removals_done(timeout_s: float) -> None:
     global _closing
     _closing = True
     for kept in _kept.values():
-        while kept:
-            files = kept.pop()
+        for files, _ in kept:
             files.keep = False
             _remove_later(files)
+    _kept.clear()
+    try:
+        await _removals(timeout_s)
+    finally:
+        _closing = False  # a node started again in this process keeps directories again
+
+
+async def _removals(timeout_s: float) -> None:
     if _removing:
         await asyncio.wait(set(_removing), timeout=timeout_s)
 

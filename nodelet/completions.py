@@ -111,8 +111,7 @@ class Completions:
             await self._send_one(*batch[0])
             return
         completions = [
-            wire.Completion(invocation_id=i, **msgspec.structs.asdict(r))
-            for i, r, _, _ in batch
+            wire.Completion(invocation_id=i, **msgspec.structs.asdict(r)) for i, r, _, _ in batch
         ]
         try:
             answer = await self._client.complete_many(completions, take_more=self._take_more())

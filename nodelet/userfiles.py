@@ -109,13 +109,23 @@ async def read_owned_soon(directory: int, name: str, uid: int, *, max_bytes: int
         return None
     try:
         data = os.pread(opened.fd, min(SMALL_READ, max_bytes) + 1, 0)
-        if len(data) > SMALL_READ:
-            data = await asyncio.to_thread(os.pread, opened.fd, max_bytes + 1, 0)
-    finally:
+    except BaseException:
         os.close(opened.fd)
+        raise
+    if len(data) <= SMALL_READ:
+        os.close(opened.fd)
+    else:  # the thread closes it, even if this wait is cancelled meanwhile
+        data = await asyncio.to_thread(_read_and_close, opened.fd, max_bytes + 1)
     if len(data) > max_bytes:
         raise UntrustedFile(f"{name}: grew over the limit of {max_bytes} bytes while read")
     return data
+
+
+def _read_and_close(fd: int, size: int) -> bytes:
+    try:
+        return os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
 
 
 def read_exactly(fd: int, offset: int, size: int) -> bytes:

@@ -496,30 +496,32 @@ def test_a_colleagues_function_never_shares_a_worker_with_the_callers_own_calls(
 ) -> None:
     """Code stays behind in a warm worker (a patched module, a thread): a worker that ran
     Alice's function for Bob is not reused for Bob's own calls, whose results Bob's sdk
-    unpickles without asking."""
+    unpickles without asking; nor is the directory it ran in (a thread left there could
+    write over Bob's own call's outcome)."""
 
     @sdk.function()
-    def plant() -> int:
+    def plant() -> list[Any]:
         import builtins
         import os
 
         builtins.PLANTED_BY_ALICE = True  # type: ignore[attr-defined]
-        return os.getpid()
+        return [os.getpid(), os.getcwd()]
 
     plant.register("plant", visibility="cluster")
     bob = cluster.add_user("bob")
     with http(cluster, bob) as client:
-        planted_in = invoke(client, "plant", {}, owner="alice").json()["result_json"]
-        again = invoke(client, "plant", {}, owner="alice").json()["result_json"]
+        planted_in, planted_at = invoke(client, "plant", {}, owner="alice").json()["result_json"]
+        again, again_at = invoke(client, "plant", {}, owner="alice").json()["result_json"]
     assert isinstance(planted_in, int) and again == planted_in  # its own warm worker
 
-    def own() -> tuple[int, bool]:
+    def own() -> tuple[int, bool, str]:
         import builtins
         import os
 
-        return os.getpid(), hasattr(builtins, "PLANTED_BY_ALICE")
+        return os.getpid(), hasattr(builtins, "PLANTED_BY_ALICE"), os.getcwd()
 
     sdk.connect(cluster.url, bob)
     for _ in range(3):
-        pid, planted = sdk.function()(own)()
+        pid, planted, here = sdk.function()(own)()
         assert pid != planted_in and not planted
+        assert here not in (planted_at, again_at)

@@ -141,6 +141,15 @@ def plant_links(targets: list[str], files: int) -> str:
     return os.getcwd()
 
 
+def leave_big_file(mib: int) -> str:
+    """Leave a file of ``mib`` MiB (really allocated) where the nodelet cleans up."""
+    import os
+
+    with open("big", "wb") as file:
+        file.write(os.urandom(1 << 20) * mib)
+    return os.getcwd()
+
+
 def where_am_i(leave: str) -> tuple[str, list[str]]:
     """The call's directory, what was in it when the call began, and a file left there."""
     import os
@@ -283,6 +292,19 @@ def test_links_left_for_the_clean_up_are_removed_as_links_never_what_they_name(
     assert Path("/etc/passwd").stat().st_size > 0
     log = (tenants.cluster.dir / "node-a.log").read_text()
     assert "left in place" not in log and "Traceback" not in log
+
+
+def test_a_big_file_left_behind_is_removed_as_the_account_and_its_directory_not_kept(
+    tenants: Tenants,
+) -> None:
+    """Freeing a big file's blocks takes a while: never on the nodelet's event loop."""
+    from pathlib import Path
+
+    from tests.conftest import wait_until
+
+    tenants.be("bt-bob")
+    out = Path(sdk.function()(leave_big_file)(8))
+    wait_until(lambda: not out.parent.exists(), 30, f"{out.parent} to be removed")
 
 
 def test_a_directory_kept_for_the_next_call_is_empty_and_only_ever_its_owners(
