@@ -1,0 +1,62 @@
+"""Attempt directories kept for an owner's next call (nodelet.attempt._Files): reused only
+empty and for the same owner and account, bounded per owner and in all, expired when
+nobody reuses them, all removed when the nodelet stops. Real directories, the nodelet's own
+account (single-tenant)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from nodelet import attempt
+from nodelet.attempt import _Files, removals_done
+
+
+async def finished(work_dir: Path, owner: str, *, leave: str | None = None) -> _Files:
+    """An attempt's directory as a cleanly ended call leaves it, closed."""
+    files = _Files.make(str(work_dir), None, owner)
+    if leave is not None:
+        (Path(files.out) / leave).write_text("x")
+    files.keep = True
+    await files.close()
+    return files
+
+
+def test_kept_directories_are_reused_by_their_owner_only_bounded_and_expired(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(attempt.time, "monotonic", lambda: clock[0])
+
+    async def main() -> None:
+        first = await finished(tmp_path, "alice", leave="outcome")
+        assert Path(first.path).is_dir() and not any(Path(first.out).iterdir())
+        # Alice's next call gets it back; Bob's never does.
+        bobs = _Files.make(str(tmp_path), None, "bob")
+        assert bobs.path != first.path
+        again = _Files.make(str(tmp_path), None, "alice")
+        assert again.path == first.path
+        # At most _KEEP_PER_OWNER are kept for one owner; the rest are removed.
+        many = attempt._KEEP_PER_OWNER + 2
+        made = [_Files.make(str(tmp_path), None, "carol") for _ in range(many)]
+        for files in made:
+            files.keep = True
+            await files.close()
+        assert sum(Path(f.path).exists() for f in made) == attempt._KEEP_PER_OWNER
+        await removals_done(10)
+        assert not any(Path(f.path).exists() for f in made), "a stopping node removes them"
+        # Kept again after a stop; one left unused past _KEEP_S is removed at the next make.
+        late = await finished(tmp_path, "dave")
+        clock[0] += attempt._KEEP_S + 1
+        fresh = _Files.make(str(tmp_path), None, "dave")
+        assert fresh.path != late.path
+        await removals_done(10)
+        assert not Path(late.path).exists()
+        for files in (bobs, again, fresh):
+            await files.close()
+
+    asyncio.run(main())
+    assert sorted(os.listdir(tmp_path)) == []
