@@ -7,7 +7,10 @@ for the HTTP path (``Client.use_shared_dir = False``: streamed through the gatew
 PostgreSQL), the wall time of the call and the peak resident memory of the caller, the
 gateway, PostgreSQL and the worker. The reference is the limit of the same machine:
 ``torch.save`` then ``torch.load`` of the same tensor on the same filesystem.
-Usage: python bench/state_roundtrip.py [--mib 1024] [--skip-http]
+With ``--read-only`` the call only reads the tensor (``float(big.sum())``): nothing changed
+comes back, the case the issue compares with one save + load.
+
+Usage: python bench/state_roundtrip.py [--mib 1024] [--skip-http] [--read-only]
 """
 
 from __future__ import annotations
@@ -116,12 +119,13 @@ def by_hand(tensor: torch.Tensor, directory: Path) -> float:
 
 
 def round_trip(
-    client: sdk.Client, label: str, mib: int, root_pid: int, shared: bool
+    client: sdk.Client, label: str, mib: int, root_pid: int, shared: bool, read_only: bool
 ) -> tuple[float, str]:
     client.use_shared_dir = shared
     big = torch.zeros(mib * MiB // 4)
     namespace = {"big": big, "torch": torch}
-    exec("def touch():\n    big.add_(1)\n    return big.numel()\n", namespace)
+    body = "    float(big.sum())\n" if read_only else "    big.add_(1)\n"
+    exec(f"def touch():\n{body}    return big.numel()\n", namespace)
     touch = sdk.function(gpus=1)(namespace["touch"])
     gc.collect()
     with PeakMemory(root_pid) as peak:
@@ -129,7 +133,8 @@ def round_trip(
         call = touch.spawn()
         assert call.result() == big.numel()
         elapsed = time.perf_counter() - started
-    assert namespace["big"] is big and float(big[0]) == 1.0 and float(big[-1]) == 1.0
+    want = 0.0 if read_only else 1.0
+    assert namespace["big"] is big and float(big[0]) == want and float(big[-1]) == want
     info = call.info()
     how = "shared file" if info.result_file else "blob" if info.result_blob else "inline"
     rate = 2 * mib / elapsed
@@ -144,6 +149,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--read-only", action="store_true", help="the call only reads it")
     args = parser.parse_args()
     print(
         f"machine: {platform.platform()}, {os.cpu_count()} cores, "
@@ -173,10 +179,13 @@ def main() -> None:
             gc.collect()
             runs = [("shared directory", True)] + ([] if args.skip_http else [("HTTP", False)])
             for label, shared in runs:
-                round_trip(client, f"{label} (warm-up)", min(args.mib, 64), proc.pid, shared)
+                warm_up = f"{label} (warm-up)"
+                round_trip(client, warm_up, min(args.mib, 64), proc.pid, shared, args.read_only)
                 times = []
                 for _ in range(args.repeat):
-                    elapsed, memory = round_trip(client, label, args.mib, proc.pid, shared)
+                    elapsed, memory = round_trip(
+                        client, label, args.mib, proc.pid, shared, args.read_only
+                    )
                     times.append(elapsed)
                     print(f"  peak RSS during the call (growth, in tensor sizes): {memory}")
                 median = statistics.median(times)
