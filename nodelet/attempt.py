@@ -47,7 +47,7 @@ from nodelet.errors import (
 from nodelet.gpus import GpuProvider
 from nodelet.logs import LogShipper
 from nodelet.pool import Worker, WorkerPool
-from nodelet.userfiles import make_private_dir, open_owned, read_owned_soon
+from nodelet.userfiles import make_private_dir, open_owned, read_owned
 from nodelet.worker_main import SPILLED
 
 log = logging.getLogger(__name__)
@@ -145,14 +145,14 @@ class _Files:
     gid: int
     #: Whose calls may reuse it once it is emptied (see ``keep``: ``_warm_owner``), and
     #: where it was made.
-    owner: str = ""
-    work_dir: str = ""
+    owner: str
+    work_dir: str
     #: The call ended cleanly (nothing it started is left running): once emptied, the
     #: directory may serve the owner's next call instead of being removed.
     keep: bool = False
 
     @classmethod
-    def make(cls, work_dir: str, run_as: wire.RunAs | None, owner: str = "") -> _Files:
+    def make(cls, work_dir: str, run_as: wire.RunAs | None, owner: str) -> _Files:
         """A directory for an attempt of ``owner``'s: an emptied one of theirs kept from an
         earlier call under the same account, else a new one."""
         uid, gid = (run_as.uid, run_as.gid) if run_as else (os.geteuid(), os.getegid())
@@ -219,13 +219,11 @@ class _Files:
         what is its own, entry by entry, never recursing into what the account controls.
         An emptied directory of a call that ended cleanly (``keep``) may be kept instead,
         for the next call of the same owner under the same account."""
+        emptied = self._emptied_at_once()
+        if emptied and self.keep and self._kept_for_next():
+            return  # its descriptors stay open with it
         try:
-            if self.keep and self._emptied_at_once() and self._kept_for_next():
-                return  # its descriptors stay open with it
-        except OSError:
-            pass  # removed instead, below
-        try:
-            if not self._removed_at_once():
+            if not (emptied and self._removed_own_at_once()):
                 if self.uid == os.geteuid():  # single-tenant: the same account, trusted
                     await asyncio.to_thread(shutil.rmtree, self.path, ignore_errors=True)
                 else:
@@ -237,10 +235,8 @@ class _Files:
             os.close(self.out_fd)
             os.close(self.fd)
 
-    def _removed_at_once(self) -> bool:
-        """Remove the directory at once if ``out`` holds little (``_emptied_at_once``)."""
-        if not self._emptied_at_once():
-            return False
+    def _removed_own_at_once(self) -> bool:
+        """Remove the emptied directory at once; False if that failed."""
         try:
             self._remove_own()
         except OSError:  # a process of the call's left more meanwhile: the slow path
@@ -250,13 +246,15 @@ class _Files:
     def _kept_for_next(self) -> bool:
         """Keep the emptied directory for the owner's next call, if there is room."""
         key = (self.work_dir, self.owner, self.uid, self.gid)
-        kept = _kept.get(key, [])
-        if len(kept) >= _KEEP_PER_OWNER or sum(map(len, _kept.values())) >= _KEEP_MAX:
+        held = len(_kept.get(key, ()))
+        if _closing or held >= _KEEP_PER_OWNER or sum(map(len, _kept.values())) >= _KEEP_MAX:
             return False
-        if _closing:
-            return False
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(PAYLOAD, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
         _kept.setdefault(key, []).append((self, time.monotonic()))
         return True
 
@@ -713,7 +711,7 @@ class Attempt:
         """The outcome the worker left in ``out`` (None if none); UntrustedFile if what is
         there is not a bounded regular file of the call's account."""
         limit = 2 * self._facts.inline_limit + _OUTCOME_SLACK
-        data = await read_owned_soon(files.out_fd, OUTCOME, files.uid, max_bytes=limit)
+        data = await read_owned(files.out_fd, OUTCOME, files.uid, max_bytes=limit)
         if data is None:
             return None
         try:

@@ -29,10 +29,9 @@ __all__ = [
     "make_private_dir",
     "open_owned",
     "read_owned",
-    "read_owned_soon",
 ]
 
-#: Bytes :func:`read_owned_soon` reads on the event loop; a longer file is read in a thread.
+#: Bytes :func:`read_owned` reads on the event loop; a longer file is read in a thread.
 SMALL_READ = 64 * 1024
 
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -84,25 +83,11 @@ def open_owned(directory: int, name: str, uid: int, *, max_bytes: int | None = N
     return Opened(fd, info.st_size)
 
 
-def read_owned(directory: int, name: str, uid: int, *, max_bytes: int) -> bytes | None:
+async def read_owned(directory: int, name: str, uid: int, *, max_bytes: int) -> bytes | None:
     """The whole content of ``name`` (see :func:`open_owned`), or None when it is missing.
-    Reads at most ``max_bytes``, even from a file that grows meanwhile."""
-    try:
-        opened = open_owned(directory, name, uid, max_bytes=max_bytes)
-    except FileNotFoundError:
-        return None
-    try:
-        data = os.pread(opened.fd, max_bytes + 1, 0)
-    finally:
-        os.close(opened.fd)
-    if len(data) > max_bytes:
-        raise UntrustedFile(f"{name}: grew over the limit of {max_bytes} bytes while read")
-    return data
-
-
-async def read_owned_soon(directory: int, name: str, uid: int, *, max_bytes: int) -> bytes | None:
-    """:func:`read_owned` for the event loop: the file is opened without blocking and its
-    first ``SMALL_READ`` bytes read at once; only a longer one is read on in a thread."""
+    Reads at most ``max_bytes``, even from a file that grows meanwhile. Made for the event
+    loop: the file is opened without blocking and its first ``SMALL_READ`` bytes read at
+    once; only a longer one is read on in a thread."""
     try:
         opened = open_owned(directory, name, uid, max_bytes=max_bytes)
     except FileNotFoundError:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pwd
 import threading
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from bulletin_core import shared
-from nodelet.userfiles import UntrustedFile, make_private_dir, open_owned, read_owned
+from nodelet import userfiles
+from nodelet.userfiles import UntrustedFile, make_private_dir, open_owned
 
 
 @pytest.fixture
@@ -27,6 +29,11 @@ def out(tmp_path: Path) -> Iterator[int]:
     os.close(fd)
 
 
+def read_owned(directory: int, name: str, uid: int, *, max_bytes: int) -> bytes | None:
+    """The nodelet's read, awaited as its event loop awaits it."""
+    return asyncio.run(userfiles.read_owned(directory, name, uid, max_bytes=max_bytes))
+
+
 def nobody() -> pwd.struct_passwd:
     return pwd.getpwnam("nobody")
 
@@ -35,6 +42,12 @@ def test_a_regular_file_of_the_account_is_read_whole(tmp_path: Path, out: int) -
     (tmp_path / "out" / "outcome").write_bytes(b"abc")
     assert read_owned(out, "outcome", os.geteuid(), max_bytes=3) == b"abc"
     assert read_owned(out, "missing", os.geteuid(), max_bytes=3) is None
+    # Longer than what is read at once on the event loop: the rest comes from a thread.
+    longer = os.urandom(userfiles.SMALL_READ * 3)
+    (tmp_path / "out" / "outcome").write_bytes(longer)
+    assert read_owned(out, "outcome", os.geteuid(), max_bytes=len(longer)) == longer
+    with pytest.raises(UntrustedFile, match="over the limit"):
+        read_owned(out, "outcome", os.geteuid(), max_bytes=len(longer) - 1)
 
 
 def test_a_symbolic_link_is_never_followed(tmp_path: Path, out: int) -> None:
