@@ -20,6 +20,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 
@@ -32,7 +33,13 @@ log = logging.getLogger(__name__)
 #: The most bytes of inline results one request carries (one outcome may be bigger).
 BATCH_BYTES = 8 * 1024 * 1024
 
-_Pending = tuple[str, wire.CompleteRequest, "asyncio.Future[None]", bool]  # ..., mapped
+
+class _Pending(NamedTuple):
+    invocation_id: str
+    request: wire.CompleteRequest
+    done: asyncio.Future[None]
+    #: A map item's: the batch's answer may bring the map's next items.
+    mapped: bool
 
 
 class Completions:
@@ -62,7 +69,7 @@ class Completions:
             await self._client.complete(invocation_id, request)
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((invocation_id, request, done, mapped))
+        self._pending.append(_Pending(invocation_id, request, done, mapped))
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send_all(), name="nodelet-completions")
         await done
@@ -71,8 +78,8 @@ class Completions:
         if self._sender is not None:
             self._sender.cancel()
             await asyncio.wait([self._sender])
-        for _, _, done, _ in self._pending:
-            done.cancel()
+        for pending in self._pending:
+            pending.done.cancel()
         self._pending.clear()
 
     async def _send_all(self) -> None:
@@ -81,37 +88,38 @@ class Completions:
             try:
                 await self._send(batch)
             except asyncio.CancelledError:
-                for _, _, done, _ in batch:
-                    done.cancel()
+                for pending in batch:
+                    pending.done.cancel()
                 raise
             except Exception as exc:  # not the gateway's answer: a fault of this node's
                 log.exception("sending %d outcomes failed", len(batch))
-                for _, _, done, _ in batch:
-                    if not done.done():
-                        done.set_exception(exc)
+                for pending in batch:
+                    if not pending.done.done():
+                        pending.done.set_exception(exc)
 
     def _take(self) -> list[_Pending]:
         batch: list[_Pending] = []
         size = 0
         while self._pending and len(batch) < wire.MAX_COMPLETE:
             pending = self._pending[0]
-            request, done = pending[1], pending[2]
+            request = pending.request
             size += len(request.result or b"") + sum(len(c.data) for c in request.logs)
             if batch and size > BATCH_BYTES:
                 break
             self._pending.popleft()
-            if not done.done():  # its attempt was killed meanwhile: nobody waits for it
+            if not pending.done.done():  # its attempt was killed meanwhile: nobody waits
                 batch.append(pending)
         return batch
 
     async def _send(self, batch: list[_Pending]) -> None:
         if not batch:
             return
-        if len(batch) == 1 and not batch[0][3]:
-            await self._send_one(*batch[0])
+        if len(batch) == 1 and not batch[0].mapped:
+            await self._send_one(batch[0])
             return
         completions = [
-            wire.Completion(invocation_id=i, **msgspec.structs.asdict(r)) for i, r, _, _ in batch
+            wire.Completion(invocation_id=p.invocation_id, **msgspec.structs.asdict(p.request))
+            for p in batch
         ]
         try:
             answer = await self._client.complete_many(completions, take_more=self._take_more())
@@ -119,12 +127,12 @@ class Completions:
             if exc.status in (404, 405):
                 log.info("the gateway takes no batched completions; sending them one by one")
                 self._batched = False
-            await asyncio.gather(*(self._send_one(*pending) for pending in batch))
+            await asyncio.gather(*(self._send_one(pending) for pending in batch))
             return
         except NodeletError as exc:
-            for _, _, done, _ in batch:
-                if not done.done():
-                    done.set_exception(exc)
+            for pending in batch:
+                if not pending.done.done():
+                    pending.done.set_exception(exc)
             return
         committed = set(answer.done)
         for invocation_id, _, done, _ in batch:
@@ -143,15 +151,10 @@ class Completions:
         if answer.assignments:
             self._on_assignments(answer.assignments)
 
-    async def _send_one(
-        self,
-        invocation_id: str,
-        request: wire.CompleteRequest,
-        done: asyncio.Future[None],
-        _mapped: bool = False,
-    ) -> None:
+    async def _send_one(self, pending: _Pending) -> None:
+        done = pending.done
         try:
-            await self._client.complete(invocation_id, request)
+            await self._client.complete(pending.invocation_id, pending.request)
         except Exception as exc:  # the caller's: it handles it as a single send's
             if not done.done():
                 done.set_exception(exc)
