@@ -79,16 +79,15 @@ FROM invocations i LEFT JOIN nodes n ON n.id = i.node_id
 WHERE i.id = ANY($1::uuid[]) AND ($2::bigint IS NULL OR i.owner_id = $2)
 """
 
+_TERMINAL = "('succeeded', 'failed', 'timed_out', 'cancelled')"
+
 _CHANGED = f"""
 SELECT {_invocation_columns()}
 FROM unnest($1::uuid[], $2::int[]) AS c(id, seen)
 JOIN invocations i ON i.id = c.id AND ($3::bigint IS NULL OR i.owner_id = $3)
 LEFT JOIN nodes n ON n.id = i.node_id
-WHERE i.state IN ('succeeded', 'failed', 'timed_out', 'cancelled')
-  OR i.log_count > c.seen
+WHERE i.state IN {_TERMINAL} OR i.log_count > c.seen
 """
-
-_TERMINAL = "('succeeded', 'failed', 'timed_out', 'cancelled')"
 
 # What a watch answers, stamping the first fetch of terminal invocations by their owner in the
 # same statement (the answer carries the stamp). Each named call is looked up by its id
@@ -128,10 +127,10 @@ ORDER BY i.seq DESC
 LIMIT $2
 """
 
-_MARK_FETCHED = """
+_MARK_FETCHED = f"""
 UPDATE invocations SET fetched_at = clock_timestamp()
 WHERE id = ANY($1::uuid[]) AND owner_id = $2 AND fetched_at IS NULL
-  AND state IN ('succeeded', 'failed', 'timed_out', 'cancelled')
+  AND state IN {_TERMINAL}
 RETURNING id, extract(epoch FROM fetched_at) AS t
 """
 

@@ -199,21 +199,26 @@ def test_a_call_runs_through_the_node_routes_and_the_user_sees_logs_and_result(
     assert node.post(f"{base}/complete", done).status_code == 409
 
 
+def complete_soon(node: Http, work: wire.Assignment, delay_s: float) -> None:
+    """Complete ``work`` successfully from another thread, ``delay_s`` from now."""
+    import threading
+
+    def complete() -> None:
+        time.sleep(delay_s)
+        node.post(
+            f"/v1/node/invocations/{work.invocation_id}/complete",
+            wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"r"),
+        )
+
+    threading.Thread(target=complete).start()
+
+
 def test_watch_wakes_on_completion_without_waiting_for_the_recheck_timer(gateway: Cluster) -> None:
     user = Http(gateway.url, gateway.token)
     node = register(gateway)
     [invocation_id] = submit(user, call(gpus=1))
     [work] = poll(node).assignments
-    import threading
-
-    def finish() -> None:
-        time.sleep(0.3)
-        node.post(
-            f"/v1/node/invocations/{invocation_id}/complete",
-            wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"r"),
-        )
-
-    threading.Thread(target=finish).start()
+    complete_soon(node, work, 0.3)
     started = time.monotonic()
     r = user.post(
         "/v1/invocations/watch",
@@ -262,15 +267,7 @@ def test_a_watch_of_many_answers_those_that_finished_and_finds_one_whose_news_wa
 
     # Woken by one completion among 300: the answer is that call.
     work = poll(node).assignments[0]
-
-    def complete() -> None:
-        time.sleep(0.3)
-        node.post(
-            f"/v1/node/invocations/{work.invocation_id}/complete",
-            wire.CompleteRequest(epoch=work.epoch, state="succeeded", result=b"r"),
-        )
-
-    threading.Thread(target=complete).start()
+    complete_soon(node, work, 0.3)
     answered, _ = watch()
     assert answered == [work.invocation_id]
     # One that finishes with no notification while the watch waits: the recheck timer (1 s
