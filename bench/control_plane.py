@@ -32,7 +32,7 @@ import httpx
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hot_path import HZ, SITECUSTOMIZE, statements
+from hot_path import HZ, counted_cluster, statements
 
 from bulletin import admin
 from bulletin_core import wire
@@ -124,36 +124,16 @@ def cpu_seconds(pid: int) -> float:
 
 def measure(n_nodes: int, rate: float, seconds: float, procs: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        os.chmod(tmp, 0o711)
-        site = Path(tmp) / "site"
-        site.mkdir()
-        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        counts = Path(tmp) / "counts"
-        env = {
-            **os.environ,
-            "PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}",
-            "BULLETIN_BENCH_COUNT": "1",
-            "BULLETIN_BENCH_COUNTS": str(counts),
+        settings = {
             # Submissions are the benchmark's load, not an abuse: no per-user rate limit; and
             # every simulated node shares one address (real nodes have one each), whose
             # budget for tokens the gateway has not seen yet 1,000 registrations would spend.
             "BULLETIN_RATE_LIMIT_PER_S": "0",
             "BULLETIN_AUTH_FAILURE_RATE_PER_S": "0",
         }
-        state = Path(tmp) / "state"
-        cluster = subprocess.Popen(
-            [sys.executable, "-m", "bulletin", "--log-level", "warning", "up", "--state-dir",
-             str(state), "--port", "0", "--fake-gpus", "0"],
-            env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+        cluster, state, counts = counted_cluster(Path(tmp), fake_gpus=0, settings=settings)
         sides: list[subprocess.Popen[bytes]] = []
         try:
-            deadline = time.monotonic() + 120
-            while not (state / "client.toml").exists():
-                if cluster.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("bulletin up did not start")
-                time.sleep(0.2)
-            time.sleep(1.0)
             database_url = (state / "database.url").read_text().strip()
             config = (state / "client.toml").read_text()
             url = config.split('url = "', 1)[1].split('"', 1)[0]

@@ -123,6 +123,40 @@ def statements(counts: Path, gateway_pid: int) -> Counter[str]:
     return found
 
 
+def counted_cluster(
+    tmp: Path, *, fake_gpus: int, settings: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """``bulletin up`` in ``tmp`` (with ``settings``, BULLETIN_* variables, for its
+    processes) whose gateway counts its statements (SITECUSTOMIZE), once it serves: the
+    process, its state dir and where the counts go (:func:`statements`)."""
+    os.chmod(tmp, 0o711)  # as root, PostgreSQL's system account must traverse it
+    site = tmp / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    counts = tmp / "counts"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}",
+        "BULLETIN_BENCH_COUNT": "1",
+        "BULLETIN_BENCH_COUNTS": str(counts),
+        **settings,
+    }
+    state = tmp / "state"
+    cluster = subprocess.Popen(
+        [sys.executable, "-m", "bulletin", "--log-level", "warning", "up", "--state-dir",
+         str(state), "--port", "0", "--fake-gpus", str(fake_gpus)],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (state / "client.toml").exists():
+        if cluster.poll() is not None or time.monotonic() > deadline:
+            cluster.kill()
+            raise SystemExit("bulletin up did not start")
+        time.sleep(0.2)
+    time.sleep(1.0)
+    return cluster, state, counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=300)
@@ -135,32 +169,9 @@ def main() -> None:
         f"Python {platform.python_version()}"
     )
     with tempfile.TemporaryDirectory() as tmp:
-        os.chmod(tmp, 0o711)  # as root, PostgreSQL's system account must traverse it
-        site = Path(tmp) / "site"
-        site.mkdir()
-        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        counts = Path(tmp) / "counts"
-        env = {
-            **os.environ,
-            "PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}",
-            "BULLETIN_BENCH_COUNT": "1",
-            "BULLETIN_BENCH_COUNTS": str(counts),
-        }
-        if args.no_place_at_submit:
-            env["BULLETIN_PLACE_AT_SUBMIT"] = "false"
-        state = Path(tmp) / "state"
-        cluster = subprocess.Popen(
-            [sys.executable, "-m", "bulletin", "--log-level", "warning", "up", "--state-dir",
-             str(state), "--port", "0", "--fake-gpus", "2"],
-            env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+        settings = {"BULLETIN_PLACE_AT_SUBMIT": "false"} if args.no_place_at_submit else {}
+        cluster, state, counts = counted_cluster(Path(tmp), fake_gpus=2, settings=settings)
         try:
-            deadline = time.monotonic() + 120
-            while not (state / "client.toml").exists():
-                if cluster.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("bulletin up did not start")
-                time.sleep(0.2)
-            time.sleep(1.0)
             client = sdk.connect(config=state / "client.toml")
             fn = sdk.function(gpus=0)(noop)
             for i in range(50):
