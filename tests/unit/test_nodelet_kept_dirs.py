@@ -60,3 +60,28 @@ def test_kept_directories_are_reused_by_their_owner_only_bounded_and_expired(
 
     asyncio.run(main())
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_kept_directory_with_something_mounted_over_it_is_not_reused(tmp_path: Path) -> None:
+    """Its account may mount over its own ``out`` (FUSE, where fusermount is installed): the
+    descriptor the nodelet holds is then no longer what the call would work in. Here a bind
+    mount as root stands in for it."""
+    import subprocess
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+
+    async def main() -> None:
+        kept = await finished(work, "alice")
+        subprocess.run(["mount", "--bind", str(elsewhere), kept.out], check=True)
+        try:
+            fresh = _Files.make(str(work), None, "alice")
+            assert fresh.path != kept.path, "a directory with a mount over out was reused"
+            await fresh.close()
+        finally:
+            subprocess.run(["umount", kept.out], check=True)
+        await removals_done(10)
+
+    asyncio.run(main())
+    assert sorted(os.listdir(work)) == []
