@@ -16,7 +16,11 @@ BEGIN and COMMIT count), and dumps the counts on SIGUSR1. Then N sequential
 With ``--map N``: one ``list(fn.map(range(N)))`` instead (calls/s, and the client's and
 the gateway's resident memory before and after).
 
-Usage: python bench/hot_path.py [--calls 300] [--no-place-at-submit] [--map N]
+With ``--profile DIR``: py-spy (``pip install py-spy``) samples the gateway, the nodelet and
+every worker during the measured part and leaves their collapsed stacks in DIR
+(``gateway.txt``...; ``--profile-top`` prints each one's hottest functions).
+
+Usage: python bench/hot_path.py [--calls 300] [--no-place-at-submit] [--map N] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -157,12 +161,35 @@ def counted_cluster(
     return cluster, state, counts
 
 
+def profile(into: Path, state: Path) -> list[subprocess.Popen[bytes]]:
+    """py-spy recorders (collapsed stacks, native frames left out) on the gateway, the
+    nodelet and each worker of the cluster whose state dir is ``state``."""
+    into.mkdir(parents=True, exist_ok=True)
+    targets = {"gateway": f"-m gateway .*{state}", "nodelet": f"-m nodelet .*{state}"}
+    pids = {
+        who: subprocess.check_output(["pgrep", "-f", "--", pattern]).split()[0].decode()
+        for who, pattern in targets.items()
+    }
+    workers = subprocess.check_output(["pgrep", "-P", pids["nodelet"]]).split()
+    pids |= {f"worker-{pid.decode()}": pid.decode() for pid in workers}
+    spy = Path(sys.executable).parent / "py-spy"
+    spies = []
+    for who, pid in pids.items():
+        command = [str(spy), "record", "--pid", pid, "--rate", "200", "--format", "raw",
+                   "--output", str(into / f"{who}.txt"), "--nonblocking"]  # fmt: skip
+        quiet = subprocess.DEVNULL
+        spies.append(subprocess.Popen(command, stdout=quiet, stderr=quiet))
+    return spies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--no-place-at-submit", action="store_true")
     parser.add_argument("--map", type=int, default=0, metavar="N",
                         help="measure one list(fn.map(range(N))) instead of sequential calls")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="py-spy the cluster's processes into DIR during the measurement")
     args = parser.parse_args()
     print(
         f"machine: {platform.platform()}, {os.cpu_count()} cores, "
@@ -181,6 +208,7 @@ def main() -> None:
             requests: list[str] = []
             client._http.event_hooks["request"].append(lambda r: requests.append(r.url.path))
             before_sql, before_cpu = statements(counts, gateway), cpu_by_process()
+            spies = profile(args.profile, state) if args.profile else []
             latency = []
             if args.map:
                 memory = {"client": rss_mib(os.getpid()), "gateway": rss_mib(gateway)}
@@ -198,6 +226,10 @@ def main() -> None:
                     assert fn(i) == i
                     latency.append((time.perf_counter() - started) * 1000)
             after_cpu, after_sql = cpu_by_process(), statements(counts, gateway)
+            for spy in spies:
+                spy.send_signal(signal.SIGINT)
+            for spy in spies:
+                spy.wait(60)
         finally:
             cluster.send_signal(signal.SIGTERM)
             cluster.wait(60)

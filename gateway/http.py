@@ -418,6 +418,10 @@ class Storage:
         if self.over(size):
             raise self._exceeded(size, how)
 
+    def exceeded_by_calls(self) -> InsufficientStorage:
+        """Why new calls are refused (their results would not fit)."""
+        return self._exceeded(0, "calls")
+
     def _exceeded(self, size: int, how: str) -> InsufficientStorage:
         head = {
             "declared": f"this blob of {_size(size)} does not fit",
@@ -446,6 +450,15 @@ async def room_for_calls(request: Request, owner_id: int, adding: int = 0) -> No
     storage = Storage.of(request, owner_id)
     if storage is not None:
         await storage.check(None, max(1, adding), fresh=True, how="calls")
+
+
+def no_room_for_calls(request: Request, blobs: int, shared: int) -> InsufficientStorage:
+    """The 507 of :func:`room_for_calls`, for a submission that found, in its own statement,
+    that its owner stores ``blobs`` bytes in blobs and ``shared`` in the shared directory."""
+    storage = Storage.of(request, 0)
+    assert storage is not None  # only a gateway with a storage limit finds no room
+    storage.others, storage.shared = blobs, shared
+    return storage.exceeded_by_calls()
 
 
 def _how(declared: int | None) -> str:

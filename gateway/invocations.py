@@ -22,8 +22,8 @@ from gateway.errors import Conflict, Forbidden, NotFound, PayloadTooLarge, Unpro
 from gateway.http import (
     body,
     int_param,
+    no_room_for_calls,
     reply,
-    room_for_calls,
     store_blob,
     stream_blob,
     stream_file,
@@ -124,7 +124,6 @@ async def submit(request: Request) -> Response:
     if req.map_id is not None:
         _check_one_map(calls)
     await check_fits(request, caller.group, calls)
-    await room_for_calls(request, owner, sum(c.payload_size for c in calls if c.payload_file))
     keys = [c.idempotency_key for c in calls]
     if len(set(keys)) != len(keys):
         raise Unprocessable("two calls in one request share an idempotency_key")
@@ -135,9 +134,6 @@ async def submit(request: Request) -> Response:
             raise Unprocessable(
                 f"payload_blob {sorted(missing)[0]} is not a complete blob of yours"
             )
-    sessions = {c.caller_session for c in calls if c.caller_session is not None}
-    if sessions:  # before the calls exist: the leader never sees them without their session
-        await db.start_sessions(request.app.state.relaxed, owner, sorted(sessions))
     new_ids = [str(uuid.uuid4()) for _ in calls]
     async with contextlib.AsyncExitStack() as waiting:
         sub = None
@@ -156,10 +152,15 @@ async def submit(request: Request) -> Response:
                         None if key is None else (key, request_hash),
                         new_ids,
                         map_id=None if req.map_id is None else valid_id(req.map_id),
+                        storage_limit=config.user_storage_bytes,
+                        adding_bytes=sum(c.payload_size for c in calls if c.payload_file),
+                        place_within=config.node_timeout_s if config.place_at_submit else None,
                     )
                     nodes = await _place(conn, config, caller, calls, made)
                 # Committed: the nodes' polls waiting here take their work now.
                 request.app.state.hub.woke(conn.get_server_pid(), [f"n:{n}" for n in nodes])
+        except db.NoRoom as exc:
+            raise no_room_for_calls(request, exc.blobs, exc.shared) from None
         except db.KeyTaken:  # a concurrent duplicate committed first
             assert key is not None
             earlier = await idempotency.earlier(request, owner, key, request_hash)
@@ -196,7 +197,7 @@ async def _place(
         for invocation_id, call in zip(made.ids, calls, strict=True)
         if invocation_id in made.fresh
     ]
-    placed = await scheduling.place_at_once(conn, config, fresh) if config.place_at_submit else []
+    placed = await scheduling.place_at_once(conn, config, fresh, made.nodes)
     if len(placed) < len(fresh):
         await db.wake_scheduler(conn)
     return {node for _, node in placed}

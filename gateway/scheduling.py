@@ -115,8 +115,8 @@ async def plan_round(
                 waiting = await db.queued(conn, 16, config.plan_batch)
                 await db.explain_waits(conn, [(c.id, 1, NO_NODE) for c in waiting])
             return 0
-        leases = await db.leases(conn)
-        free = capacity(nodes, leases)
+        held = await db.holdings(conn, quotas=True)
+        free = capacity(nodes, held.leases)
         queued = await db.queued(
             conn, look_ahead(free, config.plan_batch), config.plan_batch, config.caller_late_s
         )
@@ -125,7 +125,7 @@ async def plan_round(
         # A call runs on one node: one bigger than every live node waits, reserving nothing,
         # until such a node is back (it fitted a registered node when it was submitted).
         queued, too_big = one_node_calls(queued, free)
-        snapshot = await _snapshot(conn, free, queued, leases, await db.now(conn), quotas=True)
+        snapshot = _snapshot(free, queued, held, held.now)
         why: dict[str, tuple[int, str]] | None = {} if explain else None
         result = config.policy().plan(snapshot, why)
         placed = await _assign(conn, config, result)
@@ -144,53 +144,45 @@ async def plan_round(
 
 
 async def place_at_once(
-    conn: asyncpg.Connection, config: GatewayConfig, fresh: Sequence[Pending]
+    conn: asyncpg.Connection,
+    config: GatewayConfig,
+    fresh: Sequence[Pending],
+    nodes: list[db.NodeRow],
 ) -> list[tuple[str, int]]:
     """Within a submission's transaction: place its new calls now, without waiting for the
-    leader's round, when nothing else is queued (so none of higher standing waits). The
-    configured policy decides, on the same snapshot a round would read (live nodes locked,
-    leases, quotas, usage) with these calls as the whole queue, and the placements commit with
-    the submission through the same capacity-checked statement as a round's. Returns the
-    ``(invocation_id, node_id)`` placed; the rest, and any call the policy would preempt
-    for, are left to the leader (which the caller wakes). Declined in one statement when
-    another call waits."""
-    if not fresh:
-        return []
-    nodes = await db.live_nodes_if_idle(conn, config.node_timeout_s, [p.id for p in fresh])
-    if not nodes:
+    leader's round, when nothing else is queued (so none of higher standing waits). ``nodes``:
+    the live nodes the submission's own statement locked (``db.insert_calls``' place_within),
+    none when another call was queued. The configured policy decides, on the same snapshot a
+    round would read (live nodes locked, leases, quotas, usage) with these calls as the whole
+    queue, and the placements commit with the submission through the same capacity-checked
+    statement as a round's. Returns the ``(invocation_id, node_id)`` placed; the rest, and
+    any call the policy would preempt for, are left to the leader (which the caller wakes)."""
+    if not fresh or not nodes:
         return []  # none live, or another call waits
-    leases = await db.leases(conn)
-    free = capacity(nodes, leases)
+    policy = config.policy()
+    held = await db.holdings(conn, quotas=policy.uses_quotas)
+    free = capacity(nodes, held.leases)
     fits, _ = one_node_calls(list(fresh), free)
     if not fits or not any(n.free_gpus or n.free_cpu_slots for n in free):
         return []
-    policy = config.policy()
     now = max(p.submit_time for p in fits)
-    snapshot = await _snapshot(conn, free, fits, leases, now, quotas=policy.uses_quotas)
-    result = policy.plan(snapshot)
+    result = policy.plan(_snapshot(free, fits, held, now))
     if result.preemptions or not result:
         return []  # reclaiming capacity is the leader's to decide, with the whole queue
     return await _assign(conn, config, result)
 
 
-async def _snapshot(
-    conn: asyncpg.Connection,
-    free: list[NodeCapacity],
-    pending: list[Pending],
-    leases: list[Running],
-    now: float,
-    *,
-    quotas: bool,
+def _snapshot(
+    free: list[NodeCapacity], pending: list[Pending], held: db.Holdings, now: float
 ) -> Snapshot:
-    """What a policy plans on; with ``quotas``, the groups' quotas and decayed usage read."""
-    limits, usage, user_usage = await db.quotas_and_usage(conn) if quotas else ({}, {}, {})
+    """What a policy plans on."""
     return Snapshot(
         nodes=free,
         pending=pending,
-        running=leases,
-        quotas={name: Quota(*limit) for name, limit in limits.items()},
-        usage=usage,
-        user_usage=user_usage,
+        running=held.leases,
+        quotas={name: Quota(*limit) for name, limit in held.quotas.items()},
+        usage=held.usage,
+        user_usage=held.user_usage,
         now=now,
     )
 

@@ -85,6 +85,7 @@ from gateway.db.functions import (
 )
 from gateway.db.idempotency import HttpKey, KeyHeld, KeyTaken, answer_key, find_key
 from gateway.db.invocations import (
+    NoRoom,
     Submitted,
     cancel,
     changed,
@@ -120,8 +121,6 @@ from gateway.db.quotas import (
     accrue_usage,
     group_exists,
     groups,
-    now,
-    quotas_and_usage,
     set_group,
     set_user_group,
     usage,
@@ -130,13 +129,14 @@ from gateway.db.retention import Purged, purge
 from gateway.db.roles import adopt_schema, is_superuser, own_database, set_login_role
 from gateway.db.scheduling import (
     LEADER_LOCK,
+    Holdings,
     assign,
     expire_leases,
     explain_waits,
     extend_leases,
+    holdings,
     leases,
     live_nodes,
-    live_nodes_if_idle,
     notify_nodes,
     preempt,
     queued,
@@ -150,7 +150,6 @@ from gateway.db.sessions import (
     CALLER_LATE,
     abandon_callers,
     keep_alive,
-    start_sessions,
 )
 from gateway.db.slots import Completed, complete_in, lock_node_for_work, top_up, wake_if_freed
 
@@ -168,9 +167,11 @@ __all__ = [
     "Drain",
     "FunctionRow",
     "GroupRow",
+    "Holdings",
     "HttpKey",
     "KeyHeld",
     "KeyTaken",
+    "NoRoom",
     "NodeRow",
     "NodeStatus",
     "Owner",
@@ -220,6 +221,7 @@ __all__ = [
     "groups",
     "heartbeat",
     "held_attempts",
+    "holdings",
     "insert_calls",
     "invoke",
     "is_superuser",
@@ -229,7 +231,6 @@ __all__ = [
     "list_functions",
     "list_invocations",
     "live_nodes",
-    "live_nodes_if_idle",
     "live_payload_files",
     "lock_node",
     "lock_node_for_work",
@@ -241,7 +242,6 @@ __all__ = [
     "missing",
     "node_statuses",
     "notify_nodes",
-    "now",
     "own_database",
     "owned_blobs",
     "payload_source",
@@ -249,7 +249,6 @@ __all__ = [
     "preempt",
     "purge",
     "queued",
-    "quotas_and_usage",
     "register_function",
     "register_node",
     "registered_nodes",
@@ -264,7 +263,6 @@ __all__ = [
     "set_user_group",
     "silence",
     "start",
-    "start_sessions",
     "storage_usage",
     "to_invocation",
     "tokens",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import asyncpg
@@ -117,4 +118,27 @@ class _Stored(Generic[_S]):
 
 _GPU_LIST = _Stored(wire.GpuInfo)
 _WARM_LIST = _Stored(wire.WarmWorker)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    """A registered node as the scheduler's reads return it."""
+
+    id: int
+    name: str
+    gpus: list[wire.GpuInfo]
+    cpu_slots: int
+    warm: list[wire.WarmWorker] = field(default_factory=list)
+
+
+def _node_row(r: asyncpg.Record, id_column: str = "id") -> NodeRow:
+    """A NodeRow from the columns ``id, name, gpus::text, cpu_slots, warm::text`` (the id
+    in ``id_column``)."""
+    return NodeRow(
+        r[id_column],
+        r["name"],
+        _GPU_LIST.decode(r["gpus"]),
+        r["cpu_slots"],
+        _WARM_LIST.decode(r["warm"]),
+    )
 _HEALTH_LIST = _Stored(wire.GpuHealthReport)

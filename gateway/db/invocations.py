@@ -5,32 +5,80 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import asyncpg
 import msgspec
 
 from bulletin_core import wire
-from gateway.db._common import Conn, _f, _notify
+from gateway.db._common import SAFE_PROTOCOL, Conn, NodeRow, _f, _node_row, _notify
 from gateway.db.idempotency import HttpKey, _key_made, _take_key
 
-_SUBMIT = """
-INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,
-  max_retries, timeout_s, payload, payload_blob, payload_file, payload_size,
-  priority, gpu_model, gpu_memory_mb, expected_s, caller_session, map_id)
-SELECT u.id, $1, u.key, u.fn, u.gpus, u.retries, u.timeout, u.payload, u.blob,
-  u.file, coalesce(length(u.payload), b.size, CASE WHEN u.file IS NOT NULL
-  THEN u.declared END, 0), u.priority, u.model, u.memory, u.expected, u.session, $17::uuid
-FROM unnest($2::uuid[], $3::text[], $4::text[], $5::int[], $6::int[],
-  $7::float8[], $8::bytea[], $9::uuid[], $10::text[], $11::int[], $12::text[],
-  $13::int[], $14::float8[], $15::bigint[], $16::uuid[]) WITH ORDINALITY
-  AS u(id, key, fn, gpus, retries, timeout, payload, blob, file, priority, model,
-  memory, expected, declared, session, ord)
-LEFT JOIN blobs b ON b.id = u.blob
--- In input order, so that seq (the queue order) follows it.
-ORDER BY u.ord
-ON CONFLICT (owner_id, idempotency_key) DO NOTHING
-RETURNING id, extract(epoch FROM submitted_at)::float8 AS submitted
+# A submission in one statement: the owner's room for more stored bytes (``room``: when a
+# storage limit $18 is set, what they store now, plus $19 bytes of new payload files, must
+# fit it), their caller sessions alive (made if new; not written again within a second, so
+# concurrent submits of one session do not queue on its row), the calls inserted, and, when
+# the caller will place them at once ($20: the heartbeat timeout), the live nodes locked
+# unless another call is queued (``place_at_once``). Nothing is written when there is no
+# room. The capacity they have is read by the next statement (``leases_and_quotas``): this
+# one's snapshot was taken before it waited for the node locks, the next one's after.
+_SUBMIT = f"""
+WITH room AS (
+  SELECT b.blobs, s.shared,
+    $18::bigint IS NULL OR b.blobs + s.shared + $19::bigint <= $18::bigint AS ok
+  FROM (SELECT coalesce(sum(size), 0)::bigint AS blobs FROM blobs
+        WHERE $18::bigint IS NOT NULL AND owner_id = $1) b,
+       (SELECT (coalesce(sum(CASE WHEN payload_file IS NOT NULL
+           AND state IN ('queued', 'assigned', 'running') THEN payload_size ELSE 0 END), 0)
+         + coalesce(sum(CASE WHEN result_file IS NOT NULL AND fetched_at IS NULL
+           THEN result_size ELSE 0 END), 0))::bigint AS shared
+        FROM invocations
+        WHERE $18::bigint IS NOT NULL AND owner_id = $1
+          AND (payload_file IS NOT NULL OR result_file IS NOT NULL)) s
+), sessions AS (
+  INSERT INTO caller_sessions (owner_id, id)
+  SELECT DISTINCT $1::bigint, u.session FROM unnest($16::uuid[]) AS u(session), room
+  WHERE room.ok AND u.session IS NOT NULL
+  ON CONFLICT (owner_id, id) DO UPDATE SET seen_at = clock_timestamp()
+    WHERE caller_sessions.seen_at < clock_timestamp() - interval '1 second'
+), made AS (
+  INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,
+    max_retries, timeout_s, payload, payload_blob, payload_file, payload_size,
+    priority, gpu_model, gpu_memory_mb, expected_s, caller_session, map_id)
+  SELECT u.id, $1, u.key, u.fn, u.gpus, u.retries, u.timeout, u.payload, u.blob,
+    u.file, coalesce(length(u.payload), b.size, CASE WHEN u.file IS NOT NULL
+    THEN u.declared END, 0), u.priority, u.model, u.memory, u.expected, u.session, $17::uuid
+  FROM unnest($2::uuid[], $3::text[], $4::text[], $5::int[], $6::int[],
+    $7::float8[], $8::bytea[], $9::uuid[], $10::text[], $11::int[], $12::text[],
+    $13::int[], $14::float8[], $15::bigint[], $16::uuid[]) WITH ORDINALITY
+    AS u(id, key, fn, gpus, retries, timeout, payload, blob, file, priority, model,
+    memory, expected, declared, session, ord)
+  CROSS JOIN room
+  LEFT JOIN blobs b ON b.id = u.blob
+  WHERE room.ok
+  -- In input order, so that seq (the queue order) follows it.
+  ORDER BY u.ord
+  ON CONFLICT (owner_id, idempotency_key) DO NOTHING
+  RETURNING id, extract(epoch FROM submitted_at)::float8 AS submitted
+), live AS (
+  -- What was queued before this statement began (its own calls are not seen here).
+  SELECT id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm
+  FROM nodes
+  WHERE $20::float8 IS NOT NULL AND (SELECT ok FROM room)
+    AND last_heartbeat > clock_timestamp() - make_interval(secs => $20::float8)
+    AND NOT draining AND removed_at IS NULL AND protocol_version >= {SAFE_PROTOCOL}
+    AND NOT EXISTS (SELECT 1 FROM invocations WHERE state = 'queued')
+  ORDER BY id
+  FOR UPDATE
+)
+SELECT 'room' AS kind, NULL::uuid AS id, NULL::float8 AS submitted, room.blobs, room.shared,
+  room.ok, NULL::bigint AS node_id, NULL::text AS name, NULL::text AS gpus,
+  NULL::int AS cpu_slots, NULL::text AS warm
+FROM room
+UNION ALL
+SELECT 'call', id, submitted, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM made
+UNION ALL
+SELECT 'node', NULL, NULL, NULL, NULL, NULL, id, name, gpus, cpu_slots, warm FROM live
 """
 
 _SUBMITTED = """
@@ -168,10 +216,21 @@ RETURNING i.id, doomed.node_id
 @dataclass(frozen=True, slots=True)
 class Submitted:
     """A submission's invocation ids in input order, and those it created (an idempotent
-    retry finds the others), with when (database clock)."""
+    retry finds the others), with when (database clock); the live nodes it locked to place
+    them on (``place_within``), none if another call was queued."""
 
     ids: list[str]
     fresh: dict[str, float]
+    nodes: list[NodeRow] = field(default_factory=list)
+
+
+class NoRoom(Exception):
+    """The owner stores as much as their storage limit allows (nothing was submitted):
+    ``blobs`` bytes in blobs, ``shared`` in the shared directory."""
+
+    def __init__(self, blobs: int, shared: int) -> None:
+        super().__init__(f"no room: {blobs} bytes in blobs, {shared} in the shared directory")
+        self.blobs, self.shared = blobs, shared
 
 
 async def insert_calls(
@@ -182,15 +241,23 @@ async def insert_calls(
     new_ids: Sequence[str] | None = None,
     *,
     map_id: str | None = None,
+    storage_limit: int | None = None,
+    adding_bytes: int = 0,
+    place_within: float | None = None,
 ) -> Submitted:
-    """Within the caller's transaction: insert the calls (exactly once per idempotency key).
+    """Within the caller's transaction, in one statement: insert the calls (exactly once per
+    idempotency key) and start their caller sessions.
 
     A retried batch finds its earlier rows through ``(owner_id, idempotency_key)``. With an
     Idempotency-Key header's ``key``, the request's key is taken in the same transaction
     (``KeyTaken`` if another request has it). Nobody is woken: the caller places the calls
     or wakes the scheduler. ``new_ids``: the ids the new ones get (fresh random ones by
     default). ``map_id``: the calls are items of that map (the caller checked that they ask
-    for the same resources)."""
+    for the same resources). ``storage_limit``: ``NoRoom`` (nothing submitted) unless what
+    the owner stores plus ``adding_bytes`` (at least 1: their results) fits it.
+    ``place_within``: also lock the nodes heard from within that many seconds, not
+    draining, unless another call is queued (``Submitted.nodes``), for the caller to place
+    the calls on in the same transaction."""
     ids = [uuid.uuid4() for _ in calls] if new_ids is None else [uuid.UUID(i) for i in new_ids]
     await _take_key(conn, owner_id, key, answered=True)
     rows = await conn.fetch(
@@ -212,8 +279,14 @@ async def insert_calls(
         [c.payload_size for c in calls],
         [None if c.caller_session is None else uuid.UUID(c.caller_session) for c in calls],
         None if map_id is None else uuid.UUID(map_id),
+        storage_limit,
+        max(1, adding_bytes),
+        place_within,
     )
-    fresh = {str(r["id"]): float(r["submitted"]) for r in rows}
+    room = rows[0]
+    if not room["ok"]:
+        raise NoRoom(int(room["blobs"]), int(room["shared"]))
+    fresh = {str(r["id"]): float(r["submitted"]) for r in rows if r["kind"] == "call"}
     if len(fresh) == len(calls):  # the common case: no retry, no earlier rows to find
         made = [str(i) for i in ids]
     else:
@@ -221,7 +294,8 @@ async def insert_calls(
         by_ord = {int(r["ord"]): str(r["id"]) for r in found}
         made = [by_ord[i + 1] for i in range(len(calls))]
     await _key_made(conn, owner_id, key, made)
-    return Submitted(made, fresh)
+    nodes = [_node_row(r, "node_id") for r in rows if r["kind"] == "node"]
+    return Submitted(made, fresh, nodes)
 
 
 async def live_payload_files(conn: Conn) -> set[str]:

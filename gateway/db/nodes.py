@@ -4,7 +4,6 @@ leaving, draining, removal; and taking back the attempts a node lost."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,26 +12,17 @@ import msgspec
 
 from bulletin_core import wire
 from gateway.db._common import (
-    _GPU_LIST,
     _HEALTH_LIST,
-    _WARM_LIST,
     TOKENS_CHANGED,
     Conn,
+    NodeRow,
     _f,
+    _node_row,
     _note,
     _notify,
     _preempted_note,
 )
 from gateway.db.accounts import revoke_node_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class NodeRow:
-    id: int
-    name: str
-    gpus: list[wire.GpuInfo]
-    cpu_slots: int
-    warm: list[wire.WarmWorker] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -217,16 +207,6 @@ RETURNING i.id, i.state, e.preempted, e.uncounted,
 
 
 _JSON = msgspec.json.Encoder()
-
-
-def _node_row(r: asyncpg.Record) -> NodeRow:
-    return NodeRow(
-        r["id"],
-        r["name"],
-        _GPU_LIST.decode(r["gpus"]),
-        r["cpu_slots"],
-        _WARM_LIST.decode(r["warm"]),
-    )
 
 
 def _attempt_arrays(running: Sequence[wire.Attempt]) -> tuple[list[str], list[int]]:

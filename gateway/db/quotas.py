@@ -50,20 +50,6 @@ _SET_USER_GROUP = """
 UPDATE users SET group_name = $2 WHERE name = $1
 """
 
-_NOW = """
-SELECT extract(epoch FROM clock_timestamp())
-"""
-
-# Quotas and decayed usage in one statement: ('quota', group, guaranteed, borrow limit) and
-# ('usage', group, user, decayed GPU-seconds) rows.
-_QUOTAS_AND_USAGE = """
-SELECT 'quota' AS kind, name AS group_name, NULL::text AS user_name,
-  guaranteed_gpus, borrow_limit_gpus, NULL::float8 AS decayed_gpu_seconds
-FROM groups
-UNION ALL
-SELECT 'usage', group_name, user_name, NULL, NULL, decayed_gpu_seconds FROM fair_usage
-"""
-
 _LOCK_USAGE_CLOCK = """
 SELECT accrued_at, clock_timestamp() AS now FROM usage_clock FOR UPDATE
 """
@@ -150,32 +136,6 @@ async def set_user_group(conn: Conn, user: str, group: str) -> bool:
     status = await conn.execute(_SET_USER_GROUP, user, group)
     await _notify(conn, TOKENS_CHANGED)
     return status.endswith(" 1")
-
-
-async def now(conn: Conn) -> float:
-    """The database clock, in seconds since the epoch."""
-    return float(await conn.fetchval(_NOW))
-
-
-async def quotas_and_usage(
-    conn: Conn,
-) -> tuple[dict[str, tuple[int, int | None]], dict[str, float], dict[tuple[str, str], float]]:
-    """In one statement: each group's (guaranteed, borrow limit), and the decayed GPU-seconds
-    per group and per (group, user), as of the last accrual."""
-    rows = await conn.fetch(_QUOTAS_AND_USAGE)
-    quotas = {
-        r["group_name"]: (r["guaranteed_gpus"], r["borrow_limit_gpus"])
-        for r in rows
-        if r["kind"] == "quota"
-    }
-    usage = [r for r in rows if r["kind"] == "usage"]
-    groups = {r["group_name"]: r["decayed_gpu_seconds"] for r in usage if r["user_name"] == ""}
-    users = {
-        (r["group_name"], r["user_name"]): r["decayed_gpu_seconds"]
-        for r in usage
-        if r["user_name"] != ""
-    }
-    return quotas, groups, users
 
 
 async def accrue_usage(conn: asyncpg.Connection, half_life_s: float) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import asyncpg
 
@@ -41,18 +42,6 @@ ORDER BY id
 FOR UPDATE
 """
 
-# The live nodes locked, as _LIVE_NODES_LOCKED, but none when any call but $2's is queued:
-# a submission's placement (gateway/scheduling.py: place_at_once) goes no further then.
-_LIVE_NODES_IF_IDLE = f"""
-SELECT id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm
-FROM nodes
-WHERE last_heartbeat > clock_timestamp() - make_interval(secs => $1) AND NOT draining
-  AND removed_at IS NULL AND protocol_version >= {SAFE_PROTOCOL}
-  AND NOT EXISTS (SELECT 1 FROM invocations WHERE state = 'queued' AND id <> ALL($2::uuid[]))
-ORDER BY id
-FOR UPDATE
-"""
-
 # One row per slot lease: the attempts of a map's items that run one after another in one
 # lease (lease_id) hold its capacity once, through the first of them (db/slots.py).
 _LEASES = f"""
@@ -69,6 +58,29 @@ JOIN users u ON u.id = i.owner_id
 JOIN nodes n ON n.id = i.node_id
 WHERE i.state IN ('assigned', 'running')
 ORDER BY coalesce(i.lease_id, i.id), i.seq
+"""
+
+# What the capacity on locked nodes is taken by, and (with $1) the quotas and decayed usage
+# a policy weighs, with the database clock's now, in one round trip: ('now'), ('lease', the
+# _LEASES columns), ('quota', group, guaranteed, borrow limit) and ('usage', group, user,
+# decayed GPU-seconds) rows.
+_HOLDINGS = f"""
+SELECT 'now' AS kind, NULL::text AS id, NULL::bigint AS node_id, NULL::int[] AS gpu_indices,
+  NULL::text AS "user", NULL::text AS "group", NULL::text AS function, NULL::int AS priority,
+  NULL::bool AS borrowed, NULL::bool AS preempting,
+  extract(epoch FROM clock_timestamp())::float8 AS start_time, NULL::float8 AS expected_s,
+  NULL::bool AS preemptible, NULL::int AS guaranteed_gpus, NULL::int AS borrow_limit_gpus,
+  NULL::float8 AS decayed_gpu_seconds
+UNION ALL
+SELECT 'lease', l.*, NULL, NULL, NULL FROM ({_LEASES}) l
+UNION ALL
+SELECT 'quota', NULL, NULL, NULL, NULL, name, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+  guaranteed_gpus, borrow_limit_gpus, NULL
+FROM groups WHERE $1
+UNION ALL
+SELECT 'usage', NULL, NULL, NULL, user_name, group_name, NULL, NULL, NULL, NULL, NULL, NULL,
+  NULL, NULL, NULL, decayed_gpu_seconds
+FROM fair_usage WHERE $1
 """
 
 # Each node given work is woken in the same statement (one notification per node: PostgreSQL
@@ -181,19 +193,54 @@ async def live_nodes(
     return [_node_row(r) for r in rows]
 
 
-async def live_nodes_if_idle(
-    conn: Conn, heartbeat_timeout_s: float, ids: Sequence[str]
-) -> list[NodeRow]:
-    """:func:`live_nodes` locked, or none when any call but those of ``ids`` is queued."""
-    rows = await conn.fetch(_LIVE_NODES_IF_IDLE, heartbeat_timeout_s, [uuid.UUID(i) for i in ids])
-    return [_node_row(r) for r in rows]
-
-
 async def leases(conn: Conn) -> list[Running]:
     """Every call holding resources on a node (assigned or running), as the scheduler sees
     it; ``start_time`` is when it got them (database clock)."""
     rows = await conn.fetch(_LEASES)
     return [Running(**{**r, "gpu_indices": tuple(r["gpu_indices"])}) for r in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """What holds capacity (``leases``, as :func:`leases`), the database clock's ``now``, and
+    when asked for, each group's (guaranteed, borrow limit) and the decayed GPU-seconds per
+    group and per (group, user), as of the last accrual."""
+
+    leases: list[Running]
+    now: float
+    quotas: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    usage: dict[str, float] = field(default_factory=dict)
+    user_usage: dict[tuple[str, str], float] = field(default_factory=dict)
+
+
+_LEASE_FIELDS = (
+    "id", "node_id", "gpu_indices", "user", "group", "function", "priority", "borrowed",
+    "preempting", "start_time", "expected_s", "preemptible",
+)  # fmt: skip
+
+
+async def holdings(conn: Conn, *, quotas: bool) -> Holdings:
+    """:class:`Holdings` in one statement (the quotas and usage only with ``quotas``)."""
+    rows = await conn.fetch(_HOLDINGS, quotas)
+    now = 0.0
+    leases: list[Running] = []
+    limits: dict[str, tuple[int, int | None]] = {}
+    usage: dict[str, float] = {}
+    user_usage: dict[tuple[str, str], float] = {}
+    for r in rows:
+        kind = r["kind"]
+        if kind == "lease":
+            fields = {name: r[name] for name in _LEASE_FIELDS}
+            leases.append(Running(**{**fields, "gpu_indices": tuple(r["gpu_indices"])}))
+        elif kind == "quota":
+            limits[r["group"]] = (r["guaranteed_gpus"], r["borrow_limit_gpus"])
+        elif kind == "usage" and r["user"] == "":
+            usage[r["group"]] = r["decayed_gpu_seconds"]
+        elif kind == "usage":
+            user_usage[(r["group"], r["user"])] = r["decayed_gpu_seconds"]
+        else:
+            now = float(r["start_time"])
+    return Holdings(leases, now, limits, usage, user_usage)
 
 
 async def queued(conn: Conn, per_user: int, most: int, late_s: float = 1e9) -> list[Pending]:

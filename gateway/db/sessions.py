@@ -4,7 +4,6 @@ the calls of a session gone silent are cancelled (``spawn()`` calls have none)."
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
 
 import asyncpg
 
@@ -24,13 +23,6 @@ CALLER_LATE = (
     "its caller has stopped keeping it alive: it starts once the caller is back, and is "
     "cancelled if the caller does not come back within caller_timeout_s"
 )
-
-_START_SESSIONS = """
-INSERT INTO caller_sessions (owner_id, id)
-SELECT $1, s FROM unnest($2::uuid[]) AS s
-ON CONFLICT (owner_id, id) DO UPDATE SET seen_at = clock_timestamp()
-  WHERE caller_sessions.seen_at < clock_timestamp() - interval '1 second'
-"""
 
 _KEEP_ALIVE = """
 UPDATE caller_sessions SET seen_at = clock_timestamp()
@@ -66,12 +58,6 @@ WHERE s.owner_id = i.owner_id AND s.id = i.caller_session
   AND s.seen_at < clock_timestamp() - make_interval(secs => $1)
   AND i.wait_reason IS DISTINCT FROM $2
 """
-
-
-async def start_sessions(conn: Conn, owner_id: int, sessions: Sequence[str]) -> None:
-    """The owner's caller sessions submit calls: alive now (made if new). Not written again
-    within a second (concurrent submits of one session do not queue on its row)."""
-    await conn.execute(_START_SESSIONS, owner_id, [uuid.UUID(s) for s in sorted(sessions)])
 
 
 async def keep_alive(conn: Conn, owner_id: int, session: str) -> bool:
