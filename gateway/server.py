@@ -3,8 +3,8 @@
 uvicorn bounds nothing about a client that is slow to send its request head: its keep-alive
 timer runs only between requests and any byte cancels it, and a new connection has no timer
 at all, so a client that sends a header a byte now and then (slowloris) holds its connection
-for ever. ``HeadTimeoutProtocol`` (uvicorn's h11 protocol, plus one timer) closes a connection
-that has not sent a complete request head (request line and headers) within
+for ever. ``HeadTimeoutProtocol`` (uvicorn's httptools protocol, plus one timer) closes a
+connection that has not sent a complete request head (request line and headers) within
 ``header_timeout_s`` of its opening, or of the first byte of its next request on a kept-alive
 connection; one that sent part of a head gets a 408 problem first. The timer stops as soon as
 the head is complete, so a request body (a slow but steady upload), a long-poll or a streamed
@@ -16,23 +16,25 @@ answers 503 to everyone, so whoever holds that many connections, slow or not, wo
 the legitimate users; with the head timeout a slow client holds a connection for
 ``header_timeout_s`` at most. The operating system's file-descriptor limit is the cap.
 
-The gateway always speaks h11 (the protocol class is given explicitly, even where httptools
-is installed), and uvicorn's proxy headers are off: the client address the gateway sees
-(``request.client``, which ``gateway/badtokens.py`` limits) is the TCP peer, never what an
-``X-Forwarded-For`` header claims.
+The gateway speaks HTTP/1.1 through httptools (the llhttp parser) on a uvloop event loop:
+on the 2-core machine of ``docs/benchmarks.md`` they take a blocking call's gateway CPU from
+about 10 to 6 ms against uvicorn's pure-Python h11 on asyncio's loop (asyncpg, made by the
+same authors for uvloop, gains as much). The protocol class is given explicitly, and uvicorn's
+proxy headers are off: the client address the gateway sees (``request.client``, which
+``gateway/badtokens.py`` limits) is the TCP peer, never what an ``X-Forwarded-For`` header
+claims.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import enum
 from types import FrameType
 
-import h11
 import msgspec
 import uvicorn
 from starlette.applications import Starlette
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from bulletin_core import wire
 from gateway.app import create_app
@@ -57,12 +59,21 @@ REQUEST_TIMEOUT = (
 )
 
 
-class HeadTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing connections slow to send a request head."""
+class _Head(enum.Enum):
+    """Where a connection is in its next request's head."""
+
+    AWAITED = "awaited"  # between requests (or none yet): no byte of the next one parsed
+    ARRIVING = "arriving"  # part of a head came
+    DONE = "done"  # the head is whole: its body and answer are never timed
+
+
+class HeadTimeoutProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, closing connections slow to send a request head."""
 
     #: Seconds a connection has to send a complete request head.
     header_timeout_s = 10.0
     _head_timer: asyncio.TimerHandle | None = None
+    _head = _Head.AWAITED
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -73,19 +84,35 @@ class HeadTimeoutProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._head_timer is None and self.conn.their_state is h11.IDLE:
-            self._start_head_timer()  # the first byte of the next request on this connection
+        if self._head is not _Head.DONE:
+            # The first byte of the next request on a kept-alive connection (the parser
+            # skips blank lines before a request line: they start the timer too).
+            self._time_head()
         super().data_received(data)
-        self._head_progress()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head = _Head.ARRIVING
+        self._time_head()
+
+    def on_headers_complete(self) -> None:
+        self._head = _Head.DONE
+        self._stop_head_timer()
+        super().on_headers_complete()
 
     def on_response_complete(self) -> None:
+        if self._head is _Head.DONE and not self.pipeline:
+            self._head = _Head.AWAITED  # the next request's head is timed from its first byte
         super().on_response_complete()
-        self._head_progress()  # a pipelined request may be waiting, whole or in part
+        if self._head is _Head.ARRIVING:
+            self._time_head()  # a pipelined head that came while this one was answered
 
-    def _head_progress(self) -> None:
-        if self.conn.their_state is not h11.IDLE:  # a head arrived: its body is not timed
-            self._stop_head_timer()
-        elif self._head_timer is None and self.conn.trailing_data[0]:
+    def _time_head(self) -> None:
+        """Start the head timer, unless it runs, or a request is still being answered: a
+        pipelined request's head is timed from when its turn comes (as h11 does), never
+        while a long-poll before it holds the connection."""
+        answering = self.cycle is not None and not self.cycle.response_complete
+        if self._head_timer is None and not answering:
             self._start_head_timer()
 
     def _start_head_timer(self) -> None:
@@ -99,12 +126,10 @@ class HeadTimeoutProtocol(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+        if self.transport.is_closing() or self._head is _Head.DONE:
             return
-        if self.conn.trailing_data[0]:
+        if self._head is _Head.ARRIVING:
             self.transport.write(REQUEST_TIMEOUT)
-        with contextlib.suppress(h11.LocalProtocolError):  # closes all the same
-            self.conn.send(h11.ConnectionClosed())
         self.transport.close()
 
 
@@ -147,6 +172,7 @@ def serve(config: GatewayConfig) -> None:
             # Long-polls hold for seconds; their clients retry, so do not wait them out.
             timeout_graceful_shutdown=2,
             http=protocol(config.header_timeout_s),
+            loop="uvloop",
             # uvicorn hands it to loop.call_later, which takes any number of seconds.
             timeout_keep_alive=config.idle_timeout_s,  # type: ignore[arg-type]
             proxy_headers=False,

@@ -370,6 +370,44 @@ def test_long_polls_streams_and_slow_uploads_outlast_the_header_timeout(
             done.result()
 
 
+def test_a_pipelined_head_is_timed_from_its_turn_and_blank_lines_do_not_hold_a_connection(
+    cluster_with: Callable[..., Cluster],
+) -> None:
+    gateway: Cluster = cluster_with(**{"header-timeout-s": "1", "idle-timeout-s": "5"})
+    port = int(gateway.url.rsplit(":", 1)[1])
+    user = httpx.Client(base_url=gateway.url, headers=bearer(gateway.token), timeout=30)
+    call = wire.CallSpec(idempotency_key=uuid.uuid4().hex, payload=b"opaque")
+    r = user.post("/v1/invocations", content=msgspec.json.encode(wire.SubmitRequest(calls=[call])))
+    [queued] = r.json()["ids"]  # no node: it stays queued
+    watch = msgspec.json.encode(wire.WatchRequest(items=[wire.WatchItem(id=queued)], timeout_s=2))
+    auth = f"Authorization: Bearer {gateway.token}\r\n".encode()
+    long_poll = (
+        b"POST /v1/invocations/watch HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth
+        + b"Content-Type: application/json\r\nContent-Length: "
+        + str(len(watch)).encode() + b"\r\n\r\n" + watch
+    )  # fmt: skip
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        # A long-poll twice the header timeout, and the start of the next request behind it.
+        sock.sendall(long_poll + b"GET /healthz HTTP/1.1\r\n")
+        started = time.monotonic()
+        first = read_answer(sock)
+        assert first.startswith(b"HTTP/1.1 200 ") and time.monotonic() - started >= 1.9
+        sock.sendall(b"Host: 127.0.0.1\r\n\r\n")  # its turn came just now: in time
+        assert read_answer(sock).startswith(b"HTTP/1.1 200 ")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as blank:
+        started = time.monotonic()
+        closed = False
+        while time.monotonic() - started < 4 and not closed:
+            with contextlib.suppress(OSError):
+                blank.sendall(b"\r\n")  # the parser skips blank lines before a request
+            readable, _, _ = select.select([blank], [], [], 0.2)
+            if readable:
+                with contextlib.suppress(ConnectionResetError):
+                    closed = blank.recv(100) == b""
+                closed = True
+        assert closed and time.monotonic() - started < 1 + 1.5
+
+
 # -------------------------------------------------------------------------------- allowed hosts
 
 
