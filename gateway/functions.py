@@ -200,15 +200,18 @@ async def answer(
     terminal, else 202 with its ``Location`` to poll."""
     config, pool = request.app.state.config, request.app.state.pool
     deadline = time.monotonic() + wait
-    async with request.app.state.hub.subscribe([f"i:{invocation_id}"]) as sub:
+    key = f"i:{invocation_id}"
+    async with request.app.state.hub.subscribe([key], results=True) as sub:
+        found: wire.Invocation | None = None
         while True:
-            got = await db.get_invocations(pool, owner, [invocation_id])
-            if not got:  # purged (a replay long after)
-                raise NotFound(
-                    f"invocation {invocation_id} is gone: it ended longer ago than this "
-                    "cluster keeps invocations (retention_s)"
-                )
-            found = got[0]
+            if found is None:
+                got = await db.get_invocations(pool, owner, [invocation_id])
+                if not got:  # purged (a replay long after)
+                    raise NotFound(
+                        f"invocation {invocation_id} is gone: it ended longer ago than this "
+                        "cluster keeps invocations (retention_s)"
+                    )
+                found = got[0]
             remaining = deadline - time.monotonic()
             if found.state.terminal or remaining <= 0:
                 break
@@ -216,6 +219,8 @@ async def answer(
                 await sub.wait(min(remaining, config.recheck_s))
             except GatewayStopping:
                 break  # 202 with its Location: the invocation exists, poll it there
+            # Finished here: handed over, fetched stamp and all (Hub.woke); else read again.
+            found = sub.take_handed().get(key)
     location = f"/v1/invocations/{invocation_id}"
     if found.state.terminal:
         [found] = await invocations.fetched(request, owner, [found])

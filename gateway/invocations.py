@@ -141,7 +141,8 @@ async def submit(request: Request) -> Response:
             # Before the calls exist, so that no news of them can come before it: the wait
             # need not read them before it first sleeps.
             hub = request.app.state.hub
-            sub = await waiting.enter_async_context(hub.subscribe(f"i:{i}" for i in new_ids))
+            watched = (f"i:{i}" for i in new_ids)
+            sub = await waiting.enter_async_context(hub.subscribe(watched, results=True))
         try:
             async with request.app.state.pool.acquire() as conn:
                 async with conn.transaction():
@@ -444,7 +445,8 @@ async def news(
     if unread is not None:
         found = await _news(request, owner, seen, deadline, unread, read_first=False)
     else:
-        async with request.app.state.hub.subscribe(f"i:{i}" for i in seen) as sub:
+        watched = (f"i:{i}" for i in seen)
+        async with request.app.state.hub.subscribe(watched, results=True) as sub:
             found = await _news(request, owner, seen, deadline, sub, read_first=True)
     found = _within_answer_size(found)
     with_logs = [(f.id, seen[f.id]) for f in found if f.log_count > seen[f.id]]
@@ -471,7 +473,7 @@ async def _news(
             # The first fetch of a finished call is stamped as it is read (a stamp a database
             # crash loses costs nothing: the relaxed pool). One that does not fit this answer
             # (_within_answer_size) comes with the next, stamped a little early.
-            found = await db.changed_fetched(request.app.state.relaxed, owner, cursors)
+            found += await db.changed_fetched(request.app.state.relaxed, owner, cursors)
         read_first = True
         remaining = deadline - time.monotonic()
         if found or remaining <= 0:
@@ -482,9 +484,16 @@ async def _news(
             await asyncio.sleep(FAN_IN_LINGER_S)
         # Woken: re-read only the calls whose notifications came (a map watches up to
         # MAX_WATCH, and reading them all at every completion costs more than the rest of
-        # the map). The timer's recheck, or a wake for everything, re-reads them all.
+        # the map), but those whose completion this gateway committed and handed over,
+        # finished, fetched stamp and all (Hub.woke). The timer's recheck, or a wake for
+        # everything, re-reads them all.
         fired = sub.take_fired() if woken else None
-        cursors = every if fired is None else [(i, seen[i]) for i in seen if f"i:{i}" in fired]
+        handed = sub.take_handed()
+        found = [handed[f"i:{i}"] for i in seen if f"i:{i}" in handed]
+        if fired is None:
+            cursors = [(i, n) for i, n in every if f"i:{i}" not in handed]
+        else:
+            cursors = [(i, seen[i]) for i in seen if f"i:{i}" in fired and f"i:{i}" not in handed]
 
 
 def _within_answer_size(found: list[wire.Invocation]) -> list[wire.Invocation]:

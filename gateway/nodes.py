@@ -200,19 +200,25 @@ async def complete(request: Request) -> Response:
     _check_result(request, req)
     if req.result_file is not None:
         await _check_result_file(request, node_id, invocation_id, req)
+    hub = request.app.state.hub
+    key = f"i:{invocation_id}"
+    handed = [invocation_id] if hub.awaits_result(key) else []
+    outcome = [(invocation_id, req)]
     async with request.app.state.pool.acquire() as conn:
         if req.logs:  # its last output first, in the same transaction
             logs = wire.LogsRequest(epoch=req.epoch, first_seq=req.logs_first_seq, chunks=req.logs)
             async with conn.transaction():
-                done = await db.append_logs_in(conn, node_id, invocation_id, logs)
-                if done and not await db.complete(conn, node_id, [(invocation_id, req)]):
-                    raise _stale(invocation_id)  # rolls the chunks back with it
+                taken = {}
+                if await db.append_logs_in(conn, node_id, invocation_id, logs):
+                    taken = await db.complete(conn, node_id, outcome, handed)
+                    if not taken:
+                        raise _stale(invocation_id)  # rolls the chunks back with it
         else:
-            done = bool(await db.complete(conn, node_id, [(invocation_id, req)]))
-        if not done:
+            taken = await db.complete(conn, node_id, outcome, handed)
+        if not taken:
             raise _stale(invocation_id)
         # Committed: its caller, waiting here, has its result now.
-        request.app.state.hub.woke(conn.get_server_pid(), [f"i:{invocation_id}"])
+        hub.woke(conn.get_server_pid(), [key], {key: taken[invocation_id]})
     return Response(status_code=204)
 
 
@@ -230,8 +236,9 @@ async def complete_many(request: Request) -> Response:
         _check_result(request, completion)
         if completion.result_file is not None:
             await _check_result_file(request, node_id, completion.invocation_id, completion)
-    config = request.app.state.config
+    config, hub = request.app.state.config, request.app.state.hub
     outcomes = list(zip(ids, req.completions, strict=True))
+    handed = [i for i in ids if hub.awaits_result(f"i:{i}")]
     async with request.app.state.pool.acquire() as conn:
         async with conn.transaction():
             # The node's row first, as a scheduling round locks it: no lock-order deadlock.
@@ -241,7 +248,7 @@ async def complete_many(request: Request) -> Response:
                     first = c.logs_first_seq
                     logs = wire.LogsRequest(epoch=c.epoch, first_seq=first, chunks=c.logs)
                     await db.append_logs_in(conn, node_id, invocation_id, logs)
-            completed = await db.complete_in(conn, node_id, outcomes)
+            completed = await db.complete_in(conn, node_id, outcomes, handed)
             assignments: list[wire.Assignment] = []
             if open_ and req.take_more:
                 by_id = dict(outcomes)
@@ -261,7 +268,8 @@ async def complete_many(request: Request) -> Response:
             await db.wake_if_freed(conn, node_id, sorted({c.lease for c in completed}))
             done = {c.id for c in completed}
         # Committed: their callers, waiting here, have their results now.
-        request.app.state.hub.woke(conn.get_server_pid(), [f"i:{i}" for i in done])
+        news = {f"i:{c.id}": c.invocation for c in completed}
+        hub.woke(conn.get_server_pid(), news, news)
     return reply(
         wire.CompleteManyResponse(
             done=[i for i in ids if i in done],

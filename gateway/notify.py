@@ -9,10 +9,11 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 
 import asyncpg
 
+from bulletin_core import wire
 from bulletin_core.backoff import Backoff
 from gateway.db import CHANNEL
 from gateway.errors import ServiceUnavailable
@@ -41,26 +42,38 @@ ECHO_S = 1.0
 
 
 class Subscription:
-    def __init__(self, hub: Hub, stoppable: bool) -> None:
+    def __init__(self, hub: Hub, stoppable: bool, results: bool) -> None:
         self.event = asyncio.Event()
         self._hub = hub
         self._stoppable = stoppable
+        #: Its owner waits for the results of the calls it names (see Hub.woke).
+        self.results = results
         # Which keys woke it since the last take_fired(); None: anything may have changed
         # (a reconnect, a stopping gateway), so the waiter must re-read everything.
         self._fired: set[str] | None = set()
+        # Finished invocations handed over with their wake, by key (results only).
+        self._handed: dict[str, wire.Invocation] = {}
 
-    def fire(self, key: str | None) -> None:
-        """Wake it for ``key`` (None: for everything)."""
+    def fire(self, key: str | None, handed: wire.Invocation | None = None) -> None:
+        """Wake it for ``key`` (None: for everything), handing over the finished invocation
+        of a call whose result it waits for."""
         if key is None:
             self._fired = None
         elif self._fired is not None:
             self._fired.add(key)
+        if key is not None and handed is not None and self.results:
+            self._handed[key] = handed
         self.event.set()
 
     def take_fired(self) -> set[str] | None:
         """The keys that woke it since the last call (None: re-read everything), forgotten."""
         fired, self._fired = self._fired, set()
         return fired
+
+    def take_handed(self) -> dict[str, wire.Invocation]:
+        """The finished invocations handed over since the last call, by key, forgotten."""
+        handed, self._handed = self._handed, {}
+        return handed
 
     async def wait(self, timeout: float) -> bool:
         """Wait for a notification or ``timeout``; True if woken. Clears for the next wait.
@@ -129,14 +142,22 @@ class Hub:
                 await self._conn.close(timeout=2)
             self._conn = None
 
-    def woke(self, pid: int, keys: Iterable[str]) -> None:
+    def woke(
+        self,
+        pid: int,
+        keys: Iterable[str],
+        handed: Mapping[str, wire.Invocation | None] | None = None,
+    ) -> None:
         """Wake this process's waiters on ``keys`` at once, for a transaction that notified
         them and just committed on the database backend ``pid``; called while the connection
         is still held, so that nothing else commits on that backend in between. The
         notification itself still goes to every gateway; here it comes back from that
         backend after the wake (each backend's notifications arrive in commit order) and
         wakes no one a second time. One that came back first already woke everyone: then
-        the wake is skipped instead."""
+        the wake is skipped instead (and its waiters re-read what ``handed`` would have
+        given them). ``handed``: by key, the finished invocation that transaction committed,
+        for the subscriptions waiting for its result (:meth:`awaits_result`), which need
+        not read it again."""
         now = time.monotonic()
         self._prune(now)
         for key in dict.fromkeys(keys):
@@ -145,8 +166,14 @@ class Hub:
                 arrived.pop(0)
                 continue
             self._expected[(pid, key)].append(now)
+            found = None if handed is None else handed.get(key)
             for sub in self._waiters.get(key, ()):
-                sub.fire(key)
+                sub.fire(key, found)
+
+    def awaits_result(self, key: str) -> bool:
+        """Whether a request of this process waits for the result of the call of ``key``
+        (its owner's: a submission's wait, a watch, a JSON invocation's answer)."""
+        return any(sub.results for sub in self._waiters.get(key, ()))
 
     def _on_notify(self, _conn: object, pid: int, _channel: str, payload: str) -> None:
         now = time.monotonic()
@@ -182,12 +209,14 @@ class Hub:
 
     @contextlib.asynccontextmanager
     async def subscribe(
-        self, keys: Iterable[str], *, stoppable: bool = True
+        self, keys: Iterable[str], *, stoppable: bool = True, results: bool = False
     ) -> AsyncIterator[Subscription]:
         """Register before reading the tables, so a change between read and wait still wakes.
         A request's subscription is ``stoppable`` (see :meth:`stop_waiters`); the gateway's
-        own loops are stopped by cancellation."""
-        sub = Subscription(self, stoppable)
+        own loops are stopped by cancellation. ``results``: the owner of the calls ``keys``
+        name (``i:<id>``) waits for their results, which a completion committed by this
+        gateway hands over (:meth:`woke`), stamped as fetched."""
+        sub = Subscription(self, stoppable, results)
         keys = list(keys)
         for key in keys:
             self._waiters[key].add(sub)

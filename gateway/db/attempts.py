@@ -6,13 +6,15 @@ applies it, so a stale attempt changes nothing."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import asyncpg
+import msgspec
 
 from bulletin_core import wire
 from gateway.db._common import CHANNEL, Conn, _note, _notify, _preempted_note
+from gateway.db.invocations import to_invocation
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +86,11 @@ UPDATE invocations SET log_count = log_count + $2, log_ack = $3 WHERE id = $1
 # Outcomes of many attempts in one statement, each fenced; every call completed is woken, and
 # (``wake_leader``) the scheduling leader too when something waits for the capacity it freed
 # (PostgreSQL folds equal notifications of a transaction). A single statement commits on its
-# own: no transaction round trips.
+# own: no transaction round trips. The calls of $19 have their owner waiting on this gateway
+# for the result: it is handed to them as it commits (stamped fetched now), and the statement
+# returns them as a watch reads them (``_invocation_columns``, but the result and its JSON,
+# which the caller has), from what the update wrote (a read of the table here would see the
+# rows as they were before it).
 def _complete_sql(*, wake_leader: bool) -> str:
     leader = (
         f"CASE WHEN EXISTS (SELECT 1 FROM invocations q WHERE q.state = 'queued') "
@@ -101,7 +107,8 @@ WITH c AS (
     worker_acquired_at = to_timestamp(o.acquired), code_started_at = to_timestamp(o.started),
     code_finished_at = to_timestamp(o.finished), warm = o.warm, result_json = o.result_json,
     result_json_error = o.json_error,
-    result_size = CASE WHEN o.result_file IS NULL THEN 0 ELSE o.result_size END
+    result_size = CASE WHEN o.result_file IS NULL THEN 0 ELSE o.result_size END,
+    fetched_at = CASE WHEN o.id = ANY($19::uuid[]) THEN clock_timestamp() END
   FROM unnest($2::uuid[], $3::int[], $4::text[], $5::text[], $6::text[], $7::text[],
     $8::text[], $9::bytea[], $10::uuid[], $11::text[], $12::float8[], $13::float8[],
     $14::float8[], $15::bool[], $16::bytea[], $17::text[], $18::bigint[])
@@ -113,14 +120,34 @@ WITH c AS (
     AND (o.result_blob IS NULL OR EXISTS (SELECT 1 FROM blobs b
       WHERE b.id = o.result_blob AND b.owner_id = i.owner_id AND b.complete))
   RETURNING i.id, coalesce(i.lease_id, i.id) AS lease, i.map_id IS NOT NULL AS mapped, i.gpus,
-    i.max_retries
+    i.max_retries, i.fetched_at IS NOT NULL AS handed, i.state, i.function_name, i.attempts,
+    i.node_id, i.error_kind, i.error_type, i.error_message, i.traceback, i.function_version,
+    i.result_json_error, i.result_blob, i.result_file, i.log_count, i.function_owner,
+    i.owner_id, i.submitted_at, i.scheduled_at, i.delivered_at, i.worker_acquired_at,
+    i.code_started_at, i.code_finished_at, i.finished_at, i.fetched_at, i.warm, i.priority,
+    i.preemptions, i.preempt_reason
 ), woken AS (
   SELECT pg_notify('{CHANNEL}', 'i:' || c.id) FROM c
 )
-SELECT c.id, c.lease, c.mapped, c.gpus, c.max_retries,
+SELECT c.id, c.lease, c.mapped, c.gpus, c.max_retries, c.handed,
   (SELECT count(*) FROM woken) AS woken,
-  {leader} AS leader
-FROM c
+  {leader} AS leader,
+  c.state, c.function_name, c.attempts, n.name AS node, c.error_kind, c.error_type,
+  c.error_message, c.traceback, NULL::bytea AS result, c.function_version,
+  NULL::bytea AS result_json, c.result_json_error, c.result_blob, c.result_file, c.log_count,
+  CASE WHEN c.function_version IS NOT NULL THEN c.function_owner
+    ELSE (SELECT u.name FROM users u WHERE u.id = c.owner_id) END AS code_owner,
+  extract(epoch FROM c.submitted_at) AS t_submitted,
+  extract(epoch FROM c.scheduled_at) AS t_scheduled,
+  extract(epoch FROM c.delivered_at) AS t_delivered,
+  extract(epoch FROM c.worker_acquired_at) AS t_worker_acquired,
+  extract(epoch FROM c.code_started_at) AS t_started,
+  extract(epoch FROM c.code_finished_at) AS t_finished,
+  extract(epoch FROM c.finished_at) AS t_stored,
+  extract(epoch FROM c.fetched_at) AS t_fetched, c.warm,
+  c.priority, c.preemptions, c.preempt_reason, NULL::int AS queue_position,
+  NULL::text AS wait_reason
+FROM c LEFT JOIN nodes n ON n.id = c.node_id
 """
 
 
@@ -219,18 +246,44 @@ async def append_logs_in(
 
 
 async def complete(
-    conn: Conn, node_id: int, outcomes: Sequence[tuple[str, wire.CompleteRequest]]
-) -> set[str]:
+    conn: Conn,
+    node_id: int,
+    outcomes: Sequence[tuple[str, wire.CompleteRequest]],
+    handed: Collection[str] = (),
+) -> dict[str, wire.Invocation | None]:
     """Commit attempts' outcomes ``(invocation_id, request)`` exactly once, in one statement;
-    returns the invocation ids whose outcome was taken (the others' attempts are stale)."""
+    returns the invocation ids whose outcome was taken (the others' attempts are stale),
+    with, for those among ``handed`` (their owner waits on this gateway), the finished
+    invocation to hand them (stamped fetched: :func:`handed_invocations`)."""
     if not outcomes:
-        return set()
-    rows = await conn.fetch(_COMPLETE, *complete_args(node_id, outcomes))
-    return {str(r["id"]) for r in rows}
+        return {}
+    rows = await conn.fetch(_COMPLETE, *complete_args(node_id, outcomes, handed))
+    return handed_invocations(rows, outcomes)
+
+
+def handed_invocations(
+    rows: Sequence[asyncpg.Record], outcomes: Sequence[tuple[str, wire.CompleteRequest]]
+) -> dict[str, wire.Invocation | None]:
+    """Each completed id, with the finished invocation (its result, and the JSON of it, from
+    its request) where the statement stamped it fetched for a waiting owner, else None."""
+    requests = dict(outcomes)
+    taken: dict[str, wire.Invocation | None] = {}
+    for r in rows:
+        key = str(r["id"])
+        if not r["handed"]:
+            taken[key] = None
+            continue
+        req = requests[key]
+        json = None if req.result_json is None else msgspec.Raw(req.result_json)
+        found = msgspec.structs.replace(to_invocation(r), result=req.result, result_json=json)
+        taken[key] = found
+    return taken
 
 
 def complete_args(
-    node_id: int, outcomes: Sequence[tuple[str, wire.CompleteRequest]]
+    node_id: int,
+    outcomes: Sequence[tuple[str, wire.CompleteRequest]],
+    handed: Collection[str] = (),
 ) -> tuple[object, ...]:
     """The parameters of :func:`_complete_sql` for these outcomes."""
     reqs = [r for _, r in outcomes]
@@ -253,4 +306,5 @@ def complete_args(
         [r.result_json for r in reqs],
         [r.result_json_error for r in reqs],
         [r.result_size for r in reqs],
+        [uuid.UUID(i) for i in handed],
     )

@@ -20,14 +20,14 @@ guarantees them; an item that differs is left to the scheduler).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import asyncpg
 
 from bulletin_core import wire
 from gateway.db._common import CHANNEL, Conn
-from gateway.db.attempts import _complete_sql, complete_args
+from gateway.db.attempts import _complete_sql, complete_args, handed_invocations
 from gateway.db.nodes import _assignment
 
 _LOCK_NODE = """
@@ -113,6 +113,8 @@ class Completed:
     mapped: bool
     gpus: int
     max_retries: int
+    #: The finished invocation, for an owner waiting on this gateway (else None).
+    invocation: wire.Invocation | None = None
 
 
 async def lock_node_for_work(conn: asyncpg.Connection, node_id: int, incarnation: int) -> bool:
@@ -122,16 +124,28 @@ async def lock_node_for_work(conn: asyncpg.Connection, node_id: int, incarnation
 
 
 async def complete_in(
-    conn: asyncpg.Connection, node_id: int, outcomes: Sequence[tuple[str, wire.CompleteRequest]]
+    conn: asyncpg.Connection,
+    node_id: int,
+    outcomes: Sequence[tuple[str, wire.CompleteRequest]],
+    handed: Collection[str] = (),
 ) -> list[Completed]:
-    """Within the caller's transaction: commit the outcomes as ``attempts.complete`` does,
-    without waking the scheduling leader (:func:`wake_if_freed` does, once the leases are
-    topped up); returns those taken."""
+    """Within the caller's transaction: commit the outcomes as ``attempts.complete`` does
+    (``handed`` as there), without waking the scheduling leader (:func:`wake_if_freed`
+    does, once the leases are topped up); returns those taken."""
     if not outcomes:
         return []
-    rows = await conn.fetch(_complete_sql(wake_leader=False), *complete_args(node_id, outcomes))
+    args = complete_args(node_id, outcomes, handed)
+    rows = await conn.fetch(_complete_sql(wake_leader=False), *args)
+    invocations = handed_invocations(rows, outcomes)
     return [
-        Completed(str(r["id"]), str(r["lease"]), r["mapped"], r["gpus"], r["max_retries"])
+        Completed(
+            str(r["id"]),
+            str(r["lease"]),
+            r["mapped"],
+            r["gpus"],
+            r["max_retries"],
+            invocations[str(r["id"])],
+        )
         for r in rows
     ]
 
