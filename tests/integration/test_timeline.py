@@ -3,10 +3,15 @@ order, warm versus cold workers, the first fetch, and the sdk's call.timings / l
 
 from __future__ import annotations
 
+import threading
+import time
+
+import httpx
 import psutil
 
 import sdk
 from tests.conftest import Cluster, wait_until
+from tests.integration.test_sse_logs import open_logs
 
 
 def double(x: int) -> int:
@@ -31,6 +36,37 @@ def test_a_blocking_call_records_every_step_in_order(cluster: Cluster) -> None:
     assert timings.fetched is not None and timings.stored <= timings.fetched
     assert timings.warm is True  # the nodelet keeps spare workers started
     assert sdk.Call.from_id(call.id).timings == timings  # the API returns the same timeline
+
+
+def nap(seconds: float) -> str:
+    time.sleep(seconds)
+    return "rested"
+
+
+def test_only_the_owner_fetching_a_result_stamps_it_not_an_admin_following_it(
+    cluster: Cluster,
+) -> None:
+    # The gateway hands a result over to its owner's request waiting for it as the completion
+    # commits, stamping it fetched there; an administrator following the call's log stream
+    # on the same gateway as it completes, or reading it, fetches nothing.
+    boss = cluster.add_user("boss", is_admin=True)
+    call = sdk.function()(nap).spawn(1.0)  # alice's
+    followed: list[str] = []
+
+    def follow() -> None:
+        with open_logs(cluster, call.id, token=boss) as stream:
+            followed.extend(event.event for event in stream.events)
+
+    follower = threading.Thread(target=follow)
+    follower.start()
+    follower.join(30)
+    assert followed and followed[-1] == "end"  # it followed the call to its end
+    admin = httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {boss}"})
+    seen = admin.get(f"/v1/invocations/{call.id}").json()
+    assert seen["state"] == "succeeded" and seen["timeline"]["fetched"] is None
+    assert call.result(timeout=30) == "rested"
+    stamped = sdk.Call.from_id(call.id).timings
+    assert stamped.fetched is not None and stamped.stored <= stamped.fetched  # type: ignore[operator]
 
 
 def test_a_call_without_a_spare_worker_is_cold_and_the_next_one_warm(gateway: Cluster) -> None:
