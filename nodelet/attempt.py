@@ -235,6 +235,14 @@ class _Files:
             os.close(self.out_fd)
             os.close(self.fd)
 
+    def kept_now(self) -> bool:
+        """Empty the directory of a call that ended cleanly and keep it for the owner's next
+        call at once, when what the call left there is a few small files (its outcome, read
+        already) and there is room; False: it is closed later, as usual. The next item of a
+        map starts as soon as this one's worker is free, before its outcome is sent: kept
+        only once that was sent, its directory was never there to be reused."""
+        return self.keep and self._emptied_at_once() and self._kept_for_next()
+
     def _removed_own_at_once(self) -> bool:
         """Remove the emptied directory at once; False if that failed."""
         try:
@@ -331,6 +339,8 @@ class Attempt:
         self.killed = False
         #: The scheduler preempts this attempt (see :meth:`preempt`).
         self.preempting = False
+        #: Its directory was kept for the owner's next call once its outcome was read.
+        self._files_kept = False
         self._preempt_grace_s = 0.0
         self._stopper: asyncio.Task[bool] | None = None
         # When the gateway last (re)started this attempt's lease, by the local monotonic clock:
@@ -432,9 +442,9 @@ class Attempt:
                     await self._post_logs(report.request)
                 await self._hand_back()
                 return
-            await self._complete(report, files)
+            await self._complete(report, None if self._files_kept else files)
         finally:
-            if files is not None:
+            if files is not None and not self._files_kept:
                 _remove_later(files)
 
     async def _task(self) -> tuple[_Files, wire.WorkerTask] | Report:
@@ -592,6 +602,8 @@ class Attempt:
         report = replace(report, request=msgspec.structs.replace(report.request, **more))
         if ending is _Ending.FINISHED and not self.killed and not self.preempting:
             files.keep = clean  # nothing of the call is left running to write there
+            # Nothing of the directory is needed any more unless a result file is in it.
+            self._files_kept = report.result_path is None and files.kept_now()
             self._worker = None
             self._pool.release(
                 worker,

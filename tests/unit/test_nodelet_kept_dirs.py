@@ -85,3 +85,29 @@ def test_a_kept_directory_with_something_mounted_over_it_is_not_reused(tmp_path:
 
     asyncio.run(main())
     assert sorted(os.listdir(work)) == []
+
+
+def test_a_directory_is_kept_at_once_only_when_its_call_ended_cleanly_and_left_little(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        # The outcome read, the next item of the owner's map gets the directory right away.
+        files = _Files.make(str(tmp_path), None, "alice")
+        (Path(files.out) / "outcome").write_text("x")
+        files.keep = True
+        assert files.kept_now() and not any(Path(files.out).iterdir())
+        assert _Files.make(str(tmp_path), None, "alice").path == files.path
+        # Not when the call did not end cleanly, nor when it left a directory behind: those
+        # are removed later, as the account where they are the account's.
+        unclean = _Files.make(str(tmp_path), None, "bob")
+        assert not unclean.kept_now()
+        left = _Files.make(str(tmp_path), None, "bob")
+        (Path(left.out) / "sub").mkdir()
+        left.keep = True
+        assert not left.kept_now()
+        for rest in (unclean, left):
+            await rest.close()
+            assert not Path(rest.path).exists()
+        await removals_done(10)
+
+    asyncio.run(main())
