@@ -1234,8 +1234,6 @@ class WorkerTask(_Request, frozen=True, kw_only=True):
     payload: bytes | None = None
     payload_path: str | None = None
     payload_file: str | None = None
-    # Where to leave the WorkerOutcome (in ``spill_dir``).
-    result_path: str
     # JSON invocations: the arguments (Assignment.arguments) to call the function with.
     arguments: bytes | None = None
     gpu_indices: list[int] = msgspec.field(default_factory=list)
@@ -1269,9 +1267,12 @@ class RunAs(_Request, frozen=True, kw_only=True):
 
 
 class WorkerOutcome(_Request, frozen=True, kw_only=True):
-    """What the worker leaves at ``result_path`` (msgpack). ``result`` is the pickled return
-    value on success and the pickled exception on failure (None when it could not be pickled)."""
+    """What the worker writes on its outcome pipe after each call (msgpack, length-prefixed:
+    ``nodelet.worker_main.send_outcome``). ``result`` is the pickled return value on success
+    and the pickled exception on failure (None when it could not be pickled)."""
 
+    # The task's: the nodelet skips an outcome of any other call (one the call's code wrote).
+    invocation_id: str = ""
     ok: bool
     result: bytes | None = None
     # Absolute path of a file holding the result envelope when it was too big to inline:

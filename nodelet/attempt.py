@@ -43,11 +43,12 @@ from nodelet.errors import (
     NodeletError,
     StaleAttempt,
     UntrustedFile,
+    UntrustedOutcome,
 )
 from nodelet.gpus import GpuProvider
 from nodelet.logs import LogShipper
 from nodelet.pool import Worker, WorkerPool
-from nodelet.userfiles import make_private_dir, open_owned, read_owned
+from nodelet.userfiles import make_private_dir, open_owned
 from nodelet.worker_main import SPILLED
 
 log = logging.getLogger(__name__)
@@ -66,12 +67,10 @@ START_AFTER_S = 0.05
 #: downloaded into the attempt's own.
 OUT = "out"
 PAYLOAD = "payload.bin"
-OUTCOME = "outcome.msgpack"
 #: An outcome holds at most an inline result, its JSON and three texts the worker cuts to
 #: 64 KiB each: anything bigger was not written by the worker.
 _OUTCOME_SLACK = 1 << 20
 _T = TypeVar("_T")
-_outcome_decoder = msgspec.msgpack.Decoder(wire.WorkerOutcome)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +103,12 @@ class _Ending(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Report:
-    """What to complete the attempt with, and the worker's result file if it left one."""
+    """What to complete the attempt with, the worker's result file if it left one, and why
+    the worker must not run another call, if it must not."""
 
     request: wire.CompleteRequest
     result_path: str | None = None
+    spoilt: str | None = None
 
 
 #: Entries of ``out`` the nodelet unlinks itself, at once, when there are no more (and no
@@ -477,7 +478,6 @@ class Attempt:
                 payload=assignment.payload,
                 payload_path=payload_path,
                 payload_file=payload_file,
-                result_path=os.path.join(files.out, OUTCOME),
                 arguments=assignment.arguments,
                 gpu_indices=list(assignment.gpu_indices),
                 device=facts.gpus.device(assignment.gpu_indices),
@@ -568,6 +568,12 @@ class Attempt:
             self._client, self.ref, flush_s=self._facts.log_flush_s, on_stale=worker.kill
         )
         tasks = self._ship_output(shipper, worker, task.end_marker)
+        # Read while the call runs: a big outcome is written before the end markers, and
+        # would not fit the pipe's buffer.
+        limit = 2 * self._facts.inline_limit + _OUTCOME_SLACK
+        reading = asyncio.create_task(
+            worker.read_outcome(self.ref.invocation_id, limit), name=f"{self.name}-outcome"
+        )
         oom_kills = worker.oom_kills()  # a warm worker's cgroup counts earlier calls' too
         clean = True
         try:
@@ -586,12 +592,16 @@ class Attempt:
             # The last chunks go with the completion, one request instead of two.
             shipper.hand_over(HANDED_OVER_BYTES)
             await tasks[0]
+        except BaseException:
+            reading.cancel()
+            raise
         finally:
             for pending in tasks:
                 pending.cancel()
         if shipper.stale is not None:
+            reading.cancel()
             raise shipper.stale
-        report = await self._report(files, worker, ending, oom_kills)
+        report = await self._report(worker, ending, oom_kills, reading)
         first_seq, rest = shipper.rest()
         more = {
             "worker_acquired": acquired,
@@ -610,7 +620,8 @@ class Attempt:
                 key,
                 function=function,
                 owner=self.assignment.owner_name,
-                recycle=_broken_cuda(report.request)
+                recycle=report.spoilt
+                or _broken_cuda(report.request)
                 or (None if clean else "what its call started could not all be killed"),
             )
             self.freed.set()
@@ -669,10 +680,15 @@ class Attempt:
         return _Ending.TIMED_OUT_KILLED if killed else _Ending.TIMED_OUT
 
     async def _report(
-        self, files: _Files, worker: Worker, ending: _Ending, oom_kills: int
+        self,
+        worker: Worker,
+        ending: _Ending,
+        oom_kills: int,
+        reading: asyncio.Task[wire.WorkerOutcome | None],
     ) -> Report:
         epoch = self.ref.epoch
         if ending in (_Ending.TIMED_OUT, _Ending.TIMED_OUT_KILLED):
+            reading.cancel()
             message = (
                 f"the call exceeded its time limit of {self.assignment.timeout_s:g} s and was "
                 "terminated (SIGTERM to its processes)"
@@ -683,10 +699,16 @@ class Attempt:
             return Report(
                 wire.CompleteRequest(epoch=epoch, state="timed_out", error_message=message)
             )
+        # Written before the end markers, or before the worker exited: there by now, but
+        # for a pipe the call's leftovers held open (killed meanwhile).
+        await asyncio.wait([reading], timeout=EOF_GRACE_S)
+        if not reading.done():
+            reading.cancel()
         try:
-            outcome = await self._read_outcome(files)
-        except UntrustedFile as exc:
-            return self._failed(wire.ErrorKind.WORKER_DIED, f"the worker's outcome: {exc}")
+            outcome = reading.result() if reading.done() and not reading.cancelled() else None
+        except UntrustedOutcome as exc:
+            failed = self._failed(wire.ErrorKind.WORKER_DIED, f"the worker's outcome: {exc}")
+            return replace(failed, spoilt="its outcome pipe carried what is not an outcome")
         limiter = self._pool.limiter
         if worker.oom_kills() > oom_kills:
             if outcome is None:
@@ -695,6 +717,12 @@ class Attempt:
                     f"the call was killed at its memory limit of {limiter.describe()}",
                 )
             log.info("%s: a process of the call was killed at its memory limit", self)
+        if outcome is None and ending is _Ending.FINISHED:
+            failed = self._failed(
+                wire.ErrorKind.WORKER_DIED,
+                "the call ended without an outcome: its code closed the worker's outcome pipe",
+            )
+            return replace(failed, spoilt="its outcome pipe was closed")
         if outcome is None:
             message = describe_exit(worker.returncode)
             if limiter.mechanism == "rlimit":
@@ -718,19 +746,6 @@ class Attempt:
             result_size=max(0, outcome.result_size),
         )
         return Report(request, outcome.result_path)
-
-    async def _read_outcome(self, files: _Files) -> wire.WorkerOutcome | None:
-        """The outcome the worker left in ``out`` (None if none); UntrustedFile if what is
-        there is not a bounded regular file of the call's account."""
-        limit = 2 * self._facts.inline_limit + _OUTCOME_SLACK
-        data = await read_owned(files.out_fd, OUTCOME, files.uid, max_bytes=limit)
-        if data is None:
-            return None
-        try:
-            return _outcome_decoder.decode(data)
-        except msgspec.DecodeError as exc:
-            log.warning("%s: unreadable worker outcome: %s", self, exc)
-            return None
 
     async def _post_logs(self, request: wire.CompleteRequest) -> None:
         """Post the log chunks kept for a completion that will not be sent (best effort)."""

@@ -6,8 +6,10 @@ NodeletError
 ├── GatewayUnavailable  transport error, 429 or 5xx: retry with backoff
 ├── AuthRejected        401/403: the node token is wrong; fatal
 ├── GatewayRejected     any other 4xx: the request itself was refused
-└── UntrustedFile       a file a call's account left is not what it must be (a link, a FIFO,
-                        another's, too big): refused, never read through
+├── UntrustedFile       a file a call's account left is not what it must be (a link, a FIFO,
+│                       another's, too big): refused, never read through
+└── UntrustedOutcome    what a worker's outcome pipe carried is no outcome (too big, not
+                        msgpack): refused unread, the worker not used again
 """
 
 from __future__ import annotations
@@ -56,3 +58,8 @@ class GatewayRejected(NodeletError):
 
 class UntrustedFile(NodeletError):
     """A file the call's account left is not what it must be (the message says why)."""
+
+
+class UntrustedOutcome(NodeletError):
+    """What came on a worker's outcome pipe is not an outcome it may send (the message says
+    why): the worker must not run another call."""

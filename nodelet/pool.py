@@ -41,7 +41,8 @@ from nodelet import procs
 from nodelet.config import worker_env_names
 from nodelet.leftovers import NodeState, base_name, open_state
 from nodelet.limits import Cgroup, Limiter, LimitUnavailable
-from nodelet.worker_main import KILL_WAIT_S, LIFELINE_ENV, frame
+from nodelet.outcomes import Outcomes
+from nodelet.worker_main import KILL_WAIT_S, LIFELINE_ENV, OUTCOME_ENV, frame
 
 if TYPE_CHECKING:
     from nodelet.config import NodeletConfig
@@ -79,8 +80,11 @@ class Worker:
         *,
         start: int | None = None,
         exited: asyncio.Future[None] | None = None,
+        outcomes: Outcomes | None = None,
     ) -> None:
         self.process = process
+        #: The read end of the worker's outcome pipe (nodelet.worker_main).
+        self.outcomes = outcomes
         # Done when the process exits (Process.wait() also waits for its pipes to close,
         # which what a call left running may hold open).
         self._exited = exited
@@ -142,6 +146,17 @@ class Worker:
             log.warning("worker %d exited before it received its task", self.pid)
             return False
         return True
+
+    async def read_outcome(self, invocation_id: str, max_bytes: int) -> wire.WorkerOutcome | None:
+        """The outcome the worker writes after the call of ``invocation_id``; None when its
+        outcome pipe ends first (the worker died, or the call closed the pipe). An outcome
+        of another call is skipped (the call's code may write any bytes there: what it
+        writes for itself is its own outcome, as a value it returns would be).
+        ``UntrustedOutcome`` for what is not an outcome of at most ``max_bytes`` (nothing
+        after it can be trusted either: the worker must not run another call)."""
+        if self.outcomes is None:
+            return None
+        return await self.outcomes.read(invocation_id, max_bytes)
 
     def members(self) -> procs.Identities:
         """The live processes of the worker: itself (while it runs) and all it started."""
@@ -281,6 +296,8 @@ class Worker:
                 )
         with contextlib.suppress(TimeoutError):  # its pipes close as what held them dies
             await asyncio.wait_for(self.process.wait(), _PIPES_CLOSE_S)
+        if self.outcomes is not None:
+            self.outcomes.close()
         return returncode
 
     def _kill_tree(self, timeout_s: float) -> procs.Identities:
@@ -340,33 +357,53 @@ async def spawn_worker(
     the environment of :func:`worker_env`; it waits for its task on stdin. ``lifeline`` is
     the read end of a pipe the worker watches: it ends when the write end is closed."""
     extra = dict(env or {})
+    passed = []
     if lifeline is not None:
         extra[LIFELINE_ENV] = str(lifeline)
+        passed.append(lifeline)
+    # The outcome pipe: its write end the worker's alone, its read end the nodelet's.
+    outcome_read, outcome_write = os.pipe()
+    extra[OUTCOME_ENV] = str(outcome_write)
+    passed.append(outcome_write)
     loop = asyncio.get_running_loop()
-    transport, protocol = await loop.subprocess_exec(
-        lambda: _Protocol(loop),
-        *command,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=cwd,
-        env=worker_env(extra, passed_env),
-        start_new_session=True,
-        pass_fds=() if lifeline is None else (lifeline,),
-    )
+    try:
+        transport, protocol = await loop.subprocess_exec(
+            lambda: _Protocol(loop),
+            *command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=cwd,
+            env=worker_env(extra, passed_env),
+            start_new_session=True,
+            pass_fds=passed,
+        )
+    except BaseException:
+        os.close(outcome_read)
+        raise
+    finally:
+        os.close(outcome_write)
     process = asyncio.subprocess.Process(transport, protocol, loop)
+    try:
+        outcomes = await Outcomes.open(outcome_read)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+        raise
     # Ours until reaped: its pid cannot name another process yet.
     start = procs.start_time(process.pid)
     if limiter is None:
-        return Worker(process, start=start, exited=protocol.exited)
+        return Worker(process, start=start, exited=protocol.exited, outcomes=outcomes)
     try:
         # The worker runs nothing of a call before it is confined: it waits for its task.
         cgroup = limiter.apply(process.pid, gpus)
-        return Worker(process, cgroup, start=start, exited=protocol.exited)
+        return Worker(process, cgroup, start=start, exited=protocol.exited, outcomes=outcomes)
     except OSError:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         await process.wait()
+        outcomes.close()
         raise
 
 

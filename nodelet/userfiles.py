@@ -1,21 +1,18 @@
 """Files a call's account writes, read by the nodelet without trusting them.
 
 An attempt has a directory of its own in the nodelet's work directory, owned by the
-nodelet; inside it the call's account owns one directory, ``out``, where its worker leaves
-its outcome and a result too big to inline. The user may put anything there: a symbolic
-link to the node token, a FIFO that blocks whoever opens it, a hard link, a file of
-gigabytes. So the nodelet never opens anything there by path: it keeps a descriptor of
-``out`` from the moment it made it, opens names relative to it with ``O_NOFOLLOW |
-O_NONBLOCK`` (a link is refused, a FIFO does not block), checks with ``fstat`` that it has
-a regular file owned by the call's account, and bounds what it reads: the first
-``SMALL_READ`` bytes at once (what an outcome usually is: a local file just written), the
-rest in a thread, never on the event loop. What it then uploads comes from that same
-descriptor.
+nodelet; inside it the call's account owns one directory, ``out``: the call's working
+directory, where its worker leaves a result too big to inline (its outcome comes on a pipe:
+``nodelet.outcomes``). The user may put anything there: a symbolic link to the node token,
+a FIFO that blocks whoever opens it, a hard link, a file of gigabytes. So the nodelet never
+opens anything there by path: it keeps a descriptor of ``out`` from the moment it made it,
+opens names relative to it with ``O_NOFOLLOW | O_NONBLOCK`` (a link is refused, a FIFO does
+not block), checks with ``fstat`` that it has a regular file owned by the call's account,
+and bounds its size. What it then uploads comes from that same descriptor.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import stat
 from dataclasses import dataclass
@@ -23,16 +20,11 @@ from dataclasses import dataclass
 from nodelet.errors import UntrustedFile
 
 __all__ = [
-    "SMALL_READ",
     "Opened",
     "UntrustedFile",
     "make_private_dir",
     "open_owned",
-    "read_owned",
 ]
-
-#: Bytes :func:`read_owned` reads on the event loop; a longer file is read in a thread.
-SMALL_READ = 64 * 1024
 
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
@@ -81,36 +73,6 @@ def open_owned(directory: int, name: str, uid: int, *, max_bytes: int | None = N
         os.close(fd)
         raise UntrustedFile(f"{name}: {problem}")
     return Opened(fd, info.st_size)
-
-
-async def read_owned(directory: int, name: str, uid: int, *, max_bytes: int) -> bytes | None:
-    """The whole content of ``name`` (see :func:`open_owned`), or None when it is missing.
-    Reads at most ``max_bytes``, even from a file that grows meanwhile. Made for the event
-    loop: the file is opened without blocking and its first ``SMALL_READ`` bytes read at
-    once; only a longer one is read on in a thread."""
-    try:
-        opened = open_owned(directory, name, uid, max_bytes=max_bytes)
-    except FileNotFoundError:
-        return None
-    try:
-        data = os.pread(opened.fd, min(SMALL_READ, max_bytes) + 1, 0)
-    except BaseException:
-        os.close(opened.fd)
-        raise
-    if len(data) <= SMALL_READ:
-        os.close(opened.fd)
-    else:  # the thread closes it, even if this wait is cancelled meanwhile
-        data = await asyncio.to_thread(_read_and_close, opened.fd, max_bytes + 1)
-    if len(data) > max_bytes:
-        raise UntrustedFile(f"{name}: grew over the limit of {max_bytes} bytes while read")
-    return data
-
-
-def _read_and_close(fd: int, size: int) -> bytes:
-    try:
-        return os.pread(fd, size, 0)
-    finally:
-        os.close(fd)
 
 
 def read_exactly(fd: int, offset: int, size: int) -> bytes:

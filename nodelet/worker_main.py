@@ -4,10 +4,15 @@ Started as ``python -m nodelet.worker_main`` by :mod:`nodelet.pool`. It reads le
 msgpack :class:`~bulletin_core.wire.WorkerTask`s from stdin, checks and unpickles each call (the
 only place on a node where user data is unpickled; see :mod:`bulletin_core.pickling.remote`),
 moves its tensors to the call's device, runs it with stdout/stderr on the nodelet's pipes, and
-leaves a :class:`~bulletin_core.wire.WorkerOutcome` at ``task.result_path``: the pickled return
-value (or exception) and the globals the call changed, inline or in a file. After a call it kills
+writes a :class:`~bulletin_core.wire.WorkerOutcome` on its *outcome pipe* (the descriptor
+``BULLETIN_OUTCOME_FD`` names, whose read end only the nodelet has): the pickled return value
+(or exception) and the globals the call changed, inline or in a file. After a call it kills
 what the call spawned, restores its environment, working directory and ``sys.path``, and
-writes the task's end marker to both pipes; a task without an end marker is its last.
+writes the task's end marker to both pipes; a task without an end marker is its last. The
+outcome goes before the markers, so once the nodelet has read both markers the outcome is
+in its pipe (a big one is read as it is written: the nodelet reads the outcome pipe while
+the call runs). A pipe, not a file: making, renaming, reading and unlinking a file for every
+call cost a third of a short call's time in the worker.
 
 A call that leaves a thread of its own running (one it started and did not end) makes the
 call the worker's last: a thread can go on computing on a GPU the scheduler counts free, or
@@ -52,6 +57,8 @@ from nodelet import jsoncall, limits, procs
 MAX_ERROR_TEXT = 64 * 1024
 #: The environment variable naming the worker's lifeline descriptor (nodelet.pool).
 LIFELINE_ENV = "BULLETIN_LIFELINE_FD"
+#: The environment variable naming the descriptor the worker writes outcomes to (nodelet.pool).
+OUTCOME_ENV = "BULLETIN_OUTCOME_FD"
 _task_decoder = msgspec.msgpack.Decoder(wire.WorkerTask)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -278,7 +285,7 @@ def _place(
                 file=sys.__stderr__,
                 flush=True,
             )
-    path = os.path.join(task.spill_dir or os.path.dirname(task.result_path), SPILLED)
+    path = os.path.join(task.spill_dir, SPILLED)
     packed.write(path)
     return None, path
 
@@ -363,18 +370,34 @@ def _trim(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
-def write_outcome(path: str, outcome: wire.WorkerOutcome) -> None:
-    """Write atomically, so the nodelet never reads half an outcome."""
-    temp = f"{path}.tmp"
+def outcome_pipe() -> int:
+    """The descriptor outcomes go to (:data:`OUTCOME_ENV`), kept from what calls start."""
+    fd = os.environ.pop(OUTCOME_ENV, "")
+    if not fd.isdigit():
+        raise SystemExit(f"the worker writes its outcomes to the descriptor {OUTCOME_ENV} names")
+    os.set_inheritable(int(fd), False)
+    return int(fd)
+
+
+def outcome_frame(task: wire.WorkerTask, outcome: wire.WorkerOutcome) -> bytes:
+    """The outcome as the nodelet reads it: a 4-byte big-endian length, then msgpack,
+    tagged with the task's invocation id, its texts fit for the gateway."""
     outcome = msgspec.structs.replace(
         outcome,
+        invocation_id=task.invocation_id,
         error_type=_no_nul(outcome.error_type),
         error_message=_no_nul(outcome.error_message),
         traceback=_no_nul(outcome.traceback),
     )
-    with open(temp, "wb") as file:
-        file.write(_encoder.encode(outcome))
-    os.replace(temp, path)
+    body = _encoder.encode(outcome)
+    return len(body).to_bytes(4, "big") + body
+
+
+def send_outcome(fd: int, task: wire.WorkerTask, outcome: wire.WorkerOutcome) -> None:
+    """Write the outcome whole (a big one blocks until the nodelet has read it)."""
+    data = memoryview(outcome_frame(task, outcome))
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 def _no_nul(text: str | None) -> str | None:
@@ -475,8 +498,8 @@ def kill_leftovers() -> procs.Identities:
     return left
 
 
-def finish(task: wire.WorkerTask, outcome: wire.WorkerOutcome) -> None:
-    write_outcome(task.result_path, outcome)
+def finish(outcomes: int, task: wire.WorkerTask, outcome: wire.WorkerOutcome) -> None:
+    send_outcome(outcomes, task, outcome)
     _flush(sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
     kill_leftovers()
     for fd in (1, 2):
@@ -516,6 +539,7 @@ def warm_torch() -> None:
 def main() -> None:
     procs.become_subreaper()
     watch_lifeline()
+    outcomes = outcome_pipe()
     tasks = private_task_pipe()
     if os.environ.get("BULLETIN_WARM_TORCH") == "1":
         warm_torch()
@@ -528,12 +552,12 @@ def main() -> None:
         if stray:
             _retire_for(stray)
             break
-        finish(task, outcome)
+        finish(outcomes, task, outcome)
         baseline.restore()
     else:
         # stdin closed without a task: the nodelet is discarding this worker.
         os._exit(0)
-    write_outcome(task.result_path, outcome)
+    send_outcome(outcomes, task, outcome)
     _flush(sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
     kill_leftovers()
     # os._exit: threads the user left running must not keep a finished worker alive.

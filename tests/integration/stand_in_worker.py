@@ -1,5 +1,6 @@
 """A stand-in for ``nodelet.worker_main`` that speaks its protocol (length-prefixed msgpack
-WorkerTasks on stdin, a WorkerOutcome at ``result_path``, the end marker on both pipes) but
+WorkerTasks on stdin, a length-prefixed WorkerOutcome on the outcome pipe, the end marker
+on both pipes) but
 unpickles nothing, so the nodelet's handling of payloads and results is tested on its own.
 
 A payload is ``b"<command>\\n<data>"``; the result envelope is ``<data>``:
@@ -24,6 +25,7 @@ from typing import IO
 import msgspec
 
 from bulletin_core import shared, wire
+from nodelet.worker_main import OUTCOME_ENV
 
 CHUNK = 1 << 20
 
@@ -87,10 +89,9 @@ def run(task: wire.WorkerTask) -> wire.WorkerOutcome:
 
 
 def finish(task: wire.WorkerTask, outcome: wire.WorkerOutcome) -> None:
-    temp = f"{task.result_path}.tmp"
-    with open(temp, "wb") as file:
-        file.write(msgspec.msgpack.encode(outcome))
-    os.replace(temp, task.result_path)
+    tagged = msgspec.structs.replace(outcome, invocation_id=task.invocation_id)
+    body = msgspec.msgpack.encode(tagged)
+    os.write(int(os.environ[OUTCOME_ENV]), len(body).to_bytes(4, "big") + body)
     sys.stdout.flush()
     for fd in (1, 2):
         os.write(fd, task.end_marker)

@@ -1,7 +1,8 @@
-"""A call's code attacks the nodelet (root) through the files it leaves for it: a symbolic
-link flipped under the result it uploads, a FIFO where its outcome goes, an outcome of
-gigabytes, an outcome naming a file that is not its own. Each must fail the attacker's call
-alone: no byte of what root can read leaks, and other users' calls on the node finish.
+"""A call's code attacks the nodelet (root) through what it leaves for it: a symbolic link
+flipped under the result it uploads, a FIFO where its result goes, outcomes of its own
+making on its worker's outcome pipe (one of gigabytes, one cut short with the pipe held
+open, one naming a file that is not its own). Each must fail the attacker's call alone: no
+byte of what root can read leaks, and other users' calls on the node finish.
 
 Through a real cluster whose nodelet runs as root with a user mapping (tests/accounts.py).
 """
@@ -20,24 +21,15 @@ import sdk
 from bulletin_core import wire
 from tests.integration.conftest import Tenants, wait_until_running
 from tests.integration.test_gateway_api import status
+from tests.processes import forge_outcome, outcome_descriptor
 
 # -------------------------------------------------------- run by the worker, as the attacker
 
 
 def own_outcome(result_path: str) -> None:
-    """Leave an outcome of our own, naming ``result_path`` as the result, in the attempt's
-    ``out`` directory (the call's working directory), and end the worker at once (so it
-    never writes its own)."""
-    import os
-
-    import msgspec
-
-    from bulletin_core import wire
-
-    outcome = wire.WorkerOutcome(ok=True, result_path=result_path)
-    with open("outcome.msgpack.x", "wb") as file:
-        file.write(msgspec.msgpack.encode(outcome))
-    os.replace("outcome.msgpack.x", "outcome.msgpack")
+    """Write an outcome of our own, naming ``result_path`` as the result, on the worker's
+    outcome pipe (the caller ends the worker at once, so it never writes its own)."""
+    forge_outcome(result_path=result_path)
 
 
 def named_result(rendezvous: str) -> None:
@@ -87,24 +79,32 @@ def flip(rendezvous: str, target: str, seconds: float) -> None:
             return  # the attempt is over: the nodelet removed its directory
 
 
-def fifo(where: str) -> None:
-    """Put a FIFO where the nodelet reads: the outcome itself, or the result it names."""
+def fifo() -> None:
+    """Put a FIFO where the result is, and name it as our result."""
     import os
 
-    if where == "outcome":
-        os.mkfifo("outcome.msgpack")
-    else:
-        os.mkfifo("result.bin")
-        own_outcome(os.path.join(os.getcwd(), "result.bin"))
+    os.mkfifo("result.bin")
+    own_outcome(os.path.join(os.getcwd(), "result.bin"))
+    os._exit(0)
+
+
+def cut_outcome() -> None:
+    """Start an outcome that never ends, its pipe held open by a child that sleeps."""
+    import os
+    import time
+
+    fd = outcome_descriptor()
+    os.write(fd, (1000).to_bytes(4, "big") + b"x" * 10)
+    if os.fork() == 0:
+        time.sleep(600)
     os._exit(0)
 
 
 def huge_outcome() -> None:
-    """An outcome of 64 GiB (sparse: it costs the attacker nothing)."""
+    """An outcome that says it is 4 GiB long (what follows costs the attacker nothing)."""
     import os
 
-    with open("outcome.msgpack", "wb") as file:
-        file.truncate(64 << 30)
+    os.write(outcome_descriptor(), (0xFFFFFFF0).to_bytes(4, "big"))
     os._exit(0)
 
 
@@ -161,19 +161,15 @@ def where_am_i(leave: str) -> tuple[str, list[str]]:
 
 
 def unacceptable_outcome(ran: str) -> None:
-    """Leave an outcome the gateway refuses (a NUL in its text: the worker escapes those, but
-    the call writes this one itself), and count how often this code ran."""
+    """Write an outcome the gateway refuses (a NUL in its text: the worker escapes those,
+    but the call writes this one itself), and count how often this code ran."""
     import os
-
-    import msgspec
 
     from bulletin_core import wire
 
     with open(ran, "a") as runs:
         runs.write("ran\n")
-    outcome = wire.WorkerOutcome(ok=False, error_kind=wire.ErrorKind.USER, error_message="a\x00b")
-    with open("outcome.msgpack", "wb") as file:
-        file.write(msgspec.msgpack.encode(outcome))
+    forge_outcome(ok=False, error_kind=wire.ErrorKind.USER, error_message="a\x00b")
     os._exit(0)
 
 
@@ -222,15 +218,19 @@ def test_a_symlink_flipped_under_the_result_never_makes_root_read_the_target(
         assert refused or done.result_blob is not None, done
 
 
-def test_a_fifo_for_the_outcome_or_the_result_does_not_wedge_the_node(tenants: Tenants) -> None:
+def test_a_fifo_for_the_result_or_an_outcome_cut_short_does_not_wedge_the_node(
+    tenants: Tenants,
+) -> None:
     tenants.be("bt-alice")
     alices = sdk.function()(hold).spawn(6.0)
     wait_until_running(alices)
     started = time.monotonic()
-    for where in ("outcome", "result"):
-        done = attack(tenants, fifo, where)
-        assert (done.state, done.error_kind) == (wire.State.FAILED, wire.ErrorKind.WORKER_DIED)
-        assert "not a regular file" in (done.error_message or ""), done.error_message
+    done = attack(tenants, fifo)
+    assert (done.state, done.error_kind) == (wire.State.FAILED, wire.ErrorKind.WORKER_DIED)
+    assert "not a regular file" in (done.error_message or ""), done.error_message
+    done = attack(tenants, cut_outcome)
+    assert (done.state, done.error_kind) == (wire.State.FAILED, wire.ErrorKind.WORKER_CRASHED)
+    assert "without leaving a result" in (done.error_message or ""), done.error_message
     assert time.monotonic() - started < 20
     # The node kept heartbeating: Alice's call was never requeued and finished.
     assert alices.result(timeout=60) == "alice's result"

@@ -44,7 +44,6 @@ def _task(tmp_path: Path, fn: object, *args: object) -> wire.WorkerTask:
     return wire.WorkerTask(
         invocation_id="inv",
         payload=caller.pack_call(fn, args, {}, sync=False).packed.tobytes(),
-        result_path=str(tmp_path / "outcome.msgpack"),
     )
 
 
@@ -65,9 +64,8 @@ async def _acquire_hands_out_a_spare_and_refills(tmp_path: Path) -> None:
         output = await worker.stdout.read()
         assert await worker.wait() == 0
         assert output == b"hello ada\n"
-        outcome = msgspec.msgpack.decode(
-            (tmp_path / "outcome.msgpack").read_bytes(), type=wire.WorkerOutcome
-        )
+        outcome = await worker.read_outcome("inv", 1 << 20)
+        assert outcome is not None
         assert caller.load_outcome(envelope.open_bytes(outcome.result or b""), None).value == "ADA"
     finally:
         maintainer.cancel()

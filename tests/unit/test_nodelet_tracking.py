@@ -69,7 +69,6 @@ async def _end_call(tmp_path: Path, limiter: Limiter) -> None:
         task = wire.WorkerTask(
             invocation_id="inv",
             payload=caller.pack_call(start_three_and_sleep, (), {}, sync=False).packed.tobytes(),
-            result_path=str(tmp_path / "outcome.msgpack"),
         )
         await worker.send(task)
         pids = [int(p) for p in (await asyncio.wait_for(worker.stdout.readline(), 30)).split()]

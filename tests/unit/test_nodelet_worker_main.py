@@ -16,8 +16,8 @@ import pytest
 from bulletin_core import wire
 from bulletin_core.pickling import caller, envelope, pickler
 from nodelet.limits import RLIMIT_ENV
-from nodelet.worker_main import LIFELINE_ENV, frame
-from tests.processes import alive, state
+from nodelet.worker_main import LIFELINE_ENV, OUTCOME_ENV, frame
+from tests.processes import alive, run_worker_process, state
 
 # The worker cannot import this test module, so functions defined here travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -41,11 +41,9 @@ def run_worker(
     **fields: object,
 ) -> Finished:
     """Start ``python -m nodelet.worker_main`` as the nodelet does and hand it one task."""
-    result_path = tmp_path / "outcome.msgpack"
     task = wire.WorkerTask(
         invocation_id="inv-1",
         payload=payload,
-        result_path=str(result_path),
         gpu_indices=gpu_indices or [],
         env=env or {},
         **fields,  # type: ignore[arg-type]
@@ -53,16 +51,8 @@ def run_worker(
     worker_env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     worker_env["PYTHONUNBUFFERED"] = "1"
     prefix, body = frame(task)
-    done = subprocess.run(
-        [sys.executable, "-m", "nodelet.worker_main"],
-        input=prefix + body,
-        capture_output=True,
-        env=worker_env,
-        cwd=tmp_path,
-        timeout=60,
-        check=False,
-    )
-    outcome = _outcome_decoder.decode(result_path.read_bytes()) if result_path.exists() else None
+    done, outcomes = run_worker_process(prefix + body, env=worker_env, cwd=tmp_path, timeout=60)
+    outcome = outcomes.get("inv-1")
     return Finished(
         outcome=outcome, stdout=done.stdout, stderr=done.stderr, returncode=done.returncode
     )
@@ -248,16 +238,27 @@ def test_task_env_is_applied(tmp_path: Path) -> None:
 
 
 def test_closed_stdin_without_a_task_exits_quietly(tmp_path: Path) -> None:
+    done, outcomes = run_worker_process(b"", cwd=tmp_path, timeout=60)
+    assert done.returncode == 0
+    assert done.stderr == b"" and outcomes == {}
+
+
+def test_a_worker_without_an_outcome_pipe_refuses_to_start(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "nodelet.worker_main"],
-        input=b"",
+        input=b"".join(frame(wire.WorkerTask(invocation_id="inv-1", payload=call(add, 1, 2)))),
         capture_output=True,
         cwd=tmp_path,
         timeout=60,
         check=False,
     )
-    assert done.returncode == 0
-    assert done.stderr == b""
+    assert done.returncode != 0 and OUTCOME_ENV.encode() in done.stderr
+
+
+def test_an_outcome_bigger_than_a_pipe_holds_comes_whole(tmp_path: Path) -> None:
+    done = run_worker(tmp_path, call(bytes, 700_000))
+    assert done.outcome is not None and done.outcome.ok, done.stderr
+    assert loads(done.outcome.result) == bytes(700_000)
 
 
 def sleep_with_a_setsid_child(seconds: float) -> None:
@@ -275,18 +276,18 @@ def test_worker_dies_with_its_parent_and_takes_what_its_call_started(tmp_path: P
     task = wire.WorkerTask(
         invocation_id="inv-1",
         payload=call(sleep_with_a_setsid_child, 60),
-        result_path=str(tmp_path / "outcome.msgpack"),
     )
     (tmp_path / "task.bin").write_bytes(b"".join(frame(task)))
     parent = textwrap.dedent(
         f"""
         import os, subprocess, sys
         read, write = os.pipe()
+        outcomes, _ = os.pipe()
         worker = subprocess.Popen(
             [sys.executable, "-m", "nodelet.worker_main"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env={{**os.environ, {LIFELINE_ENV!r}: str(read)}}, pass_fds=(read,),
-            start_new_session=True,
+            env={{**os.environ, {LIFELINE_ENV!r}: str(read), {OUTCOME_ENV!r}: str(outcomes)}},
+            pass_fds=(read, outcomes), start_new_session=True,
         )
         worker.stdin.write(open({str(tmp_path / "task.bin")!r}, "rb").read())
         worker.stdin.close()
@@ -329,29 +330,20 @@ def test_a_warm_worker_runs_calls_back_to_back_and_resets_between_them(tmp_path:
         wire.WorkerTask(
             invocation_id=f"inv-{i}",
             payload=call(leave_traces, i, str(tmp_path / "child.pid")),
-            result_path=str(tmp_path / f"out-{i}"),
             end_marker=markers[i],
         )
         for i in range(2)
     ]
     stdin = b"".join(b"".join(frame(t)) for t in tasks)
-    done = subprocess.run(
-        [sys.executable, "-m", "nodelet.worker_main"],
-        input=stdin,
-        capture_output=True,
-        cwd=tmp_path,
-        timeout=60,
-        check=False,
-        start_new_session=True,  # as the nodelet starts it: the worker leads its group
+    # As the nodelet starts it: the worker leads its group.
+    done, outcomes = run_worker_process(
+        stdin, cwd=tmp_path, timeout=60, start_new_session=True
     )
     assert done.returncode == 0, done.stderr
     # Each call's output ends with its marker on both pipes, so the nodelet can split them.
     assert done.stdout == b"call 0" + markers[0] + b"call 1" + markers[1]
     assert done.stderr == markers[0] + markers[1]
-    first, second = (
-        loads(_outcome_decoder.decode((tmp_path / f"out-{i}").read_bytes()).result)
-        for i in range(2)
-    )
+    first, second = (loads(outcomes[f"inv-{i}"].result) for i in range(2))
     assert first[0] == second[0], "the same process ran both calls"
     assert second[1] is None, "an environment variable leaked from the previous call"
     assert second[2] == str(tmp_path), "the working directory leaked from the previous call"
@@ -523,20 +515,15 @@ def test_a_sigterm_handler_a_call_installs_is_gone_for_the_next_call(tmp_path: P
         wire.WorkerTask(
             invocation_id=f"inv-{i}",
             payload=call(handle_sigterm),
-            result_path=str(tmp_path / f"out-{i}"),
             end_marker=b"\x00end\x00",
         )
         for i in range(2)
     ]
-    subprocess.run(
-        [sys.executable, "-m", "nodelet.worker_main"],
-        input=b"".join(b"".join(frame(t)) for t in tasks),
-        capture_output=True,
-        timeout=60,
-        check=True,
+    done, outcomes = run_worker_process(
+        b"".join(b"".join(frame(t)) for t in tasks), cwd=tmp_path, timeout=60
     )
-    outcomes = [_outcome_decoder.decode((tmp_path / f"out-{i}").read_bytes()) for i in range(2)]
-    assert [loads(o.result) for o in outcomes] == [True, True]
+    assert done.returncode == 0, done.stderr
+    assert [loads(outcomes[f"inv-{i}"].result) for i in range(2)] == [True, True]
 
 
 def start_threads(leave: bool) -> int:
@@ -556,18 +543,14 @@ def test_a_call_that_leaves_a_thread_running_is_its_workers_last(tmp_path: Path)
         wire.WorkerTask(
             invocation_id=f"inv-{i}",
             payload=call(start_threads, leave),
-            result_path=str(tmp_path / f"out-{i}"),
             end_marker=marker,
         )
         for i, leave in enumerate([False, True, False])
     ]
-    done = subprocess.run(
-        [sys.executable, "-m", "nodelet.worker_main"],
-        input=b"".join(b"".join(frame(t)) for t in tasks),
-        capture_output=True,
+    done, outcomes = run_worker_process(
+        b"".join(b"".join(frame(t)) for t in tasks),
         cwd=tmp_path,
         timeout=60,
-        check=False,
         start_new_session=True,
     )
     # A thread that ended by itself keeps the worker warm; one left running ends it: its
@@ -576,6 +559,5 @@ def test_a_call_that_leaves_a_thread_running_is_its_workers_last(tmp_path: Path)
     assert done.stdout == marker
     assert done.stderr.startswith(marker)
     assert b"bulletin: the call left 1 thread(s) running ('left-running')" in done.stderr
-    outcomes = [_outcome_decoder.decode((tmp_path / f"out-{i}").read_bytes()) for i in range(2)]
-    assert loads(outcomes[0].result) == loads(outcomes[1].result)
-    assert not (tmp_path / "out-2").exists()
+    assert loads(outcomes["inv-0"].result) == loads(outcomes["inv-1"].result)
+    assert "inv-2" not in outcomes

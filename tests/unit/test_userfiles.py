@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import pwd
 import threading
@@ -15,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from bulletin_core import shared
-from nodelet import userfiles
 from nodelet.userfiles import UntrustedFile, make_private_dir, open_owned
 
 
@@ -30,8 +28,15 @@ def out(tmp_path: Path) -> Iterator[int]:
 
 
 def read_owned(directory: int, name: str, uid: int, *, max_bytes: int) -> bytes | None:
-    """The nodelet's read, awaited as its event loop awaits it."""
-    return asyncio.run(userfiles.read_owned(directory, name, uid, max_bytes=max_bytes))
+    """What the nodelet reads of ``name`` through :func:`open_owned`; None when missing."""
+    try:
+        opened = open_owned(directory, name, uid, max_bytes=max_bytes)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.pread(opened.fd, opened.size, 0)
+    finally:
+        os.close(opened.fd)
 
 
 def nobody() -> pwd.struct_passwd:
@@ -42,8 +47,7 @@ def test_a_regular_file_of_the_account_is_read_whole(tmp_path: Path, out: int) -
     (tmp_path / "out" / "outcome").write_bytes(b"abc")
     assert read_owned(out, "outcome", os.geteuid(), max_bytes=3) == b"abc"
     assert read_owned(out, "missing", os.geteuid(), max_bytes=3) is None
-    # Longer than what is read at once on the event loop: the rest comes from a thread.
-    longer = os.urandom(userfiles.SMALL_READ * 3)
+    longer = os.urandom(1 << 20)
     (tmp_path / "out" / "outcome").write_bytes(longer)
     assert read_owned(out, "outcome", os.geteuid(), max_bytes=len(longer)) == longer
     with pytest.raises(UntrustedFile, match="over the limit"):
