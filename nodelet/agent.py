@@ -358,7 +358,7 @@ class Node:
         gpus = set(assignment.gpu_indices)
         dying = [
             a.task
-            for a in self.attempts.values()
+            for a in (self.attempts.values() if gpus else ())
             if a.killed and a.task is not None and gpus & set(a.assignment.gpu_indices)
         ]
         attempt.start(after=dying, behind=behind).add_done_callback(

@@ -137,8 +137,7 @@ class Worker:
         assert stdin is not None  # started with stdin=PIPE
         prefix, body = frame(task)
         try:
-            stdin.write(prefix)
-            stdin.write(body)
+            stdin.write(prefix + body)  # one write: the worker wakes once, to a whole task
             await stdin.drain()
             if not task.end_marker:
                 stdin.close()

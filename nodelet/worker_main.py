@@ -484,7 +484,7 @@ def kill_leftovers() -> procs.Identities:
     (briefly) until they are dead and reaped: the next call must not meet them, nor the GPU
     memory they held. Those still running: processes it may not signal."""
     me = os.getpid()
-    if procs.childless(me):
+    if procs.no_children():
         return {}  # the common case: the call started nothing, or waited for all it started
     start = procs.start_time(me)
     if start is None:

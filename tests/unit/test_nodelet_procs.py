@@ -213,3 +213,19 @@ def test_no_module_but_procs_reads_proc() -> None:
                 ):
                     found.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not found, f"/proc read outside nodelet/procs.py: {found}"
+
+
+def test_no_children_reaps_the_exited_and_sees_a_running_one() -> None:
+    script = (
+        "import os, subprocess, sys, time\n"
+        "from nodelet import procs\n"
+        "assert procs.no_children()\n"
+        "subprocess.Popen(['true']).pid\n"
+        "time.sleep(0.5)\n"  # exited, not reaped: a zombie, reaped by the check
+        "assert procs.no_children()\n"
+        "child = subprocess.Popen(['sleep', '30'])\n"
+        "assert not procs.no_children()\n"
+        "child.kill(); child.wait()\n"
+        "assert procs.no_children()\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
