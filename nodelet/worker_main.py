@@ -427,16 +427,16 @@ class _Baseline:
     def __init__(self) -> None:
         # The worker's own (the lifeline's), and whatever warming torch left.
         self.threads = set(threading.enumerate())
-        self.environ = dict(os.environ)
+        self.environ = dict(_environ_data())
         self.cwd = os.getcwd()
         self.path = list(sys.path)
         # A call may install its own handler to clean up at its time limit's SIGTERM.
         self.sigterm = signal.getsignal(signal.SIGTERM)
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self.sigterm)
-        os.environ.clear()
-        os.environ.update(self.environ)
+        if signal.getsignal(signal.SIGTERM) is not self.sigterm:
+            signal.signal(signal.SIGTERM, self.sigterm)
+        _restore_environ(self.environ)
         with contextlib.suppress(OSError):
             os.chdir(self.cwd)
         sys.path[:] = self.path
@@ -455,6 +455,26 @@ class _Baseline:
             if thread.is_alive():
                 stray.append(thread)
         return stray
+
+
+def _environ_data() -> dict[bytes, bytes]:
+    """The environment as os.environ holds it (encoded; its ``_data``, CPython's)."""
+    return os.environ._data  # type: ignore[attr-defined]
+
+
+def _restore_environ(saved: dict[bytes, bytes]) -> None:
+    """Put the environment back as ``saved``, changing only what differs (clearing and
+    setting it all again cost a fifth of a short call's time in the worker)."""
+    data = _environ_data()
+    if data == saved:
+        return
+    for key in [key for key in data if key not in saved]:
+        os.unsetenv(key)
+        del data[key]
+    for key, value in saved.items():
+        if data.get(key) != value:
+            os.putenv(key, value)
+            data[key] = value
 
 
 def release_cuda_cache() -> None:

@@ -271,7 +271,37 @@ class _SyncPickler(Pickler):
 # ------------------------------------------------------------------ kinds of tracked objects
 
 
+#: The kind of each type whose kind its instances all share (not tensors' and arrays', which
+#: depend on the object): a call's memo holds dozens of objects (code, names, helpers of
+#: cloudpickle's), looked at on every call of a warm worker. Forgotten past _KINDS_MAX types.
+_KINDS: dict[type, str | None] = {}
+_KINDS_MAX = 4096
+
+
 def _kind(obj: Any) -> str | None:
+    cls = type(obj)
+    try:
+        return _KINDS[cls]
+    except KeyError:
+        pass
+    kind = _kind_of(obj)
+    if kind not in ("tensor", "array") and not _per_object(cls):
+        if len(_KINDS) >= _KINDS_MAX:
+            _KINDS.clear()
+        _KINDS[cls] = kind
+    return kind
+
+
+def _per_object(cls: type) -> bool:
+    """Whether instances of ``cls`` may differ in kind (tensors, arrays: dense or not)."""
+    torch = tensors.torch_module()
+    if torch is not None and issubclass(cls, torch.Tensor):
+        return True
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and issubclass(cls, numpy.ndarray)
+
+
+def _kind_of(obj: Any) -> str | None:
     if isinstance(obj, list):
         return "list"
     if isinstance(obj, dict):

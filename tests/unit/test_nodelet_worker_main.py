@@ -561,3 +561,28 @@ def test_a_call_that_leaves_a_thread_running_is_its_workers_last(tmp_path: Path)
     assert b"bulletin: the call left 1 thread(s) running ('left-running')" in done.stderr
     assert loads(outcomes["inv-0"].result) == loads(outcomes["inv-1"].result)
     assert "inv-2" not in outcomes
+
+
+def meddle_with_env() -> tuple[str | None, str | None, str | None]:
+    seen = (os.environ.get("KEPT"), os.environ.get("DROPPED"), os.environ.get("ADDED"))
+    os.environ["KEPT"] = "changed"
+    del os.environ["DROPPED"]
+    os.environ["ADDED"] = "new"
+    return seen
+
+
+def test_the_environment_a_call_changed_is_put_back_for_the_next(tmp_path: Path) -> None:
+    payload = call(meddle_with_env)
+    tasks = [
+        wire.WorkerTask(invocation_id=f"inv-{i}", payload=payload, end_marker=b"\0e\0")
+        for i in range(2)
+    ]
+    env = {**os.environ, "KEPT": "as started", "DROPPED": "here"}
+    done, outcomes = run_worker_process(
+        b"".join(b"".join(frame(t)) for t in tasks), env=env, cwd=tmp_path, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert [loads(outcomes[f"inv-{i}"].result) for i in range(2)] == [
+        ("as started", "here", None),
+        ("as started", "here", None),
+    ]
