@@ -72,6 +72,8 @@ _TRANSIENT = (
 #: How many of the cluster's shared_ttl_s a payload file of ours may be left before we
 #: delete it (results: one).
 PAYLOAD_AGE_TTLS = 7
+#: How long whether this machine sees the shared directory is taken as known.
+SHARED_CHECK_S = 5.0
 # Headroom of the HTTP read timeout over the gateway's long-poll hold.
 _LONG_POLL_MARGIN_S = 15.0
 
@@ -135,6 +137,8 @@ class Client:
         self.timeout = timeout
         self._cluster: wire.ClusterInfo | None = None
         self._shared_unusable = False
+        #: Whether the shared directory was seen here, and when (``_sees``).
+        self._seen: tuple[bool, float] | None = None
         self._own_dir = False
         self._swept = False
         # Threads share a client: what it sets up once is set up under these, by one of them.
@@ -296,7 +300,7 @@ class Client:
         info = self.cluster()
         if self._shared_unusable or not self.use_shared_dir or not info.user:
             return None
-        if not shared.valid_user(info.user) or not shared.sees(info.shared_dir, info.shared_dir_id):
+        if not shared.valid_user(info.user) or not self._sees(info):
             return None
         assert info.shared_dir is not None  # sees() it
         with self._setting_up:  # by one thread; the others wait for it to be there
@@ -310,6 +314,15 @@ class Client:
                 else:
                     self._own_dir = True
         return None if self._shared_unusable else info.shared_dir
+
+    def _sees(self, info: wire.ClusterInfo) -> bool:
+        """Whether this machine sees the cluster's shared directory: looked at again after
+        ``SHARED_CHECK_S`` (a mount may come or go; reading its marker on every call cost a
+        blocking call a tenth of a millisecond)."""
+        now = time.monotonic()
+        if self._seen is None or now - self._seen[1] > SHARED_CHECK_S:
+            self._seen = (shared.sees(info.shared_dir, info.shared_dir_id), now)
+        return self._seen[0]
 
     def _unusable(self, exc: OSError) -> None:
         self._shared_unusable = True

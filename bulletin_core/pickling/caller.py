@@ -266,6 +266,8 @@ _APPLY: dict[str, Callable[[Any, Any], None]] = {
 # ------------------------------------------------------------------ local helper modules
 
 _checked: set[str] = set()
+#: Every name of sys.modules looked at so far: a call looks at the ones imported since.
+_seen: set[str] = set()
 _installed: set[str] | None = None
 #: Held while modules are looked at: a module another thread has not decided on yet must
 #: not be pickled meanwhile (it would go by reference, and the node cannot import it).
@@ -277,7 +279,9 @@ def ship_local_modules() -> None:
     helper modules next to the notebook, which the nodes cannot import. Thread-safe: when it
     returns, every module imported before it was called is decided on."""
     with _shipping:
-        for name in list(sys.modules):
+        new = sys.modules.keys() - _seen
+        _seen.update(new)
+        for name in new:
             top = name.partition(".")[0]
             if top in _checked:
                 continue
