@@ -201,7 +201,7 @@ async def answer(
     config, pool = request.app.state.config, request.app.state.pool
     deadline = time.monotonic() + wait
     key = f"i:{invocation_id}"
-    async with request.app.state.hub.subscribe([key], results=True) as sub:
+    async with request.app.state.hub.subscribe([key], handovers=True) as sub:
         found: wire.Invocation | None = None
         while True:
             if found is None:

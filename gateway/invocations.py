@@ -142,7 +142,7 @@ async def submit(request: Request) -> Response:
             # need not read them before it first sleeps.
             hub = request.app.state.hub
             watched = (f"i:{i}" for i in new_ids)
-            sub = await waiting.enter_async_context(hub.subscribe(watched, results=True))
+            sub = await waiting.enter_async_context(hub.subscribe(watched, handovers=True))
         try:
             async with request.app.state.pool.acquire() as conn:
                 async with conn.transaction():
@@ -157,9 +157,10 @@ async def submit(request: Request) -> Response:
                         adding_bytes=sum(c.payload_size for c in calls if c.payload_file),
                         place_within=config.node_timeout_s if config.place_at_submit else None,
                     )
-                    nodes = await _place(conn, config, caller, calls, made)
-                # Committed: the nodes' polls waiting here take their work now.
-                request.app.state.hub.woke(conn.get_server_pid(), [f"n:{n}" for n in nodes])
+                    nodes, handed = await _place(request, conn, caller, calls, made)
+                # Committed: the nodes' polls waiting here take their work now, handed over.
+                work = {f"n:{node}": found for node, found in handed.items()}
+                request.app.state.hub.woke(conn.get_server_pid(), [f"n:{n}" for n in nodes], work)
         except db.NoRoom as exc:
             raise no_room_for_calls(request, exc.blobs, exc.shared) from None
         except db.KeyTaken:  # a concurrent duplicate committed first
@@ -173,15 +174,17 @@ async def submit(request: Request) -> Response:
 
 
 async def _place(
+    request: Request,
     conn: asyncpg.Connection,
-    config: GatewayConfig,
     caller: db.Principal,
     calls: list[wire.CallSpec],
     made: db.Submitted,
-) -> set[int]:
+) -> tuple[set[int], dict[int, db.Handed]]:
     """Place the calls the submission created at once if the cluster has room and nothing
     else waits (``scheduling.place_at_once``), else wake the leader to plan them. Returns
-    the nodes given work."""
+    the nodes given work, and the work of those whose poll waits on this gateway."""
+    config: GatewayConfig = request.app.state.config
+    hub = request.app.state.hub
     fresh = [
         Pending(
             invocation_id,
@@ -198,10 +201,12 @@ async def _place(
         for invocation_id, call in zip(made.ids, calls, strict=True)
         if invocation_id in made.fresh
     ]
-    placed = await scheduling.place_at_once(conn, config, fresh, made.nodes)
+    placed, handed = await scheduling.place_at_once(
+        conn, config, fresh, made.nodes, lambda node: hub.awaits_handover(f"n:{node}")
+    )
     if len(placed) < len(fresh):
         await db.wake_scheduler(conn)
-    return {node for _, node in placed}
+    return {node for _, node in placed}, handed
 
 
 async def _submitted(
@@ -446,7 +451,7 @@ async def news(
         found = await _news(request, owner, seen, deadline, unread, read_first=False)
     else:
         watched = (f"i:{i}" for i in seen)
-        async with request.app.state.hub.subscribe(watched, results=True) as sub:
+        async with request.app.state.hub.subscribe(watched, handovers=True) as sub:
             found = await _news(request, owner, seen, deadline, sub, read_first=True)
     found = _within_answer_size(found)
     with_logs = [(f.id, seen[f.id]) for f in found if f.log_count > seen[f.id]]

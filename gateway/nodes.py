@@ -120,11 +120,18 @@ async def poll(request: Request) -> Response:
     req = await body(request, wire.PollRequest)
     config, relaxed = request.app.state.config, request.app.state.relaxed
     deadline = time.monotonic() + min(max(req.timeout_s, 0.0), config.long_poll_s)
-    async with request.app.state.hub.subscribe([f"n:{node_id}"]) as sub:
+    key = f"n:{node_id}"
+    async with request.app.state.hub.subscribe([key], handovers=True) as sub:
+        handed: db.Handed | None = None
         while True:
-            orders, work = await db.poll(
-                relaxed, node_id, incarnation, req.running, config.inline_limit, config.lease_s
-            )
+            if handed is not None and handed.incarnation == incarnation:
+                # Work a submission committed on this gateway handed over as all the news:
+                # delivered as it committed (stamped so), nothing else changed meanwhile.
+                orders, work = db.StopOrders([], []), handed.work
+            else:
+                orders, work = await db.poll(
+                    relaxed, node_id, incarnation, req.running, config.inline_limit, config.lease_s
+                )
             preempt = _preemptions(request, orders.preempt, req.preempting)
             remaining = deadline - time.monotonic()
             if work or orders.revoked or preempt or remaining <= 0:
@@ -132,6 +139,7 @@ async def poll(request: Request) -> Response:
                     wire.PollResponse(assignments=work, revoked=orders.revoked, preempt=preempt)
                 )
             await sub.wait(min(remaining, config.recheck_s))
+            handed = sub.take_handed().get(key)
 
 
 async def start(request: Request) -> Response:
@@ -202,7 +210,7 @@ async def complete(request: Request) -> Response:
         await _check_result_file(request, node_id, invocation_id, req)
     hub = request.app.state.hub
     key = f"i:{invocation_id}"
-    handed = [invocation_id] if hub.awaits_result(key) else []
+    handed = [invocation_id] if hub.awaits_handover(key) else []
     outcome = [(invocation_id, req)]
     async with request.app.state.pool.acquire() as conn:
         if req.logs:  # its last output first, in the same transaction
@@ -238,7 +246,7 @@ async def complete_many(request: Request) -> Response:
             await _check_result_file(request, node_id, completion.invocation_id, completion)
     config, hub = request.app.state.config, request.app.state.hub
     outcomes = list(zip(ids, req.completions, strict=True))
-    handed = [i for i in ids if hub.awaits_result(f"i:{i}")]
+    handed = [i for i in ids if hub.awaits_handover(f"i:{i}")]
     async with request.app.state.pool.acquire() as conn:
         async with conn.transaction():
             # The node's row first, as a scheduling round locks it: no lock-order deadlock.

@@ -10,10 +10,10 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
 
 import asyncpg
 
-from bulletin_core import wire
 from bulletin_core.backoff import Backoff
 from gateway.db import CHANNEL
 from gateway.errors import ServiceUnavailable
@@ -42,27 +42,35 @@ ECHO_S = 1.0
 
 
 class Subscription:
-    def __init__(self, hub: Hub, stoppable: bool, results: bool) -> None:
+    def __init__(self, hub: Hub, stoppable: bool, handovers: bool) -> None:
         self.event = asyncio.Event()
         self._hub = hub
         self._stoppable = stoppable
-        #: Its owner waits for the results of the calls it names (see Hub.woke).
-        self.results = results
+        #: It takes what a transaction committed by this gateway hands over (Hub.woke).
+        self.handovers = handovers
         # Which keys woke it since the last take_fired(); None: anything may have changed
         # (a reconnect, a stopping gateway), so the waiter must re-read everything.
         self._fired: set[str] | None = set()
-        # Finished invocations handed over with their wake, by key (results only).
-        self._handed: dict[str, wire.Invocation] = {}
+        # What was handed over with its wake, by key (handovers only), and the keys woken
+        # without a handover since the last take_handed(): for those, a handover is not all
+        # the news.
+        self._handed: dict[str, Any] = {}
+        self._plain: set[str] = set()
 
-    def fire(self, key: str | None, handed: wire.Invocation | None = None) -> None:
-        """Wake it for ``key`` (None: for everything), handing over the finished invocation
-        of a call whose result it waits for."""
+    def fire(self, key: str | None, handed: Any = None) -> None:
+        """Wake it for ``key`` (None: for everything), handing over ``handed``: all the news
+        of ``key``, unless another wake for it came without a handover."""
         if key is None:
             self._fired = None
-        elif self._fired is not None:
-            self._fired.add(key)
-        if key is not None and handed is not None and self.results:
-            self._handed[key] = handed
+            self._handed.clear()
+        else:
+            if self._fired is not None:
+                self._fired.add(key)
+            if handed is None:
+                self._handed.pop(key, None)
+                self._plain.add(key)
+            elif self.handovers and key not in self._plain:
+                self._handed[key] = handed
         self.event.set()
 
     def take_fired(self) -> set[str] | None:
@@ -70,9 +78,10 @@ class Subscription:
         fired, self._fired = self._fired, set()
         return fired
 
-    def take_handed(self) -> dict[str, wire.Invocation]:
-        """The finished invocations handed over since the last call, by key, forgotten."""
-        handed, self._handed = self._handed, {}
+    def take_handed(self) -> dict[str, Any]:
+        """What was handed over since the last call, by key, for the keys nothing else woke
+        it for meanwhile; forgotten."""
+        handed, self._handed, self._plain = self._handed, {}, set()
         return handed
 
     async def wait(self, timeout: float) -> bool:
@@ -143,10 +152,7 @@ class Hub:
             self._conn = None
 
     def woke(
-        self,
-        pid: int,
-        keys: Iterable[str],
-        handed: Mapping[str, wire.Invocation | None] | None = None,
+        self, pid: int, keys: Iterable[str], handed: Mapping[str, Any] | None = None
     ) -> None:
         """Wake this process's waiters on ``keys`` at once, for a transaction that notified
         them and just committed on the database backend ``pid``; called while the connection
@@ -154,10 +160,11 @@ class Hub:
         notification itself still goes to every gateway; here it comes back from that
         backend after the wake (each backend's notifications arrive in commit order) and
         wakes no one a second time. One that came back first already woke everyone: then
-        the wake is skipped instead (and its waiters re-read what ``handed`` would have
-        given them). ``handed``: by key, the finished invocation that transaction committed,
-        for the subscriptions waiting for its result (:meth:`awaits_result`), which need
-        not read it again."""
+        the wake is skipped instead (and its waiters read what ``handed`` would have given
+        them). ``handed``: by key, what that transaction committed for the subscriptions
+        that take handovers (:meth:`awaits_handover`), which need not read it again: a
+        finished invocation for its owner's request waiting for its result, the work given
+        to a node for its poll."""
         now = time.monotonic()
         self._prune(now)
         for key in dict.fromkeys(keys):
@@ -170,10 +177,11 @@ class Hub:
             for sub in self._waiters.get(key, ()):
                 sub.fire(key, found)
 
-    def awaits_result(self, key: str) -> bool:
-        """Whether a request of this process waits for the result of the call of ``key``
-        (its owner's: a submission's wait, a watch, a JSON invocation's answer)."""
-        return any(sub.results for sub in self._waiters.get(key, ()))
+    def awaits_handover(self, key: str) -> bool:
+        """Whether a request of this process waits on ``key`` and takes handovers: a request
+        of the owner of the call ``i:<id>`` waiting for its result (a submission's wait, a
+        watch, a JSON invocation's answer), the poll of node ``n:<id>``."""
+        return any(sub.handovers for sub in self._waiters.get(key, ()))
 
     def _on_notify(self, _conn: object, pid: int, _channel: str, payload: str) -> None:
         now = time.monotonic()
@@ -209,14 +217,14 @@ class Hub:
 
     @contextlib.asynccontextmanager
     async def subscribe(
-        self, keys: Iterable[str], *, stoppable: bool = True, results: bool = False
+        self, keys: Iterable[str], *, stoppable: bool = True, handovers: bool = False
     ) -> AsyncIterator[Subscription]:
         """Register before reading the tables, so a change between read and wait still wakes.
         A request's subscription is ``stoppable`` (see :meth:`stop_waiters`); the gateway's
-        own loops are stopped by cancellation. ``results``: the owner of the calls ``keys``
-        name (``i:<id>``) waits for their results, which a completion committed by this
-        gateway hands over (:meth:`woke`), stamped as fetched."""
-        sub = Subscription(self, stoppable, results)
+        own loops are stopped by cancellation. ``handovers``: it takes what this gateway's
+        transactions hand over (:meth:`woke`): results of the calls ``keys`` name
+        (``i:<id>``, for their owner: stamped as fetched), work of a node (``n:<id>``)."""
+        sub = Subscription(self, stoppable, handovers)
         keys = list(keys)
         for key in keys:
             self._waiters[key].add(sub)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import asyncpg
 
@@ -128,7 +128,7 @@ async def plan_round(
         snapshot = _snapshot(free, queued, held, held.now)
         why: dict[str, tuple[int, str]] | None = {} if explain else None
         result = config.policy().plan(snapshot, why)
-        placed = await _assign(conn, config, result)
+        placed, _ = await _assign(conn, config, result)
         preempted = await db.preempt(
             conn, [(p.invocation_id, p.reason) for p in result.preemptions]
         )
@@ -148,7 +148,8 @@ async def place_at_once(
     config: GatewayConfig,
     fresh: Sequence[Pending],
     nodes: list[db.NodeRow],
-) -> list[tuple[str, int]]:
+    hand_to: Callable[[int], bool] = lambda node: False,
+) -> tuple[list[tuple[str, int]], dict[int, db.Handed]]:
     """Within a submission's transaction: place its new calls now, without waiting for the
     leader's round, when nothing else is queued (so none of higher standing waits). ``nodes``:
     the live nodes the submission's own statement locked (``db.insert_calls``' place_within),
@@ -156,20 +157,21 @@ async def place_at_once(
     round would read (live nodes locked, leases, quotas, usage) with these calls as the whole
     queue, and the placements commit with the submission through the same capacity-checked
     statement as a round's. Returns the ``(invocation_id, node_id)`` placed; the rest, and
-    any call the policy would preempt for, are left to the leader (which the caller wakes)."""
+    any call the policy would preempt for, are left to the leader (which the caller wakes);
+    and the work of the nodes ``hand_to`` says have a poll waiting here (``db.assign``)."""
     if not fresh or not nodes:
-        return []  # none live, or another call waits
+        return [], {}  # none live, or another call waits
     policy = config.policy()
     held = await db.holdings(conn, quotas=policy.uses_quotas)
     free = capacity(nodes, held.leases)
     fits, _ = one_node_calls(list(fresh), free)
     if not fits or not any(n.free_gpus or n.free_cpu_slots for n in free):
-        return []
+        return [], {}
     now = max(p.submit_time for p in fits)
     result = policy.plan(_snapshot(free, fits, held, now))
     if result.preemptions or not result:
-        return []  # reclaiming capacity is the leader's to decide, with the whole queue
-    return await _assign(conn, config, result)
+        return [], {}  # reclaiming capacity is the leader's to decide, with the whole queue
+    return await _assign(conn, config, result, [d.node_id for d in result if hand_to(d.node_id)])
 
 
 def _snapshot(
@@ -188,13 +190,19 @@ def _snapshot(
 
 
 async def _assign(
-    conn: asyncpg.Connection, config: GatewayConfig, plan: Plan
-) -> list[tuple[str, int]]:
-    """Commit a plan's placements (under the caller's node locks); those made."""
+    conn: asyncpg.Connection,
+    config: GatewayConfig,
+    plan: Plan,
+    hand_to: Collection[int] = (),
+) -> tuple[list[tuple[str, int]], dict[int, db.Handed]]:
+    """Commit a plan's placements (under the caller's node locks); those made, and the work
+    of the nodes of ``hand_to`` (``db.assign``)."""
     return await db.assign(
         conn,
         [(d.invocation_id, d.node_id, d.gpu_indices, d.borrowed) for d in plan],
         config.lease_s,
+        hand_to=hand_to,
+        inline_limit=config.inline_limit,
     )
 
 

@@ -129,6 +129,7 @@ from gateway.db.retention import Purged, purge
 from gateway.db.roles import adopt_schema, is_superuser, own_database, set_login_role
 from gateway.db.scheduling import (
     LEADER_LOCK,
+    Handed,
     Holdings,
     assign,
     expire_leases,
@@ -167,6 +168,7 @@ __all__ = [
     "Drain",
     "FunctionRow",
     "GroupRow",
+    "Handed",
     "Holdings",
     "HttpKey",
     "KeyHeld",

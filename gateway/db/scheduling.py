@@ -5,13 +5,14 @@ expiry (taking back what nodes stopped renewing)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import asyncpg
 
+from bulletin_core import wire
 from gateway.db._common import CHANNEL, PREEMPTING_PROTOCOL, SAFE_PROTOCOL, Conn, _notify
-from gateway.db.nodes import NodeRow, _node_row, _take_back
+from gateway.db.nodes import NodeRow, _assignment, _node_row, _take_back
 from scheduler import Pending, Running
 
 #: The session advisory lock the scheduling leader holds (migrations take 7242001).
@@ -84,21 +85,37 @@ FROM fair_usage WHERE $1
 """
 
 # Each node given work is woken in the same statement (one notification per node: PostgreSQL
-# folds equal ones of a transaction).
+# folds equal ones of a transaction). The nodes of $6 have a poll waiting on the committing
+# gateway: their work is handed to it (``Handed``), delivered as the statement commits, so
+# the statement returns it as a poll reads it (db/nodes.py: _POLL), with the node's
+# incarnation (its row is locked by the caller: it cannot change before the commit). Should
+# that poll end before it takes it, the next poll delivers it again (as any lost answer);
+# it then counts as delivered when its node is lost, as one whose answer was lost does.
 _ASSIGN = f"""
 WITH a AS (
 UPDATE invocations i SET state = 'assigned', node_id = d.node_id,
   gpu_indices = d.gpus::int[], attempts = i.attempts + 1, epoch = i.epoch + 1,
-  log_ack = -1, scheduled_at = clock_timestamp(), delivered_at = NULL, started_at = NULL,
+  log_ack = -1, scheduled_at = clock_timestamp(),
+  delivered_at = CASE WHEN d.node_id = ANY($6::bigint[]) THEN clock_timestamp() END,
+  started_at = NULL,
   worker_acquired_at = NULL, code_started_at = NULL, code_finished_at = NULL, warm = NULL,
   borrowed = d.borrowed, preempt_at = NULL, queue_position = NULL, wait_reason = NULL,
   lease_id = NULL, lease_expires_at = clock_timestamp() + make_interval(secs => $4)
 FROM unnest($1::uuid[], $2::bigint[], $3::text[], $5::bool[])
   AS d(id, node_id, gpus, borrowed)
 WHERE i.id = d.id AND i.state = 'queued'
-RETURNING i.id, i.node_id
+RETURNING i.id, i.node_id, i.delivered_at IS NOT NULL AS handed, i.epoch, i.gpu_indices,
+  i.timeout_s, i.function_name, i.payload_size, i.owner_id, i.payload_file, i.arguments,
+  i.function_owner, i.payload, i.map_id, i.seq
 )
-SELECT a.id, a.node_id, pg_notify('{CHANNEL}', 'n:' || a.node_id) FROM a
+SELECT a.id, a.node_id, pg_notify('{CHANNEL}', 'n:' || a.node_id), a.handed,
+  n.incarnation, a.epoch, a.gpu_indices, a.timeout_s, a.function_name, a.payload_size,
+  a.owner_id, a.payload_file, a.arguments, a.function_owner,
+  u.name AS owner_name, u.is_admin AS owner_admin,
+  CASE WHEN a.handed AND a.payload_size <= $7 THEN a.payload END AS payload,
+  CASE WHEN a.map_id IS NOT NULL THEN a.id END AS lease
+FROM a JOIN nodes n ON n.id = a.node_id JOIN users u ON u.id = a.owner_id
+ORDER BY a.seq
 """
 
 _PREEMPT = """
@@ -252,14 +269,28 @@ async def queued(conn: Conn, per_user: int, most: int, late_s: float = 1e9) -> l
     return [Pending(**r) for r in await conn.fetch(_queued_sql(per_user, most, late_s))]
 
 
+@dataclass(frozen=True, slots=True)
+class Handed:
+    """Work given to a node whose poll waits on this gateway, delivered to it as the
+    assignment commits: for the node's ``incarnation`` (as locked), in queue order."""
+
+    incarnation: int
+    work: list[wire.Assignment]
+
+
 async def assign(
     conn: asyncpg.Connection,
     decisions: Sequence[tuple[str, int, Sequence[int], bool]],
     lease_s: float,
-) -> list[tuple[str, int]]:
+    *,
+    hand_to: Collection[int] = (),
+    inline_limit: int = 0,
+) -> tuple[list[tuple[str, int]], dict[int, Handed]]:
     """Lease still-queued invocations to nodes: ``(invocation_id, node_id, gpu_indices,
     borrowed)``. Returns the (invocation_id, node_id) pairs actually assigned (a call
-    cancelled meanwhile is skipped). The caller holds the node rows locked
+    cancelled meanwhile is skipped), and the work of the nodes of ``hand_to`` (their poll
+    waits on this gateway: it is stamped delivered, its payload inline up to
+    ``inline_limit``), by node. The caller holds the node rows locked
     (``live_nodes(lock=True)``) and computed capacity under that lock, in the same
     transaction."""
     rows = await conn.fetch(
@@ -269,8 +300,17 @@ async def assign(
         ["{" + ",".join(map(str, d[2])) + "}" for d in decisions],
         lease_s,
         [d[3] for d in decisions],
+        list(hand_to),
+        inline_limit,
     )
-    return [(str(r["id"]), int(r["node_id"])) for r in rows]
+    handed: dict[int, Handed] = {}
+    for r in rows:
+        if r["handed"]:
+            node = int(r["node_id"])
+            handed.setdefault(node, Handed(int(r["incarnation"]), [])).work.append(
+                _assignment(r)
+            )
+    return [(str(r["id"]), int(r["node_id"])) for r in rows], handed
 
 
 async def preempt(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import msgspec
@@ -333,6 +334,27 @@ def test_a_new_incarnation_takes_back_what_the_old_held_counting_only_what_it_go
     [work] = poll(new).assignments
     assert work.invocation_id == never and work.epoch == 2
     assert status(user, never).attempts == 1  # its one counted attempt is this one
+
+
+def test_work_placed_at_submission_goes_to_the_waiting_poll_of_its_nodes_current_start_only(
+    gateway: Cluster,
+) -> None:
+    """A call placed as it is submitted is handed to its node's poll waiting on the same
+    gateway as the placement commits; a poll of an earlier start of the node, still waiting
+    when the node registered again, gets none of it."""
+    user = Http(gateway.url, gateway.token)
+    old = register(gateway)
+    with ThreadPoolExecutor(2) as pool:
+        stale = pool.submit(poll, old)
+        time.sleep(0.5)  # the old start's poll is waiting
+        new = register(gateway)  # the nodelet restarted
+        waiting = pool.submit(poll, new)
+        time.sleep(0.5)
+        [invocation_id] = submit(user, call(gpus=1))
+        [work] = waiting.result(10).assignments
+        assert work.invocation_id == invocation_id and work.payload == b"opaque"
+        assert stale.result(10).assignments == []
+    assert status(user, invocation_id).timeline.delivered is not None
 
 
 def test_lease_expiry_without_retries_fails_the_call_as_node_lost(gateway: Cluster) -> None:
