@@ -120,26 +120,36 @@ async def poll(request: Request) -> Response:
     req = await body(request, wire.PollRequest)
     config, relaxed = request.app.state.config, request.app.state.relaxed
     deadline = time.monotonic() + min(max(req.timeout_s, 0.0), config.long_poll_s)
-    key = f"n:{node_id}"
-    async with request.app.state.hub.subscribe([key], handovers=True) as sub:
+    key, hub = f"n:{node_id}", request.app.state.hub
+    running = [a.invocation_id for a in req.running]
+    async with hub.subscribe([key], handovers=True) as sub:
         handed: db.Handed | None = None
+        mark = hub.mark(key)
+        # Answered here a moment ago, nothing has changed since (Polls): wait at once.
+        unchanged = hub.polls.unchanged(node_id, incarnation, mark, running)
         while True:
             if handed is not None and handed.incarnation == incarnation:
                 # Work a submission committed on this gateway handed over as all the news:
                 # delivered as it committed (stamped so), nothing else changed meanwhile.
                 orders, work = db.StopOrders([], []), handed.work
+            elif unchanged:
+                orders, work = db.StopOrders([], []), []
             else:
+                mark = hub.mark(key)  # before the read: a change after it wakes this poll
                 orders, work = await db.poll(
                     relaxed, node_id, incarnation, req.running, config.inline_limit, config.lease_s
                 )
+            unchanged = False
             preempt = _preemptions(request, orders.preempt, req.preempting)
             remaining = deadline - time.monotonic()
             if work or orders.revoked or preempt or remaining <= 0:
+                hub.polls.answered(node_id, incarnation, mark, [a.invocation_id for a in work])
                 return reply(
                     wire.PollResponse(assignments=work, revoked=orders.revoked, preempt=preempt)
                 )
             await sub.wait(min(remaining, config.recheck_s))
             handed = sub.take_handed().get(key)
+            mark = hub.mark(key)  # a handover comes with its own wake
 
 
 async def start(request: Request) -> Response:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
 
 from bulletin_core import wire
-from tests.conftest import Cluster, wait_until
+from tests.conftest import Cluster, running, wait_until
 
 
 class Http:
@@ -355,6 +356,33 @@ def test_work_placed_at_submission_goes_to_the_waiting_poll_of_its_nodes_current
         assert work.invocation_id == invocation_id and work.payload == b"opaque"
         assert stale.result(10).assignments == []
     assert status(user, invocation_id).timeline.delivered is not None
+
+
+def test_a_poll_right_after_its_answer_may_skip_its_read_yet_misses_no_news(
+    database_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A node polls again as soon as it is answered; when nothing changed since, that poll
+    waits without reading first. It still misses nothing, though a lost notification would
+    only be caught after 30 s here (recheck-s): work whose answer was lost (the node's next
+    poll does not run it) comes again at once, and a cancellation while it waits wakes it."""
+    with running(Cluster(database_url, tmp_path), request, options={"recheck-s": "30"}) as gw:
+        user = Http(gw.url, gw.token)
+        node = register(gw)
+        [invocation_id] = submit(user, call(gpus=1))
+        [work] = poll(node).assignments
+        assert work.invocation_id == invocation_id
+        [again] = poll(node).assignments  # the answer was lost: it is not running
+        assert (again.invocation_id, again.epoch) == (invocation_id, work.epoch)
+        attempt = wire.Attempt(invocation_id=invocation_id, epoch=work.epoch)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(poll, node, [attempt])  # it runs it now: nothing to read
+            time.sleep(0.5)
+            assert not waiting.done()
+            cancelled = user.client.post(f"/v1/invocations/{invocation_id}/cancel")
+            assert cancelled.json()["state"] == "cancelled"
+            started = time.monotonic()
+            assert waiting.result(10).revoked == [attempt]
+            assert time.monotonic() - started < 4  # woken, not the 5 s hold's end
 
 
 def test_lease_expiry_without_retries_fails_the_call_as_node_lost(gateway: Cluster) -> None:
