@@ -10,8 +10,10 @@ JSON beside the pickled one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
+import uuid
 
 import asyncpg
 import msgspec
@@ -23,8 +25,8 @@ from starlette.routing import Match, Route
 from bulletin_core import wire
 from gateway import auth, db, idempotency, invocations
 from gateway.errors import NotFound, PayloadTooLarge, Unprocessable
-from gateway.http import JSON, body, checked, reply, room_for_calls, wait_param
-from gateway.notify import GatewayStopping
+from gateway.http import JSON, body, checked, no_room_for_calls, reply, wait_param
+from gateway.notify import GatewayStopping, Subscription
 
 FUNCTION_NAME_RULE = f"not a function name: {wire.SLUG_RULE}"
 
@@ -100,11 +102,16 @@ async def register(request: Request) -> Response:
     return reply(row.info, 201 if created else 200)
 
 
-def _spec(resources: wire.FunctionResourcesInfo) -> wire.CallSpec:
+def _spec(resources: wire.FunctionResourcesInfo, name: str = "") -> wire.CallSpec:
+    """A call of a registered function with these resources, as the scheduler weighs it."""
     return wire.CallSpec(
+        function_name=name,
         gpus=resources.gpus,
         gpu_model=resources.gpu_model,
         gpu_memory_mb=resources.gpu_memory_mb,
+        timeout_s=resources.timeout_s,
+        max_retries=resources.max_retries,
+        expected_s=resources.expected_s,
     )
 
 
@@ -163,29 +170,49 @@ async def invoke(request: Request) -> Response:
             "directory, a URL), or call the function from the sdk",
             code="arguments_too_large",
         )
-    await room_for_calls(request, user)
     # Shared with the caller, or the caller's own: an administrator reads others' private
     # functions but does not run them.
     found = await db.find_function(pool, caller, owner, name, version, to_run=True)
     if found is None:
         raise _not_found(name, owner, version)
-    await invocations.check_fits(request, caller.group, [_spec(found.info.resources)])
+    spec = _spec(found.info.resources, found.info.name)
+    await invocations.check_fits(request, caller.group, [spec])
     http_key = None if key is None else (key, request_hash)
-    try:
-        async with pool.acquire() as conn:
-            invocation_id = await db.invoke(conn, user, found.id, arguments, http_key)
-    except db.KeyTaken:
-        assert key is not None
-        replay = await idempotency.earlier(request, user, key, request_hash)
-        assert replay is not None
-        return await _replay(request, user, key, replay, wait)
-    if invocation_id is None:  # unregistered meanwhile
-        raise _not_found(name, owner, version)
-    try:
-        return await answer(request, user, invocation_id, wait)
-    finally:
-        if key is not None:
-            await idempotency.answered(request, user, key)
+    invocation_id = str(uuid.uuid4())
+    hub = request.app.state.hub
+    # Before the call exists, so that no news of it can come before it (see answer).
+    async with hub.subscribe([f"i:{invocation_id}"], handovers=True) as sub:
+        try:
+            async with pool.acquire() as conn:
+                async with conn.transaction():
+                    made = await db.invoke(
+                        conn,
+                        user,
+                        found.id,
+                        arguments,
+                        http_key,
+                        invocation_id=invocation_id,
+                        storage_limit=config.user_storage_bytes,
+                        place_within=config.node_timeout_s if config.place_at_submit else None,
+                    )
+                    nodes, handed = await invocations.place(request, conn, caller, [spec], made)
+                # Committed: the nodes' polls waiting here take their work now, handed over.
+                work = {f"n:{node}": given for node, given in handed.items()}
+                hub.woke(conn.get_server_pid(), [f"n:{n}" for n in nodes], work)
+        except db.NoRoom as exc:
+            raise no_room_for_calls(request, exc.blobs, exc.shared) from None
+        except db.KeyTaken:
+            assert key is not None
+            replay = await idempotency.earlier(request, user, key, request_hash)
+            assert replay is not None
+            return await _replay(request, user, key, replay, wait)
+        except db.FunctionGone:  # unregistered meanwhile
+            raise _not_found(name, owner, version) from None
+        try:
+            return await answer(request, user, invocation_id, wait, unread=sub)
+        finally:
+            if key is not None:
+                await idempotency.answered(request, user, key)
 
 
 async def _replay(request: Request, user: int, key: str, ids: list[str], wait: float) -> Response:
@@ -194,17 +221,28 @@ async def _replay(request: Request, user: int, key: str, ids: list[str], wait: f
 
 
 async def answer(
-    request: Request, owner: int, invocation_id: str, wait: float, *, replayed: bool = False
+    request: Request,
+    owner: int,
+    invocation_id: str,
+    wait: float,
+    *,
+    replayed: bool = False,
+    unread: Subscription | None = None,
 ) -> Response:
     """The invocation once it is terminal or ``wait`` seconds have passed: 200 when it is
-    terminal, else 202 with its ``Location`` to poll."""
+    terminal, else 202 with its ``Location`` to poll. ``unread``: a subscription to its news
+    taken before it was made, so that it may wait before it first reads it."""
     config, pool = request.app.state.config, request.app.state.pool
     deadline = time.monotonic() + wait
     key = f"i:{invocation_id}"
-    async with request.app.state.hub.subscribe([key], handovers=True) as sub:
+    async with contextlib.AsyncExitStack() as stack:
+        sub: Subscription = unread if unread is not None else await stack.enter_async_context(
+            request.app.state.hub.subscribe([key], handovers=True)
+        )
         found: wire.Invocation | None = None
+        read = unread is None
         while True:
-            if found is None:
+            if read:
                 got = await db.get_invocations(pool, owner, [invocation_id])
                 if not got:  # purged (a replay long after)
                     raise NotFound(
@@ -213,14 +251,20 @@ async def answer(
                     )
                 found = got[0]
             remaining = deadline - time.monotonic()
-            if found.state.terminal or remaining <= 0:
+            if found is not None and (found.state.terminal or remaining <= 0):
                 break
+            read = True
+            if remaining <= 0:
+                continue  # never read yet: once, to answer with it
             try:
                 await sub.wait(min(remaining, config.recheck_s))
             except GatewayStopping:
-                break  # 202 with its Location: the invocation exists, poll it there
+                deadline = 0.0  # 202 with its Location: the invocation exists, poll it there
+                continue
             # Finished here: handed over, fetched stamp and all (Hub.woke); else read again.
-            found = sub.take_handed().get(key)
+            if (handed := sub.take_handed().get(key)) is not None:
+                found, read = handed, False
+    assert found is not None  # read, or handed over, before the loop ended
     location = f"/v1/invocations/{invocation_id}"
     if found.state.terminal:
         [found] = await invocations.fetched(request, owner, [found])

@@ -157,7 +157,7 @@ async def submit(request: Request) -> Response:
                         adding_bytes=sum(c.payload_size for c in calls if c.payload_file),
                         place_within=config.node_timeout_s if config.place_at_submit else None,
                     )
-                    nodes, handed = await _place(request, conn, caller, calls, made)
+                    nodes, handed = await place(request, conn, caller, calls, made)
                 # Committed: the nodes' polls waiting here take their work now, handed over.
                 work = {f"n:{node}": found for node, found in handed.items()}
                 request.app.state.hub.woke(conn.get_server_pid(), [f"n:{n}" for n in nodes], work)
@@ -173,7 +173,7 @@ async def submit(request: Request) -> Response:
         return await _submitted(request, owner, made.ids, wait, unread=unread)
 
 
-async def _place(
+async def place(
     request: Request,
     conn: asyncpg.Connection,
     caller: db.Principal,

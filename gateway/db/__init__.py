@@ -76,6 +76,7 @@ from gateway.db.blobs import (
     storage_usage,
 )
 from gateway.db.functions import (
+    FunctionGone,
     FunctionRow,
     delete_function,
     find_function,
@@ -166,6 +167,7 @@ __all__ = [
     "Completed",
     "Conn",
     "Drain",
+    "FunctionGone",
     "FunctionRow",
     "GroupRow",
     "Handed",

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 import asyncpg
 
 from bulletin_core import wire
-from gateway.db._common import Conn, _notify
+from gateway.db._common import Conn
 from gateway.db.accounts import Principal
 from gateway.db.idempotency import HttpKey, _key_made, _take_key
+from gateway.db.invocations import SUBMITTED_ROWS, Submitted, live_cte, room_cte, submitted
 
 
-class _Gone(Exception):
-    """The row a statement needed is no longer there (its transaction rolls back)."""
+class FunctionGone(Exception):
+    """The function version was unregistered: nothing was submitted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,17 +110,23 @@ _DELETE_FUNCTION = """
 DELETE FROM functions WHERE owner_id = $1 AND name = $2
 """
 
-_INVOKE = """
-INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,
-  max_retries, timeout_s, payload, payload_blob, payload_size, gpu_model,
-  gpu_memory_mb, expected_s, function_id, function_version, function_owner,
-  arguments)
-SELECT $1, $2, $5, f.name, f.gpus, f.max_retries, f.timeout_s, f.payload,
-  f.payload_blob, f.payload_size, f.gpu_model, f.gpu_memory_mb, f.expected_s,
-  f.id, f.version, u.name, $4
-FROM functions f JOIN users u ON u.id = f.owner_id
-WHERE f.id = $3
-"""
+# A JSON invocation submitted as db/invocations.py submits calls, in one statement: the
+# caller's room, the call made from the function's stored envelope and resources, the live
+# nodes locked when the caller places it at once.
+_INVOKE = f"""
+WITH {room_cte("$2", "$6", "1")}, made AS (
+  INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,
+    max_retries, timeout_s, payload, payload_blob, payload_size, gpu_model,
+    gpu_memory_mb, expected_s, function_id, function_version, function_owner,
+    arguments)
+  SELECT $1, $2, $5, f.name, f.gpus, f.max_retries, f.timeout_s, f.payload,
+    f.payload_blob, f.payload_size, f.gpu_model, f.gpu_memory_mb, f.expected_s,
+    f.id, f.version, u.name, $4
+  FROM functions f JOIN users u ON u.id = f.owner_id CROSS JOIN room
+  WHERE f.id = $3 AND room.ok
+  RETURNING id, extract(epoch FROM submitted_at)::float8 AS submitted
+), {live_cte("$7")}
+{SUBMITTED_ROWS}"""
 
 
 def _function_row(r: asyncpg.Record) -> FunctionRow:
@@ -236,27 +243,38 @@ async def invoke(
     function_id: int,
     arguments: bytes,
     key: HttpKey | None = None,
-) -> str | None:
-    """Queue a JSON invocation of a registered function version for ``owner_id`` (who may be
-    another user than the function's owner); its id, or None if the function is gone. With
-    ``key`` (an Idempotency-Key), the key is taken in the same transaction, unanswered until
-    ``answer_key`` (``KeyTaken`` if another request has it)."""
-    invocation_id = uuid.uuid4()
+    *,
+    invocation_id: str | None = None,
+    storage_limit: int | None = None,
+    place_within: float | None = None,
+) -> Submitted:
+    """Within the caller's transaction: submit a JSON invocation of a registered function
+    version for ``owner_id`` (who may be another user than the function's owner), as
+    ``invocations.insert_calls`` submits calls (``storage_limit``, ``place_within`` as
+    there: ``NoRoom``, the nodes locked); ``FunctionGone`` if the function was unregistered
+    meanwhile (the transaction is then spoilt: the caller lets it roll back). With ``key``
+    (an Idempotency-Key), the key is taken in the same transaction, unanswered until
+    ``answer_key`` (``KeyTaken`` if another request has it). Nobody is woken: the caller
+    places the call or wakes the scheduler. ``invocation_id``: the id it gets (a fresh
+    random one by default)."""
+    new_id = uuid.uuid4() if invocation_id is None else uuid.UUID(invocation_id)
+    await _take_key(conn, owner_id, key, answered=False)
     try:
-        async with conn.transaction():
-            await _take_key(conn, owner_id, key, answered=False)
-            status = await conn.execute(
-                _INVOKE,
-                invocation_id,
-                owner_id,
-                function_id,
-                arguments,
-                str(invocation_id),
-            )
-            if not status.endswith(" 1"):
-                raise _Gone
-            await _key_made(conn, owner_id, key, [str(invocation_id)])
-            await _notify(conn, "q")
-    except (_Gone, asyncpg.ForeignKeyViolationError):  # unregistered meanwhile
-        return None
-    return str(invocation_id)
+        rows = await conn.fetch(
+            _INVOKE,
+            new_id,
+            owner_id,
+            function_id,
+            arguments,
+            str(new_id),
+            storage_limit,
+            place_within,
+        )
+    except asyncpg.ForeignKeyViolationError:  # unregistered while this inserted
+        raise FunctionGone(function_id) from None
+    fresh, nodes = submitted(rows)
+    if not fresh:
+        raise FunctionGone(function_id)  # unregistered before the statement began
+    made = [str(new_id)]
+    await _key_made(conn, owner_id, key, made)
+    return Submitted(made, fresh, nodes)

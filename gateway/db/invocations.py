@@ -15,27 +15,63 @@ from gateway.db._common import SAFE_PROTOCOL, Conn, NodeRow, _f, _node_row, _not
 from gateway.db.idempotency import HttpKey, _key_made, _take_key
 
 # A submission in one statement: the owner's room for more stored bytes (``room``: when a
-# storage limit $18 is set, what they store now, plus $19 bytes of new payload files, must
-# fit it), their caller sessions alive (made if new; not written again within a second, so
+# storage limit is set, what they store now, plus the bytes of new payload files, must fit
+# it), their caller sessions alive (made if new; not written again within a second, so
 # concurrent submits of one session do not queue on its row), the calls inserted, and, when
-# the caller will place them at once ($20: the heartbeat timeout), the live nodes locked
+# the caller will place them at once (given the heartbeat timeout), the live nodes locked
 # unless another call is queued (``place_at_once``). Nothing is written when there is no
-# room. The capacity they have is read by the next statement (``leases_and_quotas``): this
-# one's snapshot was taken before it waited for the node locks, the next one's after.
-_SUBMIT = f"""
-WITH room AS (
+# room. The capacity they have is read by the next statement (``holdings``): this one's
+# snapshot was taken before it waited for the node locks, the next one's after. The JSON
+# invocation of a registered function (db/functions.py) is submitted the same way.
+
+
+def room_cte(owner: str, limit: str, adding: str) -> str:
+    """The ``room`` CTE, for these parameters (``$n`` of the statement it goes in)."""
+    return f"""room AS (
   SELECT b.blobs, s.shared,
-    $18::bigint IS NULL OR b.blobs + s.shared + $19::bigint <= $18::bigint AS ok
+    {limit}::bigint IS NULL OR b.blobs + s.shared + {adding}::bigint <= {limit}::bigint AS ok
   FROM (SELECT coalesce(sum(size), 0)::bigint AS blobs FROM blobs
-        WHERE $18::bigint IS NOT NULL AND owner_id = $1) b,
+        WHERE {limit}::bigint IS NOT NULL AND owner_id = {owner}) b,
        (SELECT (coalesce(sum(CASE WHEN payload_file IS NOT NULL
            AND state IN ('queued', 'assigned', 'running') THEN payload_size ELSE 0 END), 0)
          + coalesce(sum(CASE WHEN result_file IS NOT NULL AND fetched_at IS NULL
            THEN result_size ELSE 0 END), 0))::bigint AS shared
         FROM invocations
-        WHERE $18::bigint IS NOT NULL AND owner_id = $1
+        WHERE {limit}::bigint IS NOT NULL AND owner_id = {owner}
           AND (payload_file IS NOT NULL OR result_file IS NOT NULL)) s
-), sessions AS (
+)"""
+
+
+def live_cte(within: str) -> str:
+    """The ``live`` CTE: the nodes heard from within ``within`` seconds (NULL: none),
+    locked, none while another call is queued (its own statement's calls are not seen)."""
+    return f"""live AS (
+  SELECT id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm
+  FROM nodes
+  WHERE {within}::float8 IS NOT NULL AND (SELECT ok FROM room)
+    AND last_heartbeat > clock_timestamp() - make_interval(secs => {within}::float8)
+    AND NOT draining AND removed_at IS NULL AND protocol_version >= {SAFE_PROTOCOL}
+    AND NOT EXISTS (SELECT 1 FROM invocations WHERE state = 'queued')
+  ORDER BY id
+  FOR UPDATE
+)"""
+
+
+#: What a submission statement answers: one 'room' row, a 'call' row per call inserted, a
+#: 'node' row per node locked (``submitted``).
+SUBMITTED_ROWS = """
+SELECT 'room' AS kind, NULL::uuid AS id, NULL::float8 AS submitted, room.blobs, room.shared,
+  room.ok, NULL::bigint AS node_id, NULL::text AS name, NULL::text AS gpus,
+  NULL::int AS cpu_slots, NULL::text AS warm
+FROM room
+UNION ALL
+SELECT 'call', id, submitted, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM made
+UNION ALL
+SELECT 'node', NULL, NULL, NULL, NULL, NULL, id, name, gpus, cpu_slots, warm FROM live
+"""
+
+_SUBMIT = f"""
+WITH {room_cte("$1", "$18", "$19")}, sessions AS (
   INSERT INTO caller_sessions (owner_id, id)
   SELECT DISTINCT $1::bigint, u.session FROM unnest($16::uuid[]) AS u(session), room
   WHERE room.ok AND u.session IS NOT NULL
@@ -60,26 +96,8 @@ WITH room AS (
   ORDER BY u.ord
   ON CONFLICT (owner_id, idempotency_key) DO NOTHING
   RETURNING id, extract(epoch FROM submitted_at)::float8 AS submitted
-), live AS (
-  -- What was queued before this statement began (its own calls are not seen here).
-  SELECT id, name, gpus::text AS gpus, cpu_slots, warm::text AS warm
-  FROM nodes
-  WHERE $20::float8 IS NOT NULL AND (SELECT ok FROM room)
-    AND last_heartbeat > clock_timestamp() - make_interval(secs => $20::float8)
-    AND NOT draining AND removed_at IS NULL AND protocol_version >= {SAFE_PROTOCOL}
-    AND NOT EXISTS (SELECT 1 FROM invocations WHERE state = 'queued')
-  ORDER BY id
-  FOR UPDATE
-)
-SELECT 'room' AS kind, NULL::uuid AS id, NULL::float8 AS submitted, room.blobs, room.shared,
-  room.ok, NULL::bigint AS node_id, NULL::text AS name, NULL::text AS gpus,
-  NULL::int AS cpu_slots, NULL::text AS warm
-FROM room
-UNION ALL
-SELECT 'call', id, submitted, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM made
-UNION ALL
-SELECT 'node', NULL, NULL, NULL, NULL, NULL, id, name, gpus, cpu_slots, warm FROM live
-"""
+), {live_cte("$20")}
+{SUBMITTED_ROWS}"""
 
 _SUBMITTED = """
 SELECT i.id, k.ord
@@ -283,10 +301,7 @@ async def insert_calls(
         max(1, adding_bytes),
         place_within,
     )
-    room = rows[0]
-    if not room["ok"]:
-        raise NoRoom(int(room["blobs"]), int(room["shared"]))
-    fresh = {str(r["id"]): float(r["submitted"]) for r in rows if r["kind"] == "call"}
+    fresh, nodes = submitted(rows)
     if len(fresh) == len(calls):  # the common case: no retry, no earlier rows to find
         made = [str(i) for i in ids]
     else:
@@ -294,8 +309,17 @@ async def insert_calls(
         by_ord = {int(r["ord"]): str(r["id"]) for r in found}
         made = [by_ord[i + 1] for i in range(len(calls))]
     await _key_made(conn, owner_id, key, made)
-    nodes = [_node_row(r, "node_id") for r in rows if r["kind"] == "node"]
     return Submitted(made, fresh, nodes)
+
+
+def submitted(rows: Sequence[asyncpg.Record]) -> tuple[dict[str, float], list[NodeRow]]:
+    """What a submission statement (``SUBMITTED_ROWS``) made, by id with when, and the
+    nodes it locked; ``NoRoom`` when it had no room to make anything."""
+    room = rows[0]
+    if not room["ok"]:
+        raise NoRoom(int(room["blobs"]), int(room["shared"]))
+    fresh = {str(r["id"]): float(r["submitted"]) for r in rows if r["kind"] == "call"}
+    return fresh, [_node_row(r, "node_id") for r in rows if r["kind"] == "node"]
 
 
 async def live_payload_files(conn: Conn) -> set[str]:

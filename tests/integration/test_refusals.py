@@ -481,6 +481,14 @@ def test_a_users_blobs_are_bounded_but_a_nodes_result_never_is(
     )
     detail = str(assert_problem(again, 507, "storage_quota_exceeded")["detail"])
     assert "no room for the results of new calls" in detail and "retention" in detail
+    # JSON invocations too: a colleague's shared function invoked by her makes a call of hers.
+    registration = wire.FunctionRegistration(payload=b"opaque")
+    assert bob.put("/v1/functions/f", content=msgspec.json.encode(registration)).is_success
+    shared = wire.FunctionRegistration(payload=b"opaque", visibility="cluster")
+    assert bob.put("/v1/functions/g", content=msgspec.json.encode(shared)).is_success
+    invoked = alice.post("/v1/functions/g/invoke", params={"owner": "bob"}, json={"args": []})
+    assert_problem(invoked, 507, "storage_quota_exceeded")
+    assert bob.post("/v1/functions/f/invoke", json={"args": []}).status_code == 202
     theirs = wire.CallSpec(idempotency_key=uuid.uuid4().hex, payload=b"opaque")
     accepted = bob.post(
         "/v1/invocations", content=msgspec.json.encode(wire.SubmitRequest(calls=[theirs]))
