@@ -9,8 +9,8 @@ writes a :class:`~bulletin_core.wire.WorkerOutcome` on its *outcome pipe* (the d
 (or exception) and the globals the call changed, inline or in a file. After a call it kills
 what the call spawned, restores its environment, working directory and ``sys.path``, and
 writes the task's end marker to both pipes; a task without an end marker is its last. The
-outcome goes before the markers, so once the nodelet has read both markers the outcome is
-in its pipe (a big one is read as it is written: the nodelet reads the outcome pipe while
+outcome goes just before the markers, so once the nodelet has read both markers the outcome
+is in its pipe (a big one is read as it is written: the nodelet reads the outcome pipe while
 the call runs). A pipe, not a file: making, renaming, reading and unlinking a file for every
 call cost a third of a short call's time in the worker.
 
@@ -519,9 +519,11 @@ def kill_leftovers() -> procs.Identities:
 
 
 def finish(outcomes: int, task: wire.WorkerTask, outcome: wire.WorkerOutcome) -> None:
-    send_outcome(outcomes, task, outcome)
     _flush(sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
     kill_leftovers()
+    # The outcome and the markers back to back: the nodelet, woken by the first, finds the
+    # rest there too (each write that wakes it is a context switch on a busy node).
+    send_outcome(outcomes, task, outcome)
     for fd in (1, 2):
         os.write(fd, task.end_marker)
 
