@@ -131,16 +131,25 @@ ORDER BY name
 # A poll's one statement: which of the attempts the node runs ($2, $3) are still its own and
 # whether they are preempted ('kept' rows; the others are revoked), and the work assigned to
 # it that it does not run yet, delivered ('work' rows). One snapshot for both.
+# The work is what is assigned to the node and not among what it runs, but what another
+# transaction is changing (a completion, a lease's next items, a cancellation): a long poll
+# re-reads with the running list it was sent with, so a map's items given to the node since
+# are not in it; waiting for their rows, it deadlocked with the completion that gave them.
+# What it skips it delivers at its next read, if it is still the node's.
 _POLL = """
 WITH running AS (
   SELECT * FROM unnest($2::uuid[], $3::int[]) AS a(id, epoch)
+), due AS (
+  SELECT i.id FROM invocations i
+  WHERE i.node_id = $1 AND i.state = 'assigned'
+    AND EXISTS (SELECT 1 FROM nodes n WHERE n.id = $1 AND n.incarnation = $6)
+    AND NOT EXISTS (SELECT 1 FROM running a WHERE a.id = i.id AND a.epoch = i.epoch)
+  FOR UPDATE SKIP LOCKED
 ), work AS (
   UPDATE invocations i SET delivered_at = coalesce(i.delivered_at, clock_timestamp()),
     lease_expires_at = clock_timestamp() + make_interval(secs => $5)
-  FROM users u
-  WHERE u.id = i.owner_id AND i.node_id = $1 AND i.state = 'assigned'
-    AND EXISTS (SELECT 1 FROM nodes n WHERE n.id = $1 AND n.incarnation = $6)
-    AND NOT EXISTS (SELECT 1 FROM running a WHERE a.id = i.id AND a.epoch = i.epoch)
+  FROM users u, due
+  WHERE i.id = due.id AND u.id = i.owner_id
   RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,
     i.owner_id, i.payload_file, i.arguments, i.function_owner,
     u.name AS owner_name, u.is_admin AS owner_admin,

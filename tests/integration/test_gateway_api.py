@@ -3,11 +3,13 @@ playing the nodelet's part by hand where a test needs exact control of a node.""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import asyncpg
 import httpx
 import msgspec
 import pytest
@@ -383,6 +385,39 @@ def test_a_poll_right_after_its_answer_may_skip_its_read_yet_misses_no_news(
             started = time.monotonic()
             assert waiting.result(10).revoked == [attempt]
             assert time.monotonic() - started < 4  # woken, not the 5 s hold's end
+
+
+def test_a_poll_never_waits_for_work_another_transaction_is_changing(gateway: Cluster) -> None:
+    """A long poll re-reads with the running list it was sent with, so work given to the node
+    since (a map's next items) is not in it; it delivers what is free at once and leaves a
+    row another transaction holds for its next read, instead of waiting for it (it
+    deadlocked with the completion that was giving the node those items)."""
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway, gpus=2)
+    held, free = submit(user, call(gpus=1), call(gpus=1))
+    wait_until(lambda: status(user, free).state == "assigned", 10, "both assigned")
+
+    async def main() -> None:
+        conn = await asyncpg.connect(gateway.database_url)
+        try:
+            async with conn.transaction():
+                await conn.execute(
+                    "SELECT 1 FROM invocations WHERE id = $1 FOR UPDATE", uuid.UUID(held)
+                )
+                started = time.monotonic()
+                answer = await asyncio.to_thread(poll, node)
+                assert [a.invocation_id for a in answer.assignments] == [free]
+                assert time.monotonic() - started < 3
+                # What the poll took is not held against this transaction either.
+                await conn.execute(
+                    "UPDATE invocations SET wait_reason = NULL WHERE id = $1", uuid.UUID(free)
+                )
+        finally:
+            await conn.close()
+
+    asyncio.run(main())
+    # Neither runs yet: both come now, the one that was held too.
+    assert {a.invocation_id for a in poll(node).assignments} == {held, free}
 
 
 def test_lease_expiry_without_retries_fails_the_call_as_node_lost(gateway: Cluster) -> None:
