@@ -183,7 +183,7 @@ async def invoke(request: Request) -> Response:
     # Before the call exists, so that no news of it can come before it (see answer).
     async with hub.subscribe([f"i:{invocation_id}"], handovers=True) as sub:
         try:
-            async with pool.acquire() as conn:
+            async with pool.acquire() as conn, hub.holding(conn.get_server_pid()):
                 async with conn.transaction():
                     made = await db.invoke(
                         conn,

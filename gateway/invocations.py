@@ -144,7 +144,11 @@ async def submit(request: Request) -> Response:
             watched = (f"i:{i}" for i in new_ids)
             sub = await waiting.enter_async_context(hub.subscribe(watched, handovers=True))
         try:
-            async with request.app.state.pool.acquire() as conn:
+            hub = request.app.state.hub
+            async with (
+                request.app.state.pool.acquire() as conn,
+                hub.holding(conn.get_server_pid()),
+            ):
                 async with conn.transaction():
                     made = await db.insert_calls(
                         conn,
@@ -160,7 +164,7 @@ async def submit(request: Request) -> Response:
                     nodes, handed = await place(request, conn, caller, calls, made)
                 # Committed: the nodes' polls waiting here take their work now, handed over.
                 work = {f"n:{node}": found for node, found in handed.items()}
-                request.app.state.hub.woke(conn.get_server_pid(), [f"n:{n}" for n in nodes], work)
+                hub.woke(conn.get_server_pid(), [f"n:{n}" for n in nodes], work)
         except db.NoRoom as exc:
             raise no_room_for_calls(request, exc.blobs, exc.shared) from None
         except db.KeyTaken:  # a concurrent duplicate committed first

@@ -222,7 +222,7 @@ async def complete(request: Request) -> Response:
     key = f"i:{invocation_id}"
     handed = [invocation_id] if hub.awaits_handover(key) else []
     outcome = [(invocation_id, req)]
-    async with request.app.state.pool.acquire() as conn:
+    async with request.app.state.pool.acquire() as conn, hub.holding(conn.get_server_pid()):
         if req.logs:  # its last output first, in the same transaction
             logs = wire.LogsRequest(epoch=req.epoch, first_seq=req.logs_first_seq, chunks=req.logs)
             async with conn.transaction():
@@ -257,7 +257,7 @@ async def complete_many(request: Request) -> Response:
     config, hub = request.app.state.config, request.app.state.hub
     outcomes = list(zip(ids, req.completions, strict=True))
     handed = [i for i in ids if hub.awaits_handover(f"i:{i}")]
-    async with request.app.state.pool.acquire() as conn:
+    async with request.app.state.pool.acquire() as conn, hub.holding(conn.get_server_pid()):
         async with conn.transaction():
             # The node's row first, as a scheduling round locks it: no lock-order deadlock.
             open_ = await db.lock_node_for_work(conn, node_id, node.incarnation)

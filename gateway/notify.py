@@ -150,6 +150,9 @@ class Hub:
         # local wake has claimed yet came. Both forgotten after ECHO_S.
         self._expected: dict[tuple[int, str], list[float]] = defaultdict(list)
         self._arrived: dict[tuple[int, str], list[float]] = defaultdict(list)
+        # Notifications from the backends of committing transactions (see holding): kept
+        # until the transaction's woke, which wakes with what it hands over.
+        self._held: dict[int, list[str]] = {}
         self._pruned = time.monotonic()
         #: The gateway is stopping: waiting requests end (GatewayStopping).
         self.stopping = False
@@ -208,7 +211,15 @@ class Hub:
         to a node for its poll."""
         now = time.monotonic()
         self._prune(now)
+        held = self._held.pop(pid, [])
         for key in dict.fromkeys(keys):
+            if key in held:  # its echo came while the transaction committed: kept for this
+                held.remove(key)
+                self._count(key)
+                found = None if handed is None else handed.get(key)
+                for sub in self._waiters.get(key, ()):
+                    sub.fire(key, found)
+                continue
             arrived = self._arrived.get((pid, key))
             if arrived:
                 arrived.pop(0)
@@ -218,6 +229,23 @@ class Hub:
             found = None if handed is None else handed.get(key)
             for sub in self._waiters.get(key, ()):
                 sub.fire(key, found)
+        for payload in held:  # the transaction's other notifications ("q", ...)
+            self._deliver(pid, payload, now)
+
+    @contextlib.asynccontextmanager
+    async def holding(self, pid: int) -> AsyncIterator[None]:
+        """Around the commit of a transaction on backend ``pid`` whose :meth:`woke` hands
+        over what it wrote: a notification of it that comes back before its ``woke`` is
+        kept for the ``woke`` (delivered first, it woke its waiters without the handover,
+        and they read what they would have been given: one call in five here). Without a
+        ``woke`` (the transaction failed after all), what came is delivered at the end."""
+        self._held[pid] = []
+        try:
+            yield
+        finally:
+            now = time.monotonic()
+            for payload in self._held.pop(pid, []):
+                self._deliver(pid, payload, now)
 
     def mark(self, key: str) -> tuple[int, int]:
         """Where node key ``key`` (``n:<id>``) stands: changed between two marks if any wake
@@ -241,6 +269,13 @@ class Hub:
         if expected:
             expected.pop(0)  # the echo of a local wake: its waiters are already awake
             return
+        held = self._held.get(pid)
+        if held is not None:
+            held.append(payload)  # of a transaction committing here: for its woke
+            return
+        self._deliver(pid, payload, now)
+
+    def _deliver(self, pid: int, payload: str, now: float) -> None:
         self._arrived[(pid, payload)].append(now)
         self._count(payload)
         for sub in self._waiters.get(payload, ()):
@@ -264,6 +299,8 @@ class Hub:
         self._epoch += 1
         self._expected.clear()
         self._arrived.clear()
+        for held in self._held.values():
+            held.clear()  # everything wakes now
         for subs in self._waiters.values():
             for sub in subs:
                 sub.fire(None)
