@@ -337,6 +337,9 @@ class Attempt:
         #: Set once the attempt no longer holds its slot: its worker given back (its outcome
         #: may still be on its way) or gone. The next attempt of its lease starts then.
         self.freed = asyncio.Event()
+        #: Set once its call went to its worker (or the attempt ended): the next attempt of
+        #: its lease gets ready then (its directory, its task), to start at ``freed``.
+        self.sent = asyncio.Event()
         self.killed = False
         #: The scheduler preempts this attempt (see :meth:`preempt`).
         self.preempting = False
@@ -368,10 +371,9 @@ class Attempt:
         try:
             if after:
                 await asyncio.wait(after)
-            if behind is not None:
-                await behind.freed.wait()
-            await self.run()
+            await self.run(behind)
         finally:
+            self.sent.set()
             self.freed.set()
 
     def kill(self) -> None:
@@ -399,10 +401,11 @@ class Attempt:
             worker.stop(self._preempt_grace_s), name=f"{self.name}-preempt"
         )
 
-    async def run(self) -> None:
-        """Run to completion. Gateway refusals end the attempt quietly; nothing is raised."""
+    async def run(self, behind: Attempt | None = None) -> None:
+        """Run to completion (after ``behind``, the attempt before it in its lease). Gateway
+        refusals end the attempt quietly; nothing is raised."""
         try:
-            await self._run()
+            await self._run(behind)
         except StaleAttempt as exc:
             log.info("%s is no longer ours (%s); dropped", self, exc)
         except (NodeletError, OSError) as exc:
@@ -415,23 +418,32 @@ class Attempt:
         finally:
             await self._reap()
 
-    async def _run(self) -> None:
-        # Marking the attempt started is not on the call's critical path: the worker starts
-        # at once, and a revoked attempt (409) is killed as soon as the answer comes. A call
-        # that ends within START_AFTER_S is never marked: its completion says it all (the
-        # gateway takes it from an assigned attempt), one request fewer per short call.
-        started = asyncio.create_task(self._start(), name=f"{self.name}-start")
+    async def _run(self, behind: Attempt | None) -> None:
         files: _Files | None = None
         try:
+            # Made ready while the attempt before it in its lease runs (its directory, its
+            # task): once that one gives the worker back, only the handing over is left.
+            if behind is not None:
+                await behind.sent.wait()
+            prepared = await self._task()
+            if not isinstance(prepared, Report):
+                files = prepared[0]
+            if behind is not None:
+                await behind.freed.wait()
+            # Marking the attempt started is not on the call's critical path: the worker
+            # starts at once, and a revoked attempt (409) is killed as soon as the answer
+            # comes. A call that ends within START_AFTER_S is never marked: its completion
+            # says it all (the gateway takes it from an assigned attempt), one request fewer
+            # per short call.
+            started = asyncio.create_task(self._start(), name=f"{self.name}-start")
             try:
-                prepared = await self._task()
                 report: Report | None
                 if isinstance(prepared, Report):
                     report = prepared  # the call cannot run on this node
                 else:
-                    files, task = prepared
+                    _, task = prepared
                     # None: preempted before it started.
-                    report = None if self.preempting else await self._execute(task, files)
+                    report = None if self.preempting else await self._execute(task, prepared[0])
                 if started.done():
                     await started  # its refusal (the attempt is stale) ends the attempt
             finally:
@@ -650,6 +662,7 @@ class Attempt:
         if not await worker.send(task):
             # Not the call's fault: abandoned, it is requeued when its lease lapses.
             raise NodeletError("the worker died before it received the call")
+        self.sent.set()
         exited = asyncio.create_task(worker.wait())
         ended = asyncio.create_task(asyncio.wait(pumps))
         try:
