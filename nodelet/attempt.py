@@ -576,6 +576,13 @@ class Attempt:
             return None
         self._worker = worker
         acquired = time.time()
+        oom_kills = worker.oom_kills()  # a warm worker's cgroup counts earlier calls' too
+        # The call first: what reads its output and outcome is set up while it runs (what
+        # it writes meanwhile waits in the pipes).
+        if not await worker.send(task):
+            # Not the call's fault: abandoned, it is requeued when its lease lapses.
+            raise NodeletError("the worker died before it received the call")
+        self.sent.set()
         shipper = LogShipper(
             self._client, self.ref, flush_s=self._facts.log_flush_s, on_stale=worker.kill
         )
@@ -586,10 +593,9 @@ class Attempt:
         reading = asyncio.create_task(
             worker.read_outcome(self.ref.invocation_id, limit), name=f"{self.name}-outcome"
         )
-        oom_kills = worker.oom_kills()  # a warm worker's cgroup counts earlier calls' too
         clean = True
         try:
-            ending = await self._supervise(worker, task, tasks[1:])
+            ending = await self._supervise(worker, tasks[1:])
             if ending is _Ending.FINISHED:
                 # Before the result: nothing of the call outlives it.
                 clean = await worker.end_call()
@@ -653,16 +659,10 @@ class Attempt:
             ),
         ]
 
-    async def _supervise(
-        self, worker: Worker, task: wire.WorkerTask, pumps: list[asyncio.Task[Any]]
-    ) -> _Ending:
-        """Hand over the task and wait until the call's output ends (the worker stays, warm)
-        or the worker exits. At the time limit, the worker and everything it started get
-        SIGTERM, then SIGKILL after the pool's ``kill_grace_s``."""
-        if not await worker.send(task):
-            # Not the call's fault: abandoned, it is requeued when its lease lapses.
-            raise NodeletError("the worker died before it received the call")
-        self.sent.set()
+    async def _supervise(self, worker: Worker, pumps: list[asyncio.Task[Any]]) -> _Ending:
+        """Wait until the call handed over ends its output (the worker stays, warm) or the
+        worker exits. At the time limit, the worker and everything it started get SIGTERM,
+        then SIGKILL after the pool's ``kill_grace_s``."""
         exited = asyncio.create_task(worker.wait())
         ended = asyncio.create_task(asyncio.wait(pumps))
         try:
