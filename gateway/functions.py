@@ -180,8 +180,9 @@ async def invoke(request: Request) -> Response:
     http_key = None if key is None else (key, request_hash)
     invocation_id = str(uuid.uuid4())
     hub = request.app.state.hub
-    # Before the call exists, so that no news of it can come before it (see answer).
-    async with hub.subscribe([f"i:{invocation_id}"], handovers=True) as sub:
+    # Before the call exists, so that no news of it can come before it (see answer). A
+    # request that does not wait takes no handover: a result handed over is stamped fetched.
+    async with hub.subscribe([f"i:{invocation_id}"], handovers=wait > 0) as sub:
         try:
             async with pool.acquire() as conn, hub.holding(conn.get_server_pid()):
                 async with conn.transaction():
@@ -237,11 +238,16 @@ async def answer(
     key = f"i:{invocation_id}"
     async with contextlib.AsyncExitStack() as stack:
         sub: Subscription = unread if unread is not None else await stack.enter_async_context(
-            request.app.state.hub.subscribe([key], handovers=True)
+            request.app.state.hub.subscribe([key], handovers=wait > 0)
         )
         found: wire.Invocation | None = None
         read = unread is None
         while True:
+            late = time.monotonic() >= deadline
+            if late:
+                # Answered with what is read now: a result finishing meanwhile is no longer
+                # handed over (and stamped fetched) to this request, which will not take it.
+                sub.handovers = False
             if read:
                 got = await db.get_invocations(pool, owner, [invocation_id])
                 if not got:  # purged (a replay long after)
@@ -250,12 +256,12 @@ async def answer(
                         "cluster keeps invocations (retention_s)"
                     )
                 found = got[0]
-            remaining = deadline - time.monotonic()
-            if found is not None and (found.state.terminal or remaining <= 0):
+            if found is not None and (found.state.terminal or late):
                 break
             read = True
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
-                continue  # never read yet: once, to answer with it
+                continue  # to read once more, taking no handover, and answer with that
             try:
                 await sub.wait(min(remaining, config.recheck_s))
             except GatewayStopping:

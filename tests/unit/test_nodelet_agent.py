@@ -106,7 +106,7 @@ def test_a_killed_attempts_task_ends_only_once_its_worker_and_all_it_started_are
         attempt = Attempt(assignment, client=None, pool=None, facts=None)  # type: ignore[arg-type]
         worker = _SlowToDie(EOF_GRACE_S + 0.5)
 
-        async def runs() -> None:
+        async def runs(behind: Attempt | None) -> None:
             attempt._worker = worker  # type: ignore[assignment]
             await asyncio.sleep(600)
 
