@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import asyncpg
@@ -98,16 +98,38 @@ class _Stored(Generic[_S]):
     """Reads a list of ``kind`` that this gateway or another stored as JSON, ignoring the
     fields this version does not know: the wire types refuse unknown fields in requests,
     but a newer replica or nodelet may have stored more (a rolling upgrade), and one such
-    row must not stop scheduling."""
+    row must not stop scheduling. Every planning round reads every live node's lists, which
+    seldom change: what was read is kept by its text (the items are frozen; each read gets
+    a list of its own), at most ``KEEP`` texts."""
+
+    KEEP = 4096
+    #: Longer texts are decoded every time (kept, a few would be most of the memory).
+    KEEP_CHARS = 16384
 
     def __init__(self, kind: type[_S]) -> None:
         self._kind = kind
         self._fields = frozenset(f.encode_name for f in msgspec.structs.fields(kind))
         self._strict = msgspec.json.Decoder(list[kind])  # type: ignore[valid-type]
         self._rows = msgspec.json.Decoder(list[dict[str, Any]])
+        self._read: dict[str, tuple[_S, ...]] = {}
 
     def decode(self, text: str) -> list[_S]:
-        try:  # what this version stored: every planning round reads it, so fast
+        return list(self.kept(text))
+
+    def kept(self, text: str) -> tuple[_S, ...]:
+        """What :meth:`decode` reads, as the one tuple kept for ``text`` (the same object
+        while it is kept, so that its readers may keep what they make of it by identity)."""
+        found = self._read.get(text)
+        if found is None:
+            found = tuple(self._decode(text))
+            if len(text) <= self.KEEP_CHARS:
+                if len(self._read) >= self.KEEP:
+                    self._read.clear()  # a bound whatever happens; the live ones come back
+                self._read[text] = found
+        return found
+
+    def _decode(self, text: str) -> list[_S]:
+        try:  # what this version stored
             return self._strict.decode(text)
         except msgspec.ValidationError:
             return [
@@ -126,9 +148,9 @@ class NodeRow:
 
     id: int
     name: str
-    gpus: list[wire.GpuInfo]
+    gpus: tuple[wire.GpuInfo, ...]
     cpu_slots: int
-    warm: list[wire.WarmWorker] = field(default_factory=list)
+    warm: tuple[wire.WarmWorker, ...] = ()
 
 
 def _node_row(r: asyncpg.Record, id_column: str = "id") -> NodeRow:
@@ -137,8 +159,8 @@ def _node_row(r: asyncpg.Record, id_column: str = "id") -> NodeRow:
     return NodeRow(
         r[id_column],
         r["name"],
-        _GPU_LIST.decode(r["gpus"]),
+        _GPU_LIST.kept(r["gpus"]),
         r["cpu_slots"],
-        _WARM_LIST.decode(r["warm"]),
+        _WARM_LIST.kept(r["warm"]),
     )
 _HEALTH_LIST = _Stored(wire.GpuHealthReport)
