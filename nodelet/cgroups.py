@@ -328,6 +328,17 @@ class Cgroup:
                 found[pid] = stat.start
         return found
 
+    def has_others(self, pid: int) -> bool:
+        """Whether a process other than ``pid`` is in the cgroups: read in one hierarchy
+        (:attr:`path`), once per call, where :meth:`pids` reads each. Every hierarchy holds
+        the same processes: the worker is put in each before its first call, what it starts
+        inherits all of them, and moving a process out of one takes writing to a root-owned
+        ``cgroup.procs`` (a process that became root may leave them all alike)."""
+        try:
+            return any(int(line) != pid for line in read(self.path, "cgroup.procs").split())
+        except OSError:  # removed (the worker died): the full reads find what is left
+            return True
+
     def pids(self) -> list[int]:
         found: set[int] = set()
         for directory in set(self.dirs.values()):

@@ -217,7 +217,7 @@ class Worker:
         """Whether something but the worker may be in its cgroup or tree (cheap: no stat of
         each process, no descent)."""
         if self.cgroup is not None:
-            return any(pid != self.pid for pid in self.cgroup.pids())
+            return self.cgroup.has_others(self.pid)
         return self.tree.has_others(self.pid)
 
     def _kill_others(self, deadline: float) -> procs.Identities:

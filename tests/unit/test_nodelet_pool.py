@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -213,6 +214,21 @@ async def _cgroup_per_worker(tmp_path: Path, limiter: Limiter) -> None:
         worker = await pool.acquire()
         assert worker.cgroup is not None
         assert worker.cgroup.pids() == [worker.pid]
+        # What a call starts is in every hierarchy of its worker's cgroup, as if forked
+        # there: the cheap check after each call, which reads one of them, sees it.
+        assert not worker.cgroup.has_others(worker.pid)
+        left = subprocess.Popen(["sleep", "60"])
+        try:
+            for directory in set(worker.cgroup.dirs.values()):
+                Path(directory, "cgroup.procs").write_text(str(left.pid))
+            assert worker.cgroup.has_others(worker.pid)
+            assert worker.cgroup.pids() == sorted([worker.pid, left.pid])
+            assert await worker.end_call()  # all but the worker killed: it stays warm
+            assert left.wait(timeout=10) == -signal.SIGKILL
+        finally:
+            left.kill()
+            left.wait()
+        assert not worker.cgroup.has_others(worker.pid)
         knob = "memory.max" if limiter.version == 2 else "memory.limit_in_bytes"
         assert Path(worker.cgroup.path, knob).read_text() == f"{256 << 20}\n"
         assert worker.oom_kills() == 0
