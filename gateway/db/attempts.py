@@ -14,7 +14,7 @@ import msgspec
 
 from bulletin_core import wire
 from gateway.db._common import CHANNEL, Conn, _note, _notify, _preempted_note
-from gateway.db.invocations import to_invocation
+from gateway.db.invocations import _invocation_columns, to_invocation
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,34 +119,20 @@ WITH c AS (
     AND i.state IN ('assigned', 'running')
     AND (o.result_blob IS NULL OR EXISTS (SELECT 1 FROM blobs b
       WHERE b.id = o.result_blob AND b.owner_id = i.owner_id AND b.complete))
-  RETURNING i.id, coalesce(i.lease_id, i.id) AS lease, i.map_id IS NOT NULL AS mapped, i.gpus,
-    i.max_retries, i.fetched_at IS NOT NULL AS handed, i.state, i.function_name, i.attempts,
-    i.node_id, i.error_kind, i.error_type, i.error_message, i.traceback, i.function_version,
-    i.result_json_error, i.result_blob, i.result_file, i.log_count, i.function_owner,
-    i.owner_id, i.submitted_at, i.scheduled_at, i.delivered_at, i.worker_acquired_at,
-    i.code_started_at, i.code_finished_at, i.finished_at, i.fetched_at, i.warm, i.priority,
-    i.preemptions, i.preempt_reason
+  -- What _invocation_columns reads, but the result (big, and the caller has it).
+  RETURNING coalesce(i.lease_id, i.id) AS lease, i.map_id IS NOT NULL AS mapped,
+    i.fetched_at IS NOT NULL AS handed, i.id, i.state, i.function_name, i.gpus, i.attempts,
+    i.max_retries, i.node_id, i.error_kind, i.error_type, i.error_message, i.traceback,
+    i.function_version, i.result_json_error, i.result_blob, i.result_file, i.log_count,
+    i.function_owner, i.owner_id, i.submitted_at, i.scheduled_at, i.delivered_at,
+    i.worker_acquired_at, i.code_started_at, i.code_finished_at, i.finished_at,
+    i.fetched_at, i.warm, i.priority, i.preemptions, i.preempt_reason, i.queue_position,
+    i.wait_reason
 ), woken AS (
   SELECT pg_notify('{CHANNEL}', 'i:' || c.id) FROM c
 )
-SELECT c.id, c.lease, c.mapped, c.gpus, c.max_retries, c.handed,
-  (SELECT count(*) FROM woken) AS woken,
-  {leader} AS leader,
-  c.state, c.function_name, c.attempts, n.name AS node, c.error_kind, c.error_type,
-  c.error_message, c.traceback, NULL::bytea AS result, c.function_version,
-  NULL::bytea AS result_json, c.result_json_error, c.result_blob, c.result_file, c.log_count,
-  CASE WHEN c.function_version IS NOT NULL THEN c.function_owner
-    ELSE (SELECT u.name FROM users u WHERE u.id = c.owner_id) END AS code_owner,
-  extract(epoch FROM c.submitted_at) AS t_submitted,
-  extract(epoch FROM c.scheduled_at) AS t_scheduled,
-  extract(epoch FROM c.delivered_at) AS t_delivered,
-  extract(epoch FROM c.worker_acquired_at) AS t_worker_acquired,
-  extract(epoch FROM c.code_started_at) AS t_started,
-  extract(epoch FROM c.code_finished_at) AS t_finished,
-  extract(epoch FROM c.finished_at) AS t_stored,
-  extract(epoch FROM c.fetched_at) AS t_fetched, c.warm,
-  c.priority, c.preemptions, c.preempt_reason, NULL::int AS queue_position,
-  NULL::text AS wait_reason
+SELECT c.lease, c.mapped, c.handed, (SELECT count(*) FROM woken) AS woken,
+  {leader} AS leader, {_invocation_columns("NULL::bytea", row="c")}
 FROM c LEFT JOIN nodes n ON n.id = c.node_id
 """
 

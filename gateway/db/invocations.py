@@ -111,28 +111,30 @@ WHERE payload_file IS NOT NULL AND state IN ('queued', 'assigned', 'running')
 """
 
 
-def _invocation_columns(result: str = "i.result") -> str:
-    """What ``to_invocation`` reads; ``result`` may be ``NULL::bytea`` where results are left
-    out (listings: the JSON result too)."""
-    result_json = "NULL::bytea" if result.startswith("NULL") else "i.result_json"
+def _invocation_columns(result: str = "i.result", row: str = "i") -> str:
+    """What ``to_invocation`` reads, from the invocations row ``row`` (and ``n``, its node);
+    ``result`` may be ``NULL::bytea`` where results are left out (listings: the JSON result
+    too)."""
+    result_json = "NULL::bytea" if result.startswith("NULL") else f"{row}.result_json"
+    i = row
     return f"""
-  i.id, i.state, i.function_name, i.gpus, i.attempts, i.max_retries, n.name AS node,
-  i.error_kind, i.error_type, i.error_message, i.traceback, {result} AS result,
-  i.function_version, {result_json} AS result_json, i.result_json_error,
-  i.result_blob, i.result_file, i.log_count,
+  {i}.id, {i}.state, {i}.function_name, {i}.gpus, {i}.attempts, {i}.max_retries,
+  n.name AS node, {i}.error_kind, {i}.error_type, {i}.error_message, {i}.traceback,
+  {result} AS result, {i}.function_version, {result_json} AS result_json,
+  {i}.result_json_error, {i}.result_blob, {i}.result_file, {i}.log_count,
   -- Whose code made the result: a registered function's owner (unknown, NULL, for one
   -- unregistered before it was recorded), else the caller.
-  CASE WHEN i.function_version IS NOT NULL THEN i.function_owner
-    ELSE (SELECT u.name FROM users u WHERE u.id = i.owner_id) END AS code_owner,
-  extract(epoch FROM i.submitted_at) AS t_submitted,
-  extract(epoch FROM i.scheduled_at) AS t_scheduled,
-  extract(epoch FROM i.delivered_at) AS t_delivered,
-  extract(epoch FROM i.worker_acquired_at) AS t_worker_acquired,
-  extract(epoch FROM i.code_started_at) AS t_started,
-  extract(epoch FROM i.code_finished_at) AS t_finished,
-  extract(epoch FROM i.finished_at) AS t_stored,
-  extract(epoch FROM i.fetched_at) AS t_fetched, i.warm,
-  i.priority, i.preemptions, i.preempt_reason, i.queue_position, i.wait_reason
+  CASE WHEN {i}.function_version IS NOT NULL THEN {i}.function_owner
+    ELSE (SELECT u.name FROM users u WHERE u.id = {i}.owner_id) END AS code_owner,
+  extract(epoch FROM {i}.submitted_at) AS t_submitted,
+  extract(epoch FROM {i}.scheduled_at) AS t_scheduled,
+  extract(epoch FROM {i}.delivered_at) AS t_delivered,
+  extract(epoch FROM {i}.worker_acquired_at) AS t_worker_acquired,
+  extract(epoch FROM {i}.code_started_at) AS t_started,
+  extract(epoch FROM {i}.code_finished_at) AS t_finished,
+  extract(epoch FROM {i}.finished_at) AS t_stored,
+  extract(epoch FROM {i}.fetched_at) AS t_fetched, {i}.warm,
+  {i}.priority, {i}.preemptions, {i}.preempt_reason, {i}.queue_position, {i}.wait_reason
 """
 
 
