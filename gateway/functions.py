@@ -197,9 +197,7 @@ async def invoke(request: Request) -> Response:
                         place_within=config.node_timeout_s if config.place_at_submit else None,
                     )
                     nodes, handed = await invocations.place(request, conn, caller, [spec], made)
-                # Committed: the nodes' polls waiting here take their work now, handed over.
-                work = {f"n:{node}": given for node, given in handed.items()}
-                hub.woke(conn.get_server_pid(), [f"n:{n}" for n in nodes], work)
+                invocations.wake_nodes(hub, conn.get_server_pid(), nodes, handed)
         except db.NoRoom as exc:
             raise no_room_for_calls(request, exc.blobs, exc.shared) from None
         except db.KeyTaken:

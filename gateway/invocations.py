@@ -29,7 +29,7 @@ from gateway.http import (
     stream_file,
     wait_param,
 )
-from gateway.notify import GatewayStopping, Subscription
+from gateway.notify import GatewayStopping, Hub, Subscription
 from scheduler import Pending, Quota, never_fits, placement
 
 MAX_LOG_CHUNKS = 10_000
@@ -135,16 +135,15 @@ async def submit(request: Request) -> Response:
                 f"payload_blob {sorted(missing)[0]} is not a complete blob of yours"
             )
     new_ids = [str(uuid.uuid4()) for _ in calls]
+    hub = request.app.state.hub
     async with contextlib.AsyncExitStack() as waiting:
         sub = None
         if wait > 0:
             # Before the calls exist, so that no news of them can come before it: the wait
             # need not read them before it first sleeps.
-            hub = request.app.state.hub
             watched = (f"i:{i}" for i in new_ids)
             sub = await waiting.enter_async_context(hub.subscribe(watched, handovers=True))
         try:
-            hub = request.app.state.hub
             async with (
                 request.app.state.pool.acquire() as conn,
                 hub.holding(conn.get_server_pid()),
@@ -162,9 +161,7 @@ async def submit(request: Request) -> Response:
                         place_within=config.node_timeout_s if config.place_at_submit else None,
                     )
                     nodes, handed = await place(request, conn, caller, calls, made)
-                # Committed: the nodes' polls waiting here take their work now, handed over.
-                work = {f"n:{node}": found for node, found in handed.items()}
-                hub.woke(conn.get_server_pid(), [f"n:{n}" for n in nodes], work)
+                wake_nodes(hub, conn.get_server_pid(), nodes, handed)
         except db.NoRoom as exc:
             raise no_room_for_calls(request, exc.blobs, exc.shared) from None
         except db.KeyTaken:  # a concurrent duplicate committed first
@@ -211,6 +208,13 @@ async def place(
     if len(placed) < len(fresh):
         await db.wake_scheduler(conn)
     return {node for _, node in placed}, handed
+
+
+def wake_nodes(hub: Hub, pid: int, nodes: set[int], handed: dict[int, db.Handed]) -> None:
+    """Once the transaction that gave ``nodes`` work (``place``) committed on backend
+    ``pid``: wake them, their polls waiting here taking the work ``handed`` over."""
+    work = {f"n:{node}": given for node, given in handed.items()}
+    hub.woke(pid, [f"n:{node}" for node in nodes], work)
 
 
 async def _submitted(

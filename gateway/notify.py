@@ -215,16 +215,11 @@ class Hub:
         for key in dict.fromkeys(keys):
             if key in held:  # its echo came while the transaction committed: kept for this
                 held.remove(key)
-                self._count(key)
-                found = None if handed is None else handed.get(key)
-                for sub in self._waiters.get(key, ()):
-                    sub.fire(key, found)
-                continue
-            arrived = self._arrived.get((pid, key))
-            if arrived:
+            elif arrived := self._arrived.get((pid, key)):
                 arrived.pop(0)
                 continue
-            self._expected[(pid, key)].append(now)
+            else:
+                self._expected[(pid, key)].append(now)
             self._count(key)
             found = None if handed is None else handed.get(key)
             for sub in self._waiters.get(key, ()):

@@ -441,9 +441,9 @@ class Attempt:
                 if isinstance(prepared, Report):
                     report = prepared  # the call cannot run on this node
                 else:
-                    _, task = prepared
+                    ready, task = prepared
                     # None: preempted before it started.
-                    report = None if self.preempting else await self._execute(task, prepared[0])
+                    report = None if self.preempting else await self._execute(task, ready)
                 if started.done():
                     await started  # its refusal (the attempt is stale) ends the attempt
             finally:
