@@ -4,6 +4,8 @@ SIGKILL, cgroups where this machine lets us use them)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -238,6 +240,55 @@ async def _cgroup_per_worker(tmp_path: Path, limiter: Limiter) -> None:
     finally:
         maintainer.cancel()
         await pool.close()
+
+
+def test_a_calls_process_cannot_leave_its_workers_cgroup(unix_accounts: dict[str, int]) -> None:
+    # After each call the nodelet looks for leftovers in one hierarchy of the worker's cgroup
+    # (Cgroup.has_others): a process of the call, run as its unprivileged owner, must not be
+    # able to move itself out of it, into any cgroup above it up to the hierarchy's root.
+    limiter = Limiter.detect(256)
+    if not limiter.mechanism.startswith("cgroup"):
+        pytest.skip(f"no cgroup memory limits here: {limiter.unusable}")
+    script = (
+        "echo $$; while read d; do [ \"$d\" = go ] && break; "
+        'if echo $$ 2>/dev/null > "$d/cgroup.procs"; then echo "left for $d"; fi; done; '
+        "echo done; exec sleep 60"
+    )
+    escaping = subprocess.Popen(
+        ["runuser", "-u", "bt-alice", "--", "/bin/sh", "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert escaping.stdin is not None and escaping.stdout is not None
+    cgroup, pid = None, None
+    try:
+        pid = int(escaping.stdout.readline())
+        cgroup = limiter.apply(pid)  # as the nodelet puts a worker in, before its first call
+        assert cgroup is not None and not cgroup.has_others(pid)
+        above = set()
+        for directory in cgroup.dirs.values():
+            up = Path(directory).parent
+            while (up / "cgroup.procs").exists():
+                above.add(str(up))
+                up = up.parent
+        assert above
+        escaping.stdin.write("".join(f"{d}\n" for d in sorted(above)) + "go\n")
+        escaping.stdin.flush()
+        assert escaping.stdout.readline().strip() == "done"  # no "left for ..." before it
+        assert cgroup.pids() == [pid]
+        assert cgroup.has_others(escaping.pid)  # seen from any other pid: it is still there
+    finally:
+        escaping.kill()
+        if pid is not None:  # the shell itself, wherever it went
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if cgroup is not None:
+            deadline = time.monotonic() + 10
+            while not cgroup.try_remove() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        escaping.wait()
+        limiter.close()
 
 
 def test_warm_workers_that_ran_the_function_are_preferred_and_workers_are_recycled(
