@@ -435,7 +435,7 @@ class Attempt:
             # comes. A call that ends within START_AFTER_S is never marked: its completion
             # says it all (the gateway takes it from an assigned attempt), one request fewer
             # per short call.
-            started = asyncio.create_task(self._start(), name=f"{self.name}-start")
+            starting = _Starting(self)
             try:
                 report: Report | None
                 if isinstance(prepared, Report):
@@ -444,10 +444,9 @@ class Attempt:
                     ready, task = prepared
                     # None: preempted before it started.
                     report = None if self.preempting else await self._execute(task, ready)
-                if started.done():
-                    await started  # its refusal (the attempt is stale) ends the attempt
+                await starting.refused()  # the attempt is stale: that ends it
             finally:
-                started.cancel()  # not sent yet, or in flight: the completion supersedes it
+                starting.cancel()  # not sent yet, or in flight: the completion supersedes it
             if report is None or (self.preempting and report.request.state != "succeeded"):
                 # Its processes are gone before its GPUs are given to someone else.
                 await self._reap()
@@ -555,8 +554,8 @@ class Attempt:
             )
         )
 
-    async def _start(self) -> None:
-        await asyncio.sleep(START_AFTER_S)
+    async def mark_started(self) -> None:
+        """Mark the attempt started (state ``running``) at the gateway."""
         try:
             await self._client.start(self.ref.invocation_id, self.ref.epoch)
         except StaleAttempt:
@@ -586,7 +585,8 @@ class Attempt:
         shipper = LogShipper(
             self._client, self.ref, flush_s=self._facts.log_flush_s, on_stale=worker.kill
         )
-        tasks = self._ship_output(shipper, worker, task.end_marker)
+        shipper.send_as_output_comes(f"{self.name}-logs")
+        pumps = self._pump_output(shipper, worker, task.end_marker)
         # Read while the call runs: a big outcome is written before the end markers, and
         # would not fit the pipe's buffer.
         limit = 2 * self._facts.inline_limit + _OUTCOME_SLACK
@@ -595,7 +595,7 @@ class Attempt:
         )
         clean = True
         try:
-            ending = await self._supervise(worker, tasks[1:])
+            ending = await self._supervise(worker, pumps)
             if ending is _Ending.FINISHED:
                 # Before the result: nothing of the call outlives it.
                 clean = await worker.end_call()
@@ -606,15 +606,16 @@ class Attempt:
                     self,
                     worker.pid,
                 )
-            await _drain(tasks[1:])
+            await _drain(pumps)
             # The last chunks go with the completion, one request instead of two.
             shipper.hand_over(HANDED_OVER_BYTES)
-            await tasks[0]
+            await shipper.sent()
         except BaseException:
             reading.cancel()
             raise
         finally:
-            for pending in tasks:
+            shipper.cancel()
+            for pending in pumps:
                 pending.cancel()
         if shipper.stale is not None:
             reading.cancel()
@@ -645,12 +646,11 @@ class Attempt:
             self.freed.set()
         return report
 
-    def _ship_output(
+    def _pump_output(
         self, shipper: LogShipper, worker: Worker, marker: bytes
-    ) -> list[asyncio.Task[Any]]:
-        """The sender task, then one reader task per pipe."""
+    ) -> list[asyncio.Task[bool]]:
+        """One reader task per pipe."""
         return [
-            asyncio.create_task(shipper.run(), name=f"{self.name}-logs"),
             asyncio.create_task(
                 shipper.pump(worker.stdout, wire.Stream.STDOUT, marker), name=f"{self.name}-out"
             ),
@@ -659,27 +659,18 @@ class Attempt:
             ),
         ]
 
-    async def _supervise(self, worker: Worker, pumps: list[asyncio.Task[Any]]) -> _Ending:
+    async def _supervise(self, worker: Worker, pumps: list[asyncio.Task[bool]]) -> _Ending:
         """Wait until the call handed over ends its output (the worker stays, warm) or the
         worker exits. At the time limit, the worker and everything it started get SIGTERM,
         then SIGKILL after the pool's ``kill_grace_s``."""
-        exited = asyncio.create_task(worker.wait())
-        ended = asyncio.create_task(asyncio.wait(pumps))
-        try:
-            done, _ = await asyncio.wait(
-                {exited, ended},
-                timeout=self.assignment.timeout_s,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-        finally:
-            ended.cancel()
-        if ended in done and all(p.result() for p in pumps) and worker.returncode is None:
-            exited.cancel()
+        exited = worker.finished()
+        ended = await _first(exited, pumps, self.assignment.timeout_s)
+        if ended and _marked(pumps) and worker.returncode is None:
             return _Ending.FINISHED
-        if done:
+        if ended:
             # Also kills what the call left running, which would otherwise hold the pipes open.
             worker.kill()
-            await exited
+            await asyncio.shield(exited)
             return _Ending.EXITED
         grace = self._pool.kill_grace_s
         log.info(
@@ -689,7 +680,7 @@ class Attempt:
             grace,
         )
         killed = await worker.stop(grace, call_ended=lambda: _marked(pumps))
-        await exited
+        await asyncio.shield(exited)
         return _Ending.TIMED_OUT_KILLED if killed else _Ending.TIMED_OUT
 
     async def _report(
@@ -714,7 +705,8 @@ class Attempt:
             )
         # Written before the end markers, or before the worker exited: there by now, but
         # for a pipe the call's leftovers held open (killed meanwhile).
-        await asyncio.wait([reading], timeout=EOF_GRACE_S)
+        if not reading.done():
+            await asyncio.wait([reading], timeout=EOF_GRACE_S)
         if not reading.done():
             reading.cancel()
         try:
@@ -913,9 +905,74 @@ class Attempt:
             raise asyncio.CancelledError
 
 
-async def _drain(pumps: list[asyncio.Task[None]]) -> None:
+class _Starting:
+    """Marks an attempt started once it ran :data:`START_AFTER_S` (a timer, then a task: most
+    calls end sooner, and cost neither a task nor a request)."""
+
+    def __init__(self, attempt: Attempt) -> None:
+        self._attempt = attempt
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(START_AFTER_S, self._begin)
+
+    def _begin(self) -> None:
+        name = f"{self._attempt.name}-start"
+        self._task = asyncio.create_task(self._attempt.mark_started(), name=name)
+
+    async def refused(self) -> None:
+        """Raise the gateway's refusal (``StaleAttempt``) if marking it started was refused."""
+        if self._task is not None and self._task.done():
+            await self._task
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
+
+
+async def _first(
+    exited: asyncio.Future[int], pumps: list[asyncio.Task[bool]], timeout_s: float | None
+) -> bool:
+    """Wait until the worker has ``exited`` or every pump has ended, for at most
+    ``timeout_s``: False if that passed first. Callbacks, not tasks: this is once per call."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[bool] = loop.create_future()
+    left = len(pumps)
+
+    def settle(value: bool) -> None:
+        if not waiter.done():
+            waiter.set_result(value)
+
+    def ended(_: object) -> None:
+        settle(True)
+
+    def pumped(_: object) -> None:
+        nonlocal left
+        left -= 1
+        if left == 0:
+            ended(None)
+
+    exited.add_done_callback(ended)
+    for pump in pumps:
+        pump.add_done_callback(pumped)
+    timer = None
+    if timeout_s is not None:
+        timer = loop.call_later(timeout_s, settle, False)
+    try:
+        return await waiter
+    finally:
+        if timer is not None:
+            timer.cancel()
+        exited.remove_done_callback(ended)  # the worker's: it outlives this call
+        for pump in pumps:
+            pump.remove_done_callback(pumped)
+
+
+async def _drain(pumps: list[asyncio.Task[bool]]) -> None:
     """Wait for both pipes to reach EOF, giving up on output held open by an escaped process."""
-    _, pending = await asyncio.wait(pumps, timeout=EOF_GRACE_S)
+    if all(pump.done() for pump in pumps):
+        pending: set[asyncio.Task[bool]] = set()
+    else:
+        _, pending = await asyncio.wait(pumps, timeout=EOF_GRACE_S)
     if pending:
         log.warning("worker output still open %.0f s after it exited; cut off", EOF_GRACE_S)
     for pump in pumps:

@@ -58,6 +58,9 @@ class LogShipper:
         #: The sender gave up (stale, or the gateway refused): nothing is left to hand over.
         self._stopped_early = False
         self.stale: StaleAttempt | None = None
+        #: The sender's task (:meth:`send_as_output_comes`), once output started it.
+        self._sender: asyncio.Task[None] | None = None
+        self._sender_name: str | None = None
 
     async def pump(
         self, reader: asyncio.StreamReader, stream: wire.Stream, marker: bytes = b""
@@ -88,10 +91,33 @@ class LogShipper:
             self._pending.append(wire.NodeLogChunk(stream=stream, data=data))
         self._pending_bytes += len(data)
         self._has_data.set()
+        if self._sender is None and self._sender_name is not None:
+            self._start_sender()
         if self._pending_bytes >= URGENT_BYTES:
             self._urgent.set()
         if self._pending_bytes >= MAX_PENDING_BYTES:
             self._room.clear()
+
+    def send_as_output_comes(self, name: str) -> None:
+        """Run the sender (:meth:`run`) in a task named ``name``, started by the first output:
+        a call that writes nothing costs no sender. :meth:`sent` waits for it."""
+        self._sender_name = name
+        if self._pending:
+            self._start_sender()
+
+    def _start_sender(self) -> None:
+        self._sender = asyncio.get_running_loop().create_task(self.run(), name=self._sender_name)
+
+    async def sent(self) -> None:
+        """Once :meth:`close` or :meth:`hand_over` was called: wait until the sender started
+        by output, if any was, has returned."""
+        if self._sender is not None:
+            await self._sender
+
+    def cancel(self) -> None:
+        """Stop the sender started by output, if any was."""
+        if self._sender is not None:
+            self._sender.cancel()
 
     async def run(self) -> None:
         """The sender: returns once :meth:`close` was called and everything was posted (or,

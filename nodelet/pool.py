@@ -273,9 +273,13 @@ class Worker:
     async def wait(self) -> int:
         """Wait for the worker to exit; then kill whatever is left of what it started (once
         a stop's grace is over) and remove its cgroup. Its exit status."""
+        return await asyncio.shield(self.finished())
+
+    def finished(self) -> asyncio.Future[int]:
+        """The future :meth:`wait` waits for (one per worker: never cancel it)."""
         if self._finished is None:
             self._finished = asyncio.ensure_future(self._finish())
-        return await asyncio.shield(self._finished)
+        return self._finished
 
     async def _finish(self) -> int:
         returncode = await self.exited()
