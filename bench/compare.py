@@ -413,8 +413,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--calls-b", type=int, default=None,
                         help="(B) calls in the fan-out (default 5000)")
     parser.add_argument("--bulletin-calls-b", type=int, default=None,
-                        help="cap on (B) calls for Bulletin, whose map is far slower today; "
-                        "calls/s stays comparable (default 1000)")
+                        help="cap on (B) calls for Bulletin (a smaller N for a quicker run); "
+                        "calls/s stays comparable (default 5000)")
     parser.add_argument("--warm-calls", type=int, default=None,
                         help="(C) warm torch calls recorded per round (default 20)")
     parser.add_argument("--quick", action="store_true",
@@ -431,7 +431,7 @@ def parse_args() -> argparse.Namespace:
     quick = {"rounds": 2, "warmup": 20, "calls_a": 50, "calls_b": 500, "bulletin_calls_b": 200,
              "warm_calls": 5}
     full = {"rounds": 3, "warmup": 100, "calls_a": 1000, "calls_b": 5000,
-            "bulletin_calls_b": 1000, "warm_calls": 20}
+            "bulletin_calls_b": 5000, "warm_calls": 20}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -103,6 +103,18 @@ def cpu_by_process() -> Counter[str]:
     return used
 
 
+def settle(timeout_s: float = 60.0) -> None:
+    """Wait until the cluster's workers are idle (a spare being started imports torch)."""
+    deadline = time.monotonic() + timeout_s
+    last = cpu_by_process()["workers"]
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = cpu_by_process()["workers"]
+        if now - last < 0.02:
+            return
+        last = now
+
+
 def rss_mib(pid: int) -> float:
     """A process's resident memory now (MiB)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -203,6 +215,12 @@ def main() -> None:
             fn = sdk.function(gpus=0)(noop)
             for i in range(50):
                 fn(i)
+            if args.map:
+                # Both slots' workers warm for the function, and the spare that the map's
+                # second slot took started again (importing torch takes seconds of CPU):
+                # the steady state a researcher's next map finds.
+                list(fn.map(range(min(args.map, 500))))
+            settle()
             found = subprocess.check_output(["pgrep", "-f", "--", f"-m gateway .*{state}"])
             gateway = int(found.split()[0])
             requests: list[str] = []

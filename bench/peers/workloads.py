@@ -8,7 +8,9 @@ standard library; torch is imported inside the (C) body only. The definitions ar
   (A) sequential no-op round trip, submit + wait for the result, ``time.perf_counter`` in the
       caller, after a warm-up; p50/p99 nearest-rank.
   (B) fan-out of N no-op calls with the system's natural fan-out (submit all, then gather):
-      calls/s = N / (first submit -> last result), after a warm-up fan-out of N/10.
+      calls/s = N / (first submit -> last result), after a warm-up fan-out of N/10 and once
+      the machine is idle again (:func:`quiet`: what the warm-up started in the background,
+      such as a worker pool refilling its spares, is not measured).
   (C) warm torch step round trip: ``torch_step`` (import torch, Linear(64, 64), SGD(lr=0.1),
       forward on 32x64, backward, step, return the loss) as the remote function; only calls
       that land on a worker process that already ran it (same pid) are counted.
@@ -108,8 +110,31 @@ def seq_latency(call: Callable[[], object], n: int) -> list[float]:
     return out
 
 
+def _busy() -> tuple[int, int]:
+    """The machine's CPU time so far, busy and in all (``/proc/stat``, clock ticks)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(n) for n in stat.readline().split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # idle and iowait are not busy
+
+
+def quiet(timeout_s: float = 60.0) -> None:
+    """Wait until the machine is idle (under 15 % busy over half a second), for at most
+    ``timeout_s``: what the warm-up set going in the background (a worker pool refilling
+    itself, a spare importing torch) is done before the measurement, for every system."""
+    deadline = time.monotonic() + timeout_s
+    busy, total = _busy()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now_busy, now_total = _busy()
+        if now_total > total and (now_busy - busy) / (now_total - total) < 0.15:
+            return
+        busy, total = now_busy, now_total
+
+
 def fanout_rate(run: Callable[[int], object], n: int) -> dict[str, Any]:
-    """(B): time ``run(n)`` (submit n no-op calls, then gather every result)."""
+    """(B): time ``run(n)`` (submit n no-op calls, then gather every result), once the
+    machine is quiet after the warm-up fan-out."""
+    quiet()
     t0 = time.perf_counter()
     run(n)
     total = time.perf_counter() - t0
