@@ -151,6 +151,8 @@ class _Files:
     #: The call ended cleanly (nothing it started is left running): once emptied, the
     #: directory may serve the owner's next call instead of being removed.
     keep: bool = False
+    #: A payload was downloaded into it (``PAYLOAD``): unlinked before it is kept.
+    has_payload: bool = False
 
     @classmethod
     def make(cls, work_dir: str, run_as: wire.RunAs | None, owner: str) -> _Files:
@@ -258,12 +260,14 @@ class _Files:
         held = len(_kept.get(key, ()))
         if _closing or held >= _KEEP_PER_OWNER or sum(map(len, _kept.values())) >= _KEEP_MAX:
             return False
-        try:
-            os.unlink(PAYLOAD, dir_fd=self.fd)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return False
+        if self.has_payload:
+            try:
+                os.unlink(PAYLOAD, dir_fd=self.fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return False
+            self.has_payload = False
         _kept.setdefault(key, []).append((self, time.monotonic()))
         return True
 
@@ -535,6 +539,7 @@ class Attempt:
         call's account may read."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(PAYLOAD, flags, 0o600, dir_fd=files.fd)
+        files.has_payload = True
         try:
             if run_as is not None:
                 os.fchown(fd, run_as.uid, run_as.gid)

@@ -227,6 +227,8 @@ class Cgroup:
         #: Device rules ("c 195:0") per GPU index, where the devices controller is used.
         self.gpu_devices = dict(gpu_devices or {})
         self._final_oom_kills: int | None = None
+        #: ``cgroup.procs`` of :attr:`path`, held open where it is cgroup v2 (see has_others).
+        self._procs_fd: int | None = None
 
     @property
     def path(self) -> str:
@@ -335,9 +337,34 @@ class Cgroup:
         inherits all of them, and moving a process out of one takes writing to a root-owned
         ``cgroup.procs`` (a process that became root may leave them all alike)."""
         try:
-            return any(int(line) != pid for line in read(self.path, "cgroup.procs").split())
+            text = self._read_procs()
         except OSError:  # removed (the worker died): the full reads find what is left
             return True
+        try:
+            return len(text) >= _PROCS_READ or any(int(line) != pid for line in text.split())
+        except ValueError:  # not a list of pids: not the file it was
+            return True
+
+    def _read_procs(self) -> bytes:
+        """``cgroup.procs`` of :attr:`path`. In cgroup v2 it is held open and read again
+        from its start (each read from offset 0 lists the members anew: 2 µs against 20 µs
+        for an open, read and close). Not in v1: a v1 descriptor keeps the list its first
+        read made."""
+        key = "memory" if "memory" in self.dirs else next(iter(self.dirs))
+        if self.versions.get(key) != 2:
+            with open(os.path.join(self.path, "cgroup.procs"), "rb") as file:
+                return file.read(_PROCS_READ)
+        if self._procs_fd is None:
+            flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+            self._procs_fd = os.open(os.path.join(self.path, "cgroup.procs"), flags)
+        return os.pread(self._procs_fd, _PROCS_READ, 0)
+
+    def close(self) -> None:
+        """Close what :meth:`has_others` holds open (before removing the cgroups: in the
+        event loop's thread, where has_others runs)."""
+        if self._procs_fd is not None:
+            os.close(self._procs_fd)
+            self._procs_fd = None
 
     def pids(self) -> list[int]:
         found: set[int] = set()
@@ -363,6 +390,11 @@ class Cgroup:
                     raise
                 busy = True
         return not busy
+
+
+#: What :meth:`Cgroup.has_others` reads of ``cgroup.procs`` at most: a list that fills it
+#: holds more than the worker.
+_PROCS_READ = 1 << 16
 
 
 def keyed(text: str) -> dict[str, int]:

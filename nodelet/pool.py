@@ -318,6 +318,7 @@ async def _remove(cgroup: Cgroup) -> None:
     """Kill what is in the cgroup and remove it, once all of it is gone (at most
     :data:`_CGROUP_REMOVE_S`)."""
     deadline = time.monotonic() + _CGROUP_REMOVE_S
+    cgroup.close()
     try:
         while not await asyncio.to_thread(cgroup.try_remove):
             if time.monotonic() >= deadline:

@@ -152,6 +152,7 @@ def _parse(view: memoryview, source: Any) -> Opened:
 # ------------------------------------------------------------------------------ versions
 
 
+@functools.cache
 def python_version() -> str:
     return f"{sys.version_info.major}.{sys.version_info.minor}"
 

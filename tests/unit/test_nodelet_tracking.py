@@ -66,6 +66,10 @@ async def _end_call(tmp_path: Path, limiter: Limiter) -> None:
     pool = WorkerPool(0, cwd=str(tmp_path), limiter=limiter)
     try:
         worker = await pool.acquire()
+        cgroup = worker.cgroup
+        # The cheap check after each call (in cgroup v2, cgroup.procs held open and read
+        # again): it sees what a call starts, and sees it gone once killed.
+        assert cgroup is None or not cgroup.has_others(worker.pid)
         task = wire.WorkerTask(
             invocation_id="inv",
             payload=caller.pack_call(start_three_and_sleep, (), {}, sync=False).packed.tobytes(),
@@ -81,8 +85,10 @@ async def _end_call(tmp_path: Path, limiter: Limiter) -> None:
                 )
         else:  # the daemon was adopted by the worker, a subreaper
             assert procs.read_stat(pids[2]).ppid == worker.pid  # type: ignore[union-attr]
+        assert cgroup is None or cgroup.has_others(worker.pid)
         await worker.end_call()
         assert not any(alive(pid) for pid in pids)
+        assert cgroup is None or not cgroup.has_others(worker.pid)
         assert worker.returncode is None and set(worker.members()) == {worker.pid}
         worker.kill()
         assert await worker.wait() == -signal.SIGKILL
