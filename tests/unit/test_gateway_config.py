@@ -57,7 +57,7 @@ def test_the_fair_starvation_guard_reaches_the_policy() -> None:
 
 def test_request_handling_defaults() -> None:
     config = GatewayConfig(database_url=URL)
-    assert (config.rate_limit_per_s, config.rate_limit_burst) == (100.0, 400)
+    assert (config.rate_limit_per_s, config.rate_limit_burst) == (500.0, 1000)
     assert config.max_wait_s == 60.0
     assert config.retention_s == 7 * 24 * 3600
     assert config.purge_interval_s == 60.0
