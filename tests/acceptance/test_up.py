@@ -305,7 +305,7 @@ def environ(process: psutil.Process) -> dict[str, str]:
 
 
 def test_first_start_widens_nothing_leaks_no_secret_and_gives_the_gateway_a_plain_role(
-    base: Path, tmp_path: Path, portable_python: Portable
+    base: Path, tmp_path: Path, portable_python: Portable, unix_accounts: dict[str, int]
 ) -> None:
     root = os.geteuid() == 0
     # As root, a multi-tenant node: from a Python every account can run (tests/accounts.py).
@@ -341,6 +341,25 @@ def test_first_start_widens_nothing_leaks_no_secret_and_gives_the_gateway_a_plai
         assert gateway_url == (state / "database.url").read_text().strip()
         role = urllib.parse.urlsplit(gateway_url)
         assert role.username == "bulletin"
+        # Over the server's unix socket, in a directory its account alone may enter: local
+        # connections are trusted, so another account that reached it would be superuser.
+        sockets = state / "pgsocket"
+        assert urllib.parse.parse_qs(role.query)["host"] == [str(sockets)]
+        info = sockets.stat()
+        assert info.st_uid == (system_uid if root else os.geteuid())
+        assert info.st_mode & 0o777 == 0o700
+        if root:
+            found = sockets / f".s.PGSQL.{urllib.parse.parse_qs(role.query)['port'][0]}"
+            assert found.is_socket()
+            probe = (
+                "import socket, sys\n"
+                "s = socket.socket(socket.AF_UNIX)\n"
+                "try:\n    s.connect(sys.argv[1])\n"
+                "except PermissionError:\n    print('refused')\n"
+                "else:\n    print('connected')\n"
+            )
+            intruder = portable_python.run_as("bt-alice", ["-c", probe, str(found)], env={})
+            assert intruder.stdout.strip() == "refused", intruder.stderr
         assert role.password != (state / "pg.password").read_text().strip()
         assert connect_refusals(gateway_url) == {
             "rolsuper": False,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bulletin import admin
-from bulletin.pgserver import Account, blocking_directory
+from bulletin.pgserver import Account, EmbeddedPostgres, PostgresError, blocking_directory
 from bulletin.secretfiles import SecretFileError, read_secret, write_secret
 from bulletin.up import UpError, UpSettings, check_host, check_user_mapping, node_mode
 
@@ -147,3 +147,30 @@ def test_up_refuses_to_serve_plain_http_beyond_loopback() -> None:
     check_host("127.0.0.1")
     with pytest.raises(UpError, match=r"plain HTTP.*--tls-cert-file"):
         check_host("0.0.0.0")
+
+
+def test_the_embedded_servers_socket_is_used_only_where_its_path_works(tmp_path: Path) -> None:
+    plain = EmbeddedPostgres(tmp_path / "pgdata", port=5432, unix_socket=True)
+    assert plain.socket_dir == tmp_path.resolve() / "pgsocket"
+    assert EmbeddedPostgres(tmp_path / "pgdata", port=5432).socket_dir is None  # not asked
+    # A socket's path holds 107 bytes, and -k splits a list at commas (in a shell, too).
+    deep = tmp_path / ("d" * 90) / "pgdata"
+    assert EmbeddedPostgres(deep, port=5432, unix_socket=True).socket_dir is None
+    odd = tmp_path / "a,b" / "pgdata"
+    assert EmbeddedPostgres(odd, port=5432, unix_socket=True).socket_dir is None
+
+
+def test_a_socket_directory_others_may_enter_is_refused(tmp_path: Path) -> None:
+    # Local connections are trusted: a socket directory another account may enter, left
+    # there (or planted) before the server starts, must not be used.
+    pg = EmbeddedPostgres(tmp_path / "pgdata", port=5432, unix_socket=True)
+    sockets = tmp_path / "pgsocket"
+    pg._prepare_socket_dir(sockets, None)  # made, for the server's account (here: ours)
+    assert stat.S_IMODE(sockets.stat().st_mode) == 0o700
+    os.chmod(sockets, 0o755)
+    with pytest.raises(PostgresError, match="closed to every other account"):
+        pg._prepare_socket_dir(sockets, None)
+    sockets.rmdir()
+    sockets.symlink_to(tmp_path)
+    with pytest.raises(PostgresError, match="must be a directory"):
+        pg._prepare_socket_dir(sockets, None)
