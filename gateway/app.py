@@ -110,14 +110,16 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
 
 
 def create_app(config: GatewayConfig) -> Starlette:
+    # Tried in this order (no two match the same path): the routes every call takes first,
+    # the nodes' (a poll and a completion per call) and the submission.
     routes = [
+        *nodes.ROUTES,
+        *invocations.ROUTES,
         Route("/healthz", healthz),
         Route("/openapi.yaml", openapi),
-        *invocations.ROUTES,
         *logs.ROUTES,
         *functions.ROUTES,
         *cluster.ROUTES,
-        *nodes.ROUTES,
         *admin.ROUTES,
     ]
     app = Starlette(

@@ -48,6 +48,7 @@ the per-user rate limit: a restart forgets it, which only refills the budgets.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import math
 import time
@@ -149,8 +150,10 @@ def _put(table: OrderedDict[bytes, float], key: bytes, value: float, limit: int)
         table.popitem(last=False)
 
 
+@functools.lru_cache(maxsize=4096)
 def client_key(host: str | None) -> str:
-    """The failure budget's key for a TCP peer: its IPv4 address, or its IPv6 /64."""
+    """The failure budget's key for a TCP peer: its IPv4 address, or its IPv6 /64 (kept
+    for the peers seen last: parsing one costs more than the rest of the check)."""
     if not host:
         return ""
     try:

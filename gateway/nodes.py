@@ -3,6 +3,7 @@ to its own node; every write is fenced by ``(invocation_id, epoch)`` (409 when s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -237,6 +238,8 @@ async def complete(request: Request) -> Response:
             raise _stale(invocation_id)
         # Committed: its caller, waiting here, has its result now.
         hub.woke(conn.get_server_pid(), [key], {key: taken[invocation_id]})
+    if handed:
+        await asyncio.sleep(0)  # the caller's answer goes out before the node's
     return Response(status_code=204)
 
 
