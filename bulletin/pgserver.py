@@ -303,6 +303,8 @@ class EmbeddedPostgres:
             return f"postgresql://{SUPERUSER}:{password}@/{database}?{where}"
         return f"postgresql://{SUPERUSER}:{password}@127.0.0.1:{self.port}/{database}"
 
-    def stop(self) -> None:
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server: ``fast`` (a clean shutdown), or ``immediate`` (as a crash: WAL
+        not yet flushed is lost, and the next start recovers; for fault tests)."""
         if self.running_pid() is not None:
-            self._run("pg_ctl", ["-w", "-t", "60", "-m", "fast", "stop"])
+            self._run("pg_ctl", ["-w", "-t", "60", "-m", mode, "stop"])

@@ -184,7 +184,9 @@ async def invoke(request: Request) -> Response:
     # request that does not wait takes no handover: a result handed over is stamped fetched.
     async with hub.subscribe([f"i:{invocation_id}"], handovers=wait > 0) as sub:
         try:
-            async with pool.acquire() as conn, hub.holding(conn.get_server_pid()):
+            # Waiting, it commits without waiting for the WAL flush (invocations.durable).
+            submitting = request.app.state.relaxed if wait > 0 else pool
+            async with submitting.acquire() as conn, hub.holding(conn.get_server_pid()):
                 async with conn.transaction():
                     made = await db.invoke(
                         conn,
@@ -269,6 +271,8 @@ async def answer(
             if (handed := sub.take_handed().get(key)) is not None:
                 found, read = handed, False
     assert found is not None  # read, or handed over, before the loop ended
+    if wait > 0:
+        await invocations.durable(request, [invocation_id], [found])
     location = f"/v1/invocations/{invocation_id}"
     if found.state.terminal:
         [found] = await invocations.fetched(request, owner, [found])

@@ -136,6 +136,9 @@ async def submit(request: Request) -> Response:
             )
     new_ids = [str(uuid.uuid4()) for _ in calls]
     hub = request.app.state.hub
+    # A submission that waits commits without waiting for its WAL flush: its caller is told
+    # nothing until its answer, which is durable first (_submitted).
+    pool = request.app.state.relaxed if wait > 0 else request.app.state.pool
     async with contextlib.AsyncExitStack() as waiting:
         sub = None
         if wait > 0:
@@ -144,10 +147,7 @@ async def submit(request: Request) -> Response:
             watched = (f"i:{i}" for i in new_ids)
             sub = await waiting.enter_async_context(hub.subscribe(watched, handovers=True))
         try:
-            async with (
-                request.app.state.pool.acquire() as conn,
-                hub.holding(conn.get_server_pid()),
-            ):
+            async with pool.acquire() as conn, hub.holding(conn.get_server_pid()):
                 async with conn.transaction():
                     made = await db.insert_calls(
                         conn,
@@ -238,10 +238,23 @@ async def _submitted(
             pass  # the calls exist: the caller watches them elsewhere
         else:
             answer = msgspec.structs.replace(answer, invocations=found.invocations, logs=found.logs)
+        await durable(request, ids, answer.invocations)
     response = reply(answer, 201)
     if replayed:
         response.headers.update(idempotency.REPLAYED)
     return response
+
+
+async def durable(request: Request, ids: list[str], answered: list[wire.Invocation]) -> None:
+    """Before answering a request that waited for calls it submitted (committed without
+    waiting for the WAL flush): unless the answer gives every one of them terminal, which
+    only a later, durable commit can have made them (a completion, a cancellation, an
+    expiry: its flush took the submission's WAL with it), wait until the submission is on
+    disk. A database crash before then loses calls nobody was told of: the caller's retry
+    submits them again."""
+    terminal = {i.id for i in answered if i.state.terminal}
+    if not terminal.issuperset(ids):
+        await db.make_durable(request.app.state.pool)
 
 
 async def check_fits(request: Request, group: str, calls: list[wire.CallSpec]) -> None:

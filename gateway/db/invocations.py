@@ -378,6 +378,16 @@ async def mark_fetched(conn: Conn, owner_id: int, ids: Sequence[str]) -> dict[st
     return {str(r["id"]): float(r["t"]) for r in rows}
 
 
+async def make_durable(conn: Conn) -> None:
+    """Return once every commit so far is on disk. On a connection whose commits wait for
+    their WAL flush (the gateway's durable pool), a transaction that wrote WAL waits at its
+    commit until the WAL up to its commit record is flushed, and so every asynchronous
+    commit before it is on disk as well. What it writes: a transactional logical-decoding
+    message (nothing reads it; no table grows), which any role may emit. A transaction that
+    only took a transaction id writes no WAL, and its commit would not wait."""
+    await conn.execute("SELECT pg_logical_emit_message(true, 'bulletin', 'durable')")
+
+
 async def get_invocations(
     conn: Conn, owner_id: int | None, ids: Sequence[str]
 ) -> list[wire.Invocation]:

@@ -1,0 +1,127 @@
+"""What a database crash may and may not take. A submission that waits for its result
+commits without waiting for its WAL flush (its caller is told nothing until its answer);
+its answer is on disk before it is sent. Each test runs its own PostgreSQL, crashed with an
+immediate stop (WAL not yet flushed is lost, the next start recovers) while its WAL writer
+flushes only every 10 s, so that nothing but a durable commit puts a commit on disk."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import msgspec
+import pytest
+
+from bulletin import admin
+from bulletin.pgserver import EmbeddedPostgres
+from bulletin_core import wire
+from gateway import db
+from tests import accounts
+from tests.conftest import Cluster, running
+from tests.integration.test_gateway_api import Http, call, register
+
+
+@pytest.fixture
+def crashable() -> Iterator[EmbeddedPostgres]:
+    """A PostgreSQL of this test's own, whose WAL writer waits 10 s between flushes."""
+    with accounts.traversable_dir("bulletin-crash-") as parent:
+        pg = EmbeddedPostgres(parent / "pgdata")
+        server_url = pg.start()
+        try:
+            asyncio.run(_slow_wal_writer(server_url))
+            yield pg
+        finally:
+            pg.stop()
+
+
+async def _slow_wal_writer(server_url: str) -> None:
+    conn = await asyncpg.connect(server_url)
+    try:
+        await conn.execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
+        await conn.execute("SELECT pg_reload_conf()")
+    finally:
+        await conn.close()
+
+
+def _crash_and_recover(pg: EmbeddedPostgres) -> None:
+    pg.stop(mode="immediate")
+    pg.start()
+
+
+async def _async_commit(url: str, value: str) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("SET synchronous_commit = off")
+        await conn.execute("INSERT INTO probe VALUES ($1)", value)
+    finally:
+        await conn.close()
+
+
+async def _make_durable(url: str) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        await db.make_durable(conn)
+    finally:
+        await conn.close()
+
+
+async def _probes(url: str) -> set[str]:
+    conn = await asyncpg.connect(url)
+    try:
+        return {r["value"] for r in await conn.fetch("SELECT value FROM probe")}
+    finally:
+        await conn.close()
+
+
+def test_make_durable_puts_every_asynchronous_commit_before_it_on_disk(
+    crashable: EmbeddedPostgres,
+) -> None:
+    url = crashable.url()
+
+    async def table() -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute("CREATE TABLE probe (value text)")
+        finally:
+            await conn.close()
+
+    asyncio.run(table())
+    # The control: a crash takes an asynchronous commit nothing flushed since.
+    asyncio.run(_async_commit(url, "lost"))
+    _crash_and_recover(crashable)
+    assert asyncio.run(_probes(url)) == set()
+    asyncio.run(_async_commit(url, "kept"))
+    asyncio.run(_make_durable(url))
+    _crash_and_recover(crashable)
+    assert asyncio.run(_probes(url)) == {"kept"}
+
+
+def test_a_waiting_submission_answered_without_its_result_survives_a_database_crash(
+    crashable: EmbeddedPostgres, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    asyncio.run(admin.ensure_database(crashable.url(), "bulletin"))
+    cluster = Cluster(crashable.url("bulletin"), tmp_path)
+    with running(cluster, request):
+        register(cluster, "n1")  # placed on it at once, and never run: nobody polls
+        user = Http(cluster.url, cluster.token)
+        answer = user.post("/v1/invocations?wait=0.3", wire.SubmitRequest(calls=[call()]))
+        assert answer.status_code == 201, answer.text
+        submitted = msgspec.json.decode(answer.content, type=wire.SubmitResponse)
+        assert not any(i.state.terminal for i in submitted.invocations)
+        # At once: the answer came, so the call must be on disk by now.
+        _crash_and_recover(crashable)
+
+        async def find() -> str | None:
+            conn = await asyncpg.connect(crashable.url("bulletin"))
+            try:
+                found = await conn.fetchval(
+                    "SELECT state FROM invocations WHERE id = $1", uuid.UUID(submitted.ids[0])
+                )
+                return None if found is None else str(found)
+            finally:
+                await conn.close()
+
+        assert asyncio.run(find()) == "assigned"
