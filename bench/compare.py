@@ -6,6 +6,8 @@ on every system alike. The workloads (bench/peers/workloads.py; the definitions 
 ../shared/peer-bench):
 
   (A)  sequential no-op round trip, submit + wait, p50/p99 (nearest rank) after a warm-up;
+       each workload starts once the machine is idle (workloads.quiet: what a system
+       started in the background, such as spare workers importing torch, is not measured);
   (A') Bulletin only: the same over plain HTTP, ``POST /v1/functions/noop/invoke?wait=30``
        of a registered no-op with a JSON body, as curl would;
   (B)  fan-out of N no-op calls: calls/s = N / (first submit -> last result);
@@ -157,6 +159,7 @@ def _json_invoke(config: Path, args: argparse.Namespace) -> list[float]:
     settings = tomllib.loads(config.read_text())
     headers = {"Authorization": f"Bearer {settings['token']}"}
     samples: list[float] = []
+    w.quiet()
     with httpx.Client(base_url=settings["url"], headers=headers, timeout=60) as client:
         for i in range(args.warmup + args.calls_a):
             started = time.perf_counter()

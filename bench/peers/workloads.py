@@ -6,7 +6,8 @@ standard library; torch is imported inside the (C) body only. The definitions ar
 ../shared/peer-bench (its "shared harness block"):
 
   (A) sequential no-op round trip, submit + wait for the result, ``time.perf_counter`` in the
-      caller, after a warm-up; p50/p99 nearest-rank.
+      caller, after a warm-up and once the machine is idle (:func:`quiet`); p50/p99
+      nearest-rank.
   (B) fan-out of N no-op calls with the system's natural fan-out (submit all, then gather):
       calls/s = N / (first submit -> last result), after a warm-up fan-out of N/10 and once
       the machine is idle again (:func:`quiet`: what the warm-up started in the background,
@@ -100,7 +101,10 @@ def lat_stats(ms: list[float]) -> dict[str, Any]:
 
 
 def seq_latency(call: Callable[[], object], n: int) -> list[float]:
-    """(A): n sequential submit + wait round trips; their latencies in ms."""
+    """(A): n sequential submit + wait round trips; their latencies in ms, once the machine
+    is quiet (what the system started in the background, spare workers importing torch, a
+    pool prestarting, is not measured)."""
+    quiet()
     out = []
     pc = time.perf_counter
     for _ in range(n):
@@ -144,6 +148,7 @@ def fanout_rate(run: Callable[[int], object], n: int) -> dict[str, Any]:
 def warm_torch(call: Callable[[], dict[str, Any]], n: int) -> dict[str, Any]:
     """(C): call ``torch_step`` remotely until n calls have landed on a warm worker (a pid
     seen before); the cold calls before them are not counted (at most 3n + 10 calls)."""
+    quiet()
     seen: set[int] = set()
     warm: list[float] = []
     steps: list[float] = []
