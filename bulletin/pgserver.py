@@ -228,14 +228,15 @@ class EmbeddedPostgres:
         """The socket's directory: the server's account's alone (local connections are
         trusted), made so if new; refused if it is anyone else's or open to others."""
         uid = account.uid if account is not None else os.geteuid()
-        if not directory.exists():
+        if not os.path.lexists(directory):  # a link, even a dangling one, is refused below
             directory.mkdir(mode=0o700)
             if account is not None:
                 os.chown(directory, account.uid, account.gid)
         st = directory.lstat()
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or stat.S_IMODE(st.st_mode) & 0o077:
+            what = describe(directory) if stat.S_ISDIR(st.st_mode) else f"{directory} (not a directory)"
             raise PostgresError(
-                f"{describe(directory)} must be a directory of the account PostgreSQL runs as, "
+                f"{what} must be a directory of the account PostgreSQL runs as, "
                 "closed to every other account (mode 0700): its socket trusts whoever "
                 "reaches it. Remove it; 'bulletin up' makes it again."
             )

@@ -70,10 +70,14 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
         reset=_keep_session,
     )
     # Commits on this pool do not wait for their WAL flush (a few ms of fsync per commit, on
-    # the path of every call). Only for node writes a database crash may lose without harm:
-    # delivery and start stamps (a call still completes from 'assigned'), lease renewals (the
-    # next heartbeat renews again) and log chunks. Submissions, assignments, cancellations
-    # and results always use the durable pool.
+    # the path of every call). Only for writes a database crash may lose without harm: node
+    # writes (delivery and start stamps: a call still completes from 'assigned'; lease
+    # renewals: the next heartbeat renews again; log chunks), and the submissions (with
+    # their placement) of requests that wait for their result, whose answer is made
+    # durable before it is sent (invocations.durable; a node running a call whose
+    # assignment a crash lost has it revoked at its next poll, and starts nothing else on
+    # its GPUs meanwhile). Other submissions, cancellations and results always use the
+    # durable pool.
     relaxed = await asyncpg.create_pool(
         config.database_url,
         min_size=1,

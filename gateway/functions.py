@@ -271,7 +271,7 @@ async def answer(
             if (handed := sub.take_handed().get(key)) is not None:
                 found, read = handed, False
     assert found is not None  # read, or handed over, before the loop ended
-    if wait > 0:
+    if wait > 0 or replayed:
         await invocations.durable(request, [invocation_id], [found])
     location = f"/v1/invocations/{invocation_id}"
     if found.state.terminal:

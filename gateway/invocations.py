@@ -170,8 +170,9 @@ async def submit(request: Request) -> Response:
             assert earlier is not None
             return await _submitted(request, owner, earlier, wait, replayed=True)
         # Calls that existed before (a retry) may have news already: those are read first.
-        unread = sub if made.ids == new_ids else None
-        return await _submitted(request, owner, made.ids, wait, unread=unread)
+        made_here = made.ids == new_ids
+        unread = sub if made_here else None
+        return await _submitted(request, owner, made.ids, wait, unread=unread, made_here=made_here)
 
 
 async def place(
@@ -225,10 +226,13 @@ async def _submitted(
     *,
     replayed: bool = False,
     unread: Subscription | None = None,
+    made_here: bool = False,
 ) -> Response:
     """The ids; with ``wait``, also the news of the calls (finished ones with their results,
     log chunks) once there is any or ``wait`` seconds have passed, as a watch answers.
-    ``unread``: the calls were just made, under this subscription to their news."""
+    ``unread``: the calls were just made, under this subscription to their news.
+    ``made_here``: every one of them was made by this request's own commit (else some are
+    an earlier request's, which may not be on disk yet)."""
     keepalive_s = request.app.state.config.caller_keepalive_s
     answer = wire.SubmitResponse(ids=ids, keepalive_s=keepalive_s)
     if wait > 0:
@@ -238,6 +242,7 @@ async def _submitted(
             pass  # the calls exist: the caller watches them elsewhere
         else:
             answer = msgspec.structs.replace(answer, invocations=found.invocations, logs=found.logs)
+    if wait > 0 or not made_here:
         await durable(request, ids, answer.invocations)
     response = reply(answer, 201)
     if replayed:
@@ -246,12 +251,13 @@ async def _submitted(
 
 
 async def durable(request: Request, ids: list[str], answered: list[wire.Invocation]) -> None:
-    """Before answering a request that waited for calls it submitted (committed without
-    waiting for the WAL flush): unless the answer gives every one of them terminal, which
-    only a later, durable commit can have made them (a completion, a cancellation, an
-    expiry: its flush took the submission's WAL with it), wait until the submission is on
-    disk. A database crash before then loses calls nobody was told of: the caller's retry
-    submits them again."""
+    """Before answering with the ids of calls that may have been committed without waiting
+    for the WAL flush (those of a request that waits; an earlier request's, replayed for an
+    idempotency key, which may still be waiting): unless the answer gives every one of them
+    terminal, which only a later, durable commit can have made them (a completion, a
+    cancellation, an expiry: its flush took the submission's WAL with it), wait until they
+    are on disk. A database crash before then loses calls nobody was told of: the caller's
+    retry submits them again."""
     terminal = {i.id for i in answered if i.state.terminal}
     if not terminal.issuperset(ids):
         await db.make_durable(request.app.state.pool)

@@ -353,15 +353,23 @@ class Node:
         if assignment.lease is not None:  # after the lease's attempts this node holds
             behind = self._lease_tails.get(assignment.lease)
             self._lease_tails[assignment.lease] = attempt
-        # A GPU is never in two live attempts: one revoked in the same answer that gives its
-        # GPUs to this one is still dying.
+        # A GPU is never in two live attempts: this one starts once every other attempt on
+        # its GPUs has ended. One revoked in the same answer that gives its GPUs to this one
+        # is still dying; one that just completed is still finishing; one the gateway no
+        # longer knows of (a database crash lost its assignment, committed without waiting
+        # for its WAL flush) runs until the next poll revokes it. The attempts of its own
+        # map lease run one after the other anyway (``behind``).
         gpus = set(assignment.gpu_indices)
-        dying = [
+        holding = [
             a.task
             for a in (self.attempts.values() if gpus else ())
-            if a.killed and a.task is not None and gpus & set(a.assignment.gpu_indices)
+            if a is not attempt
+            and a.task is not None
+            and not a.task.done()
+            and gpus & set(a.assignment.gpu_indices)
+            and (assignment.lease is None or a.assignment.lease != assignment.lease)
         ]
-        attempt.start(after=dying, behind=behind).add_done_callback(
+        attempt.start(after=holding, behind=behind).add_done_callback(
             lambda _: self._ended(key, attempt)
         )
         if behind is None:

@@ -366,7 +366,8 @@ class Attempt:
         self, after: Sequence[asyncio.Task[None]] = (), behind: Attempt | None = None
     ) -> asyncio.Task[None]:
         """Run the attempt in a named task, kept on ``self.task``, once the ``after`` tasks
-        (killed attempts on the same GPUs, their processes dying) are done and the attempt
+        (the other attempts on the same GPUs: dying, finishing, or not yet revoked) are done
+        and the attempt
         ``behind`` (the one before it in its lease) freed its slot."""
         self.task = asyncio.create_task(self._run_after(after, behind), name=self.name)
         return self.task

@@ -383,8 +383,9 @@ async def make_durable(conn: Conn) -> None:
     their WAL flush (the gateway's durable pool), a transaction that wrote WAL waits at its
     commit until the WAL up to its commit record is flushed, and so every asynchronous
     commit before it is on disk as well. What it writes: a transactional logical-decoding
-    message (nothing reads it; no table grows), which any role may emit. A transaction that
-    only took a transaction id writes no WAL, and its commit would not wait."""
+    message (no table grows; a logical replication consumer, if the lab runs one, sees a
+    message prefixed ``bulletin``), which any role may emit. A transaction that only took
+    a transaction id writes no WAL, and its commit would not wait."""
     await conn.execute("SELECT pg_logical_emit_message(true, 'bulletin', 'durable')")
 
 

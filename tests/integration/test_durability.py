@@ -7,6 +7,8 @@ flushes only every 10 s, so that nothing but a durable commit puts a commit on d
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,6 +121,48 @@ def test_a_waiting_submission_answered_without_its_result_survives_a_database_cr
             try:
                 found = await conn.fetchval(
                     "SELECT state FROM invocations WHERE id = $1", uuid.UUID(submitted.ids[0])
+                )
+                return None if found is None else str(found)
+            finally:
+                await conn.close()
+
+        assert asyncio.run(find()) == "assigned"
+
+
+def test_a_replayed_submission_is_on_disk_before_its_ids_are_given_again(
+    crashable: EmbeddedPostgres, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # The first request waits for its call's result (its commit did not wait for the WAL
+    # flush); a retry with the same Idempotency-Key that does not wait gets the same ids at
+    # once: they must be on disk, although the first request has not answered yet.
+    asyncio.run(admin.ensure_database(crashable.url(), "bulletin"))
+    cluster = Cluster(crashable.url("bulletin"), tmp_path)
+    with running(cluster, request):
+        register(cluster, "n1")
+        user = Http(cluster.url, cluster.token)
+        body = wire.SubmitRequest(calls=[call()])
+        key = {"Idempotency-Key": uuid.uuid4().hex}
+        waiting = threading.Thread(
+            target=lambda: user.post("/v1/invocations?wait=20", body, headers=key), daemon=True
+        )
+        waiting.start()
+        retry = Http(cluster.url, cluster.token)
+        deadline = time.monotonic() + 10
+        while True:  # until the first request's call exists (409 while it is being made)
+            again = retry.post("/v1/invocations", body, headers=key)
+            if again.status_code == 201 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert again.status_code == 201, again.text
+        assert again.headers.get("idempotent-replayed") == "true"
+        ids = msgspec.json.decode(again.content, type=wire.SubmitResponse).ids
+        _crash_and_recover(crashable)
+
+        async def find() -> str | None:
+            conn = await asyncpg.connect(crashable.url("bulletin"))
+            try:
+                found = await conn.fetchval(
+                    "SELECT state FROM invocations WHERE id = $1", uuid.UUID(ids[0])
                 )
                 return None if found is None else str(found)
             finally:

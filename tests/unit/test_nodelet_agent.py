@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bulletin_core import wire
-from nodelet.agent import serve
+from nodelet.agent import Node, serve
 from nodelet.attempt import EOF_GRACE_S, Attempt, describe_exit
 from nodelet.config import NodeletConfig
 
@@ -122,3 +122,45 @@ def test_a_killed_attempts_task_ends_only_once_its_worker_and_all_it_started_are
 
     worker, ended = asyncio.run(main())
     assert worker.gone_at is not None and ended >= worker.gone_at
+
+
+class _Completions:
+    async def complete(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+def test_an_attempt_starts_only_once_every_other_attempt_on_its_gpus_has_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An attempt the gateway no longer knows of (a database crash lost its assignment)
+    # keeps running until the next poll revokes it: an assignment of its GPU meanwhile
+    # must wait for it. Other GPUs, and CPU-only calls, do not wait.
+    async def main() -> list[str]:
+        events: list[str] = []
+        release = asyncio.Event()
+
+        async def runs(self: Attempt, behind: Attempt | None) -> None:
+            events.append(f"start {self.ref.invocation_id}")
+            if self.ref.invocation_id == "orphan":
+                await release.wait()
+            events.append(f"end {self.ref.invocation_id}")
+
+        monkeypatch.setattr(Attempt, "_run", runs)
+        node = Node.__new__(Node)
+        node.attempts, node._lease_tails = {}, {}
+        node._client = node._pool = node._facts = None  # type: ignore[assignment]
+        node.completions = _Completions()  # type: ignore[assignment]
+        node._launch(wire.Assignment(invocation_id="orphan", epoch=1, gpu_indices=[0]))
+        await asyncio.sleep(0.05)
+        node._launch(wire.Assignment(invocation_id="same-gpu", epoch=1, gpu_indices=[0]))
+        node._launch(wire.Assignment(invocation_id="other-gpu", epoch=1, gpu_indices=[1]))
+        node._launch(wire.Assignment(invocation_id="cpu", epoch=1, gpu_indices=[]))
+        await asyncio.sleep(0.1)
+        assert "start same-gpu" not in events
+        release.set()
+        await asyncio.wait([a.task for a in node.attempts.values() if a.task is not None])
+        return events
+
+    events = asyncio.run(main())
+    assert {"start other-gpu", "start cpu"} <= set(events[: events.index("end orphan")])
+    assert events.index("start same-gpu") > events.index("end orphan")

@@ -174,3 +174,8 @@ def test_a_socket_directory_others_may_enter_is_refused(tmp_path: Path) -> None:
     sockets.symlink_to(tmp_path)
     with pytest.raises(PostgresError, match="must be a directory"):
         pg._prepare_socket_dir(sockets, None)
+    sockets.unlink()
+    sockets.symlink_to(tmp_path / "nowhere")  # dangling: not made through
+    with pytest.raises(PostgresError, match="must be a directory"):
+        pg._prepare_socket_dir(sockets, None)
+    assert not (tmp_path / "nowhere").exists()
