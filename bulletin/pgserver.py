@@ -234,7 +234,8 @@ class EmbeddedPostgres:
                 os.chown(directory, account.uid, account.gid)
         st = directory.lstat()
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or stat.S_IMODE(st.st_mode) & 0o077:
-            what = describe(directory) if stat.S_ISDIR(st.st_mode) else f"{directory} (not a directory)"
+            is_dir = stat.S_ISDIR(st.st_mode)
+            what = describe(directory) if is_dir else f"{directory} (not a directory)"
             raise PostgresError(
                 f"{what} must be a directory of the account PostgreSQL runs as, "
                 "closed to every other account (mode 0700): its socket trusts whoever "
