@@ -7,6 +7,7 @@ flushes only every 10 s, so that nothing but a durable commit puts a commit on d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
@@ -78,6 +79,31 @@ async def _probes(url: str) -> set[str]:
         await conn.close()
 
 
+@contextlib.contextmanager
+def _gateway(
+    pg: EmbeddedPostgres, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
+    """A gateway on ``pg``'s database ``bulletin``, with one node registered that never
+    polls (calls are placed on it at once, and never run)."""
+    asyncio.run(admin.ensure_database(pg.url(), "bulletin"))
+    cluster = Cluster(pg.url("bulletin"), tmp_path)
+    with running(cluster, request):
+        register(cluster, "n1")
+        yield cluster
+
+
+async def _state(url: str, invocation_id: str) -> str | None:
+    """The invocation's state in the database, None when it is not there."""
+    conn = await asyncpg.connect(url)
+    try:
+        found = await conn.fetchval(
+            "SELECT state FROM invocations WHERE id = $1", uuid.UUID(invocation_id)
+        )
+        return None if found is None else str(found)
+    finally:
+        await conn.close()
+
+
 def test_make_durable_puts_every_asynchronous_commit_before_it_on_disk(
     crashable: EmbeddedPostgres,
 ) -> None:
@@ -104,10 +130,7 @@ def test_make_durable_puts_every_asynchronous_commit_before_it_on_disk(
 def test_a_waiting_submission_answered_without_its_result_survives_a_database_crash(
     crashable: EmbeddedPostgres, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    asyncio.run(admin.ensure_database(crashable.url(), "bulletin"))
-    cluster = Cluster(crashable.url("bulletin"), tmp_path)
-    with running(cluster, request):
-        register(cluster, "n1")  # placed on it at once, and never run: nobody polls
+    with _gateway(crashable, tmp_path, request) as cluster:
         user = Http(cluster.url, cluster.token)
         answer = user.post("/v1/invocations?wait=0.3", wire.SubmitRequest(calls=[call()]))
         assert answer.status_code == 201, answer.text
@@ -115,18 +138,7 @@ def test_a_waiting_submission_answered_without_its_result_survives_a_database_cr
         assert not any(i.state.terminal for i in submitted.invocations)
         # At once: the answer came, so the call must be on disk by now.
         _crash_and_recover(crashable)
-
-        async def find() -> str | None:
-            conn = await asyncpg.connect(crashable.url("bulletin"))
-            try:
-                found = await conn.fetchval(
-                    "SELECT state FROM invocations WHERE id = $1", uuid.UUID(submitted.ids[0])
-                )
-                return None if found is None else str(found)
-            finally:
-                await conn.close()
-
-        assert asyncio.run(find()) == "assigned"
+        assert asyncio.run(_state(crashable.url("bulletin"), submitted.ids[0])) == "assigned"
 
 
 def test_a_replayed_submission_is_on_disk_before_its_ids_are_given_again(
@@ -135,10 +147,7 @@ def test_a_replayed_submission_is_on_disk_before_its_ids_are_given_again(
     # The first request waits for its call's result (its commit did not wait for the WAL
     # flush); a retry with the same Idempotency-Key that does not wait gets the same ids at
     # once: they must be on disk, although the first request has not answered yet.
-    asyncio.run(admin.ensure_database(crashable.url(), "bulletin"))
-    cluster = Cluster(crashable.url("bulletin"), tmp_path)
-    with running(cluster, request):
-        register(cluster, "n1")
+    with _gateway(crashable, tmp_path, request) as cluster:
         user = Http(cluster.url, cluster.token)
         body = wire.SubmitRequest(calls=[call()])
         key = {"Idempotency-Key": uuid.uuid4().hex}
@@ -157,15 +166,4 @@ def test_a_replayed_submission_is_on_disk_before_its_ids_are_given_again(
         assert again.headers.get("idempotent-replayed") == "true"
         ids = msgspec.json.decode(again.content, type=wire.SubmitResponse).ids
         _crash_and_recover(crashable)
-
-        async def find() -> str | None:
-            conn = await asyncpg.connect(crashable.url("bulletin"))
-            try:
-                found = await conn.fetchval(
-                    "SELECT state FROM invocations WHERE id = $1", uuid.UUID(ids[0])
-                )
-                return None if found is None else str(found)
-            finally:
-                await conn.close()
-
-        assert asyncio.run(find()) == "assigned"
+        assert asyncio.run(_state(crashable.url("bulletin"), ids[0])) == "assigned"
