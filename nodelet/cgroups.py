@@ -350,8 +350,7 @@ class Cgroup:
         from its start (each read from offset 0 lists the members anew: 2 µs against 20 µs
         for an open, read and close). Not in v1: a v1 descriptor keeps the list its first
         read made."""
-        key = "memory" if "memory" in self.dirs else next(iter(self.dirs))
-        if self.versions.get(key) != 2:
+        if self.version != 2:  # the version of :attr:`path`'s hierarchy
             with open(os.path.join(self.path, "cgroup.procs"), "rb") as file:
                 return file.read(_PROCS_READ)
         if self._procs_fd is None:
