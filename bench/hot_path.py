@@ -39,6 +39,9 @@ from pathlib import Path
 
 import sdk
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+import workloads  # bench/peers/workloads.py: quiet(), the machine idle
+
 SITECUSTOMIZE = """
 import collections, os, signal
 try:
@@ -101,18 +104,6 @@ def cpu_by_process() -> Counter[str]:
             continue
         used[kind] += (int(fields[11]) + int(fields[12])) / HZ
     return used
-
-
-def settle(timeout_s: float = 60.0) -> None:
-    """Wait until the cluster's workers are idle (a spare being started imports torch)."""
-    deadline = time.monotonic() + timeout_s
-    last = cpu_by_process()["workers"]
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        now = cpu_by_process()["workers"]
-        if now - last < 0.02:
-            return
-        last = now
 
 
 def rss_mib(pid: int) -> float:
@@ -220,7 +211,7 @@ def main() -> None:
                 # second slot took started again (importing torch takes seconds of CPU):
                 # the steady state a researcher's next map finds.
                 list(fn.map(range(min(args.map, 500))))
-            settle()
+            workloads.quiet()  # what the warm-up started (a spare importing torch) is done
             found = subprocess.check_output(["pgrep", "-f", "--", f"-m gateway .*{state}"])
             gateway = int(found.split()[0])
             requests: list[str] = []
