@@ -96,7 +96,8 @@ class RemoteCall:
         if self.namespace is not None:
             roots += [v for k, v in self.namespace.items() if not _dunder(k)]
         replaced: dict[int, Any] = {}
-        if self.header.move_to_device:
+        # Everything a call's envelope holds loads onto the CPU: for a CPU call, nothing moves.
+        if self.header.move_to_device and device != "cpu":
             replaced = tensors.move(roots, device)
             # Tensors the function makes (torch.randn(...)) land next to the moved ones.
             self._default_device = tensors.set_default_device(device, self.header.torch)
