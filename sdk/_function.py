@@ -18,6 +18,7 @@ import msgspec
 import msgspec.inspect
 
 from bulletin_core import meta, wire
+from bulletin_core.pickling.shipped import Shipped
 from sdk import _fanout, _serialize
 from sdk._call import Call, Prepared, submit, submit_waiting
 from sdk._client import Client
@@ -149,11 +150,17 @@ class Function(Generic[P, R]):
         if not iterables:
             raise TypeError("map() needs at least one iterable")
         client = default_client()
-        calls = (
-            self._prepare(client, items, {}, sync=False, attached=True)
-            for items in zip(*iterables, strict=False)
-        )
+        calls = self._items(client, iterables)
         return _fanout.run(client, calls, return_exceptions=return_exceptions)
+
+    def _items(self, client: Client, iterables: tuple[Iterable[Any], ...]) -> Iterator[Prepared]:
+        """A map's calls, prepared as they are needed; the function is pickled once, with
+        the first item (unless its pickle holds tensors or arrays: then with every item)."""
+        shipped: Shipped | None = None
+        for n, items in enumerate(zip(*iterables, strict=False)):
+            if n == 0:
+                shipped = _serialize.ship_function(self._fn, uuid.uuid4().hex)
+            yield self._prepare(client, items, {}, sync=False, attached=True, shipped=shipped)
 
     def register(
         self, name: str | None = None, *, visibility: str = "private", description: str = ""
@@ -216,6 +223,7 @@ class Function(Generic[P, R]):
         *,
         sync: bool,
         attached: bool = False,
+        shipped: Shipped | None = None,
     ) -> Prepared:
         info = client.cluster()
         root = client.shared_dir()
@@ -229,6 +237,7 @@ class Function(Generic[P, R]):
             move_to_device=options.move_to_device,
             shared_results=root is not None,
             max_result_bytes=info.max_state_bytes,
+            shipped=shipped,
         )
         spec = wire.CallSpec(
             idempotency_key=uuid.uuid4().hex,

@@ -21,6 +21,7 @@ import cloudpickle
 
 from bulletin_core.pickling import caller
 from bulletin_core.pickling.pickler import human, reason, size_of, type_name
+from bulletin_core.pickling.shipped import Shipped
 from sdk._errors import SerializationError, StateTooLarge
 
 _ADVICE = (
@@ -48,6 +49,15 @@ def pack_call(
     if max_bytes and total > max_bytes:
         raise StateTooLarge(_too_large(fn, args, kwargs, total, max_bytes))
     return sent
+
+
+def ship_function(fn: Callable[..., Any], token: str) -> Shipped | None:
+    """``fn`` pickled once for the items of one map (see ``caller.ship_function``). Raises
+    ``SerializationError`` naming what cannot be pickled."""
+    try:
+        return caller.ship_function(fn, token)
+    except Exception as exc:
+        raise SerializationError(_explain(fn, (), {}, exc)) from None
 
 
 def _explain(

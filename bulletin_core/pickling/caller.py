@@ -23,6 +23,7 @@ import cloudpickle
 
 from bulletin_core.pickling import envelope
 from bulletin_core.pickling.pickler import pack
+from bulletin_core.pickling.shipped import Shipped
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "<unbound>"})()
 #: Our own packages: always pickled by reference (the envelope's helpers live in them).
@@ -61,9 +62,13 @@ def pack_call(
     kwargs: dict[str, Any],
     *,
     sync: bool,
+    shipped: Shipped | None = None,
     **flags: Any,
 ) -> Sent:
-    """Pickle a call. With ``sync``, keep what is needed to apply its changes later."""
+    """Pickle a call. With ``sync``, keep what is needed to apply its changes later. With
+    ``shipped`` (``fn`` pickled already, for a map's items), those bytes stand for ``fn``."""
+    if shipped is not None:
+        return Sent(pack((shipped, args, kwargs), sync=False, **flags)[0], None)
     ship_local_modules()
     sync = sync and inspect.isfunction(fn) and not _by_reference(fn)
     packed, pickler = pack((fn, args, kwargs), sync=sync, **flags)
@@ -77,8 +82,19 @@ def pack_call(
     for obj in memo.values():
         if inspect.isfunction(obj) and obj.__globals__ is namespace:
             names.update(code_names(obj.__code__))
-    shipped = {name: namespace.get(name, MISSING) for name in names}
-    return Sent(packed, Sync(memo, namespace, shipped))
+    values = {name: namespace.get(name, MISSING) for name in names}
+    return Sent(packed, Sync(memo, namespace, values))
+
+
+def ship_function(fn: Callable[..., Any], token: str) -> Shipped | None:
+    """``fn`` pickled once for the items of one map (``token``), or None when its pickle
+    holds out-of-band buffers (tensors, arrays: each item then pickles the function itself).
+    Raises what pickling ``fn`` raises."""
+    ship_local_modules()
+    packed, _ = pack(fn, sync=False)
+    if packed.buffers:
+        return None
+    return Shipped(token, packed.pickle)
 
 
 def _holds_buffer(obj: Any) -> bool:

@@ -3,6 +3,7 @@ processes on loopback; only the GPUs are fake."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
@@ -170,6 +171,39 @@ def test_map_raises_a_failed_item_when_reached_unless_asked_to_return_it(
         next(results)
     got = list(inverse.map([1, 0, 4], return_exceptions=True))
     assert got[0] == 1.0 and isinstance(got[1], ZeroDivisionError) and got[2] == 0.25
+
+
+LOADED: list[int] = []
+
+
+def test_a_maps_items_on_one_worker_share_what_the_function_loaded_into_its_globals(
+    cluster: Cluster,
+) -> None:
+    """A map's function is pickled once and loaded once per worker and map: what an item
+    leaves in a global (a model loaded on first use), the items that worker runs next see,
+    as in a Ray or Modal worker. Another map starts from the notebook's values again, and
+    the notebook's own never change."""
+
+    @sdk.function()
+    def remember(x: int) -> tuple[int, list[int]]:
+        LOADED.append(x)
+        return os.getpid(), list(LOADED)
+
+    earlier: set[int] = set()
+    for first in (0, 1000):
+        by_worker: dict[int, list[list[int]]] = {}
+        items = range(first, first + 60)
+        for x, (pid, seen) in zip(items, remember.map(items), strict=True):
+            assert x in seen and not earlier & set(seen)
+            by_worker.setdefault(pid, []).append(seen)
+        for pid, seens in by_worker.items():
+            seens.sort(key=len)
+            # One function object per worker: each item saw what the earlier ones left.
+            assert all(a == b[: len(a)] for a, b in itertools.pairwise(seens)), pid
+            assert len(seens[-1]) == len(seens) and len(set(seens[-1])) == len(seens)
+        earlier |= set(range(first, first + 60))
+    assert any(len(seens) > 1 for seens in by_worker.values())
+    assert LOADED == []
 
 
 def test_cpu_only_and_gpu_calls_see_their_devices(cluster: Cluster) -> None:
