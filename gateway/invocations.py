@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
 from typing import BinaryIO
@@ -306,7 +307,15 @@ class _InvocationSegment(Convertor[str]):
 register_url_convertor("invocation", _InvocationSegment())
 
 
+#: An id as the gateway writes them: already canonical, nothing to parse (a map's watch
+#: names hundreds at each poll).
+_CANONICAL_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
 def valid_id(value: str) -> str:
+    """``value`` as the canonical form of the uuid it spells; NotFound if it spells none."""
+    if _CANONICAL_ID.fullmatch(value):
+        return value
     try:
         return str(uuid.UUID(value))
     except ValueError:
@@ -454,10 +463,10 @@ async def watch(request: Request) -> Response:
     owner = await auth.user_id(request)
     req = await body(request, wire.WatchRequest)
     seen = {valid_id(i.id): i.log_after for i in req.items}
-    unknown = await db.missing(request.app.state.pool, owner, list(seen))
-    if unknown:
-        raise NotFound(f"no invocation {unknown[0]} (ids are per user)")
-    return reply(await news(request, owner, seen, req.timeout_s))
+    try:
+        return reply(await news(request, owner, seen, req.timeout_s, strict=True))
+    except db.NotOwned as exc:
+        raise NotFound(f"no invocation {exc.args[0]} (ids are per user)") from None
 
 
 async def news(
@@ -467,19 +476,23 @@ async def news(
     hold_s: float,
     *,
     unread: Subscription | None = None,
+    strict: bool = False,
 ) -> wire.WatchResponse:
     """Wait (at most ``hold_s``, capped by ``long_poll_s``) until one of the owner's
     invocations in ``seen`` (id: log chunks seen) is terminal or has unseen log chunks;
     then those, with their results and new chunks (or nothing, when the hold ran out).
     ``unread``: a subscription to their news taken before they were made, so there is none
-    to read before the first wait."""
+    to read before the first wait. ``strict``: ``db.NotOwned`` for an id in ``seen`` that
+    is not the owner's (checked by the first read)."""
     deadline = time.monotonic() + min(max(hold_s, 0.0), request.app.state.config.long_poll_s)
     if unread is not None:
         found = await _news(request, owner, seen, deadline, unread, read_first=False)
     else:
         watched = (f"i:{i}" for i in seen)
         async with request.app.state.hub.subscribe(watched, handovers=True) as sub:
-            found = await _news(request, owner, seen, deadline, sub, read_first=True)
+            found = await _news(
+                request, owner, seen, deadline, sub, read_first=True, strict=strict
+            )
     found = _within_answer_size(found)
     with_logs = [(f.id, seen[f.id]) for f in found if f.log_count > seen[f.id]]
     pool = request.app.state.pool
@@ -495,6 +508,7 @@ async def _news(
     sub: Subscription,
     *,
     read_first: bool,
+    strict: bool = False,
 ) -> list[wire.Invocation]:
     config = request.app.state.config
     every = list(seen.items())
@@ -505,8 +519,9 @@ async def _news(
             # The first fetch of a finished call is stamped as it is read (a stamp a database
             # crash loses costs nothing: the relaxed pool). One that does not fit this answer
             # (_within_answer_size) comes with the next, stamped a little early.
-            found += await db.changed_fetched(request.app.state.relaxed, owner, cursors)
-        read_first = True
+            relaxed = request.app.state.relaxed
+            found += await db.changed_fetched(relaxed, owner, cursors, strict=strict)
+        read_first, strict = True, False
         remaining = deadline - time.monotonic()
         if found or remaining <= 0:
             return found

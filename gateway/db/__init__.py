@@ -87,6 +87,7 @@ from gateway.db.functions import (
 from gateway.db.idempotency import HttpKey, KeyHeld, KeyTaken, answer_key, find_key
 from gateway.db.invocations import (
     NoRoom,
+    NotOwned,
     Submitted,
     cancel,
     changed,
@@ -98,7 +99,6 @@ from gateway.db.invocations import (
     logs_after,
     make_durable,
     mark_fetched,
-    missing,
     to_invocation,
 )
 from gateway.db.nodes import (
@@ -179,6 +179,7 @@ __all__ = [
     "NoRoom",
     "NodeRow",
     "NodeStatus",
+    "NotOwned",
     "Owner",
     "PayloadSource",
     "Principal",
@@ -245,7 +246,6 @@ __all__ = [
     "mark_fetched",
     "migrate",
     "migration_files",
-    "missing",
     "node_statuses",
     "notify_nodes",
     "own_database",

@@ -162,29 +162,39 @@ WHERE i.state IN {_TERMINAL} OR i.log_count > c.seen
 # alone, the owner checked after (LATERAL ... OFFSET 0 keeps the planner from merging the
 # two): statistics lag behind a fast-growing map, and a plan cached while the table was
 # small walked the owner's index, every one of the owner's calls for every id, every watch.
+# With $4 (a watch's first read), an id that is not the owner's is the one row answered
+# (``unknown``), and nothing is stamped.
 _CHANGED_FETCHED = f"""
 WITH c AS MATERIALIZED (
-  SELECT c.id, s.state, s.fetched_at
+  SELECT c.id, s.state, s.fetched_at, s.owner_id IS DISTINCT FROM $3 AS unknown
   FROM unnest($1::uuid[], $2::int[]) AS c(id, seen)
-  CROSS JOIN LATERAL (
+  LEFT JOIN LATERAL (
     SELECT owner_id, state, log_count, fetched_at FROM invocations WHERE id = c.id
     OFFSET 0
-  ) s
-  WHERE s.owner_id = $3 AND (s.state IN {_TERMINAL} OR s.log_count > c.seen)
+  ) s ON true
+  WHERE s.owner_id IS DISTINCT FROM $3 OR s.state IN {_TERMINAL} OR s.log_count > c.seen
+), unk AS (
+  SELECT id FROM c WHERE unknown AND $4 LIMIT 1
 ), f AS (
   UPDATE invocations SET fetched_at = clock_timestamp()
-  WHERE id = ANY(ARRAY(SELECT id FROM c WHERE fetched_at IS NULL AND state IN {_TERMINAL}))
-    AND fetched_at IS NULL AND state IN {_TERMINAL}
+  WHERE id = ANY(ARRAY(SELECT id FROM c
+      WHERE NOT unknown AND fetched_at IS NULL AND state IN {_TERMINAL}))
+    AND fetched_at IS NULL AND state IN {_TERMINAL} AND NOT EXISTS (SELECT 1 FROM unk)
   RETURNING invocations.id, invocations.fetched_at
 )
-SELECT {_invocation_columns().replace(
-    "extract(epoch FROM i.fetched_at) AS t_fetched",
-    "extract(epoch FROM coalesce(f.fetched_at, i.fetched_at)) AS t_fetched",
-)}
+SELECT (SELECT id FROM unk) AS unknown, {
+    _invocation_columns().replace(
+        "extract(epoch FROM i.fetched_at) AS t_fetched",
+        "extract(epoch FROM coalesce(f.fetched_at, i.fetched_at)) AS t_fetched",
+    )
+}
 FROM c
-CROSS JOIN LATERAL (SELECT * FROM invocations WHERE id = c.id OFFSET 0) i
+LEFT JOIN LATERAL (
+  SELECT * FROM invocations WHERE id = c.id AND NOT c.unknown OFFSET 0
+) i ON true
 LEFT JOIN nodes n ON n.id = i.node_id
 LEFT JOIN f ON f.id = i.id
+WHERE NOT c.unknown OR c.id = (SELECT id FROM unk)
 """
 
 _LIST_INVOCATIONS = f"""
@@ -200,14 +210,6 @@ UPDATE invocations SET fetched_at = clock_timestamp()
 WHERE id = ANY($1::uuid[]) AND owner_id = $2 AND fetched_at IS NULL
   AND state IN {_TERMINAL}
 RETURNING id, extract(epoch FROM fetched_at) AS t
-"""
-
-# Looked up by id alone, as _CHANGED_FETCHED's.
-_MISSING = """
-SELECT c.id
-FROM unnest($1::uuid[]) AS c(id)
-LEFT JOIN LATERAL (SELECT owner_id FROM invocations WHERE id = c.id OFFSET 0) i ON true
-WHERE i.owner_id IS DISTINCT FROM $2
 """
 
 _LOGS_AFTER = """
@@ -398,12 +400,6 @@ async def get_invocations(
     return [to_invocation(r) for r in rows]
 
 
-async def missing(conn: Conn, owner_id: int, ids: Sequence[str]) -> list[str]:
-    """The ids among ``ids`` that name no invocation of ``owner_id``."""
-    rows = await conn.fetch(_MISSING, list(ids), owner_id)
-    return [str(r["id"]) for r in rows]
-
-
 async def changed(
     conn: Conn, owner_id: int | None, cursors: Sequence[tuple[str, int]]
 ) -> list[wire.Invocation]:
@@ -415,14 +411,21 @@ async def changed(
     return [to_invocation(r) for r in rows]
 
 
+class NotOwned(Exception):
+    """An id that names no invocation of the owner's (``args[0]``)."""
+
+
 async def changed_fetched(
-    conn: Conn, owner_id: int, cursors: Sequence[tuple[str, int]]
+    conn: Conn, owner_id: int, cursors: Sequence[tuple[str, int]], *, strict: bool = False
 ) -> list[wire.Invocation]:
     """As :func:`changed` for the owner's own invocations, stamping the first fetch of the
-    terminal ones (their answer carries the stamp)."""
+    terminal ones (their answer carries the stamp). ``strict``: raise ``NotOwned`` for the
+    first id that is not the owner's, stamping nothing (else such ids are left out)."""
     rows = await conn.fetch(
-        _CHANGED_FETCHED, [i for i, _ in cursors], [seen for _, seen in cursors], owner_id
+        _CHANGED_FETCHED, [i for i, _ in cursors], [seen for _, seen in cursors], owner_id, strict
     )
+    if rows and rows[0]["unknown"] is not None:
+        raise NotOwned(str(rows[0]["unknown"]))
     return [to_invocation(r) for r in rows]
 
 

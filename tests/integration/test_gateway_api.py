@@ -150,6 +150,19 @@ def test_users_see_only_their_own_invocations(gateway: Cluster) -> None:
     )
     assert r.status_code == 404
     assert bob.get("/v1/invocations").json() == []
+    # Among ids of his own, one of hers still gets 404 (never her call's state), a made-up
+    # one too, and his own finished call is not marked fetched by the refused watch.
+    [own] = submit(bob, call())
+    assert bob.client.post(f"/v1/invocations/{own}/cancel").status_code == 200
+    for foreign in (invocation_id, str(uuid.uuid4())):
+        items = [wire.WatchItem(id=own), wire.WatchItem(id=foreign.upper())]
+        r = bob.post("/v1/invocations/watch", wire.WatchRequest(items=items))
+        assert r.status_code == 404 and foreign in r.json()["detail"], r.text
+        assert "queued" not in r.text
+    [listed] = msgspec.json.decode(bob.get("/v1/invocations").content, type=list[wire.Invocation])
+    assert listed.state == "cancelled" and listed.timeline.fetched is None
+    r = bob.post("/v1/invocations/watch", wire.WatchRequest(items=[wire.WatchItem(id=own)]))
+    assert r.status_code == 200 and r.json()["invocations"][0]["timeline"]["fetched"]
 
 
 def test_a_call_runs_through_the_node_routes_and_the_user_sees_logs_and_result(
