@@ -51,11 +51,16 @@ WITH w AS (
         AND coalesce(r.lease_id, r.id) = coalesce(c.lease_id, c.id)) AS room
   FROM w JOIN invocations c ON c.id = w.last
   WHERE c.node_id = $1 AND c.map_id IS NOT NULL
-    -- Nothing of another owner or map waits (each probe stops at the first row it finds).
-    AND NOT EXISTS (SELECT 1 FROM invocations q WHERE q.state = 'queued'
-      AND (q.owner_id, coalesce(q.map_id, q.id)) < (c.owner_id, c.map_id))
-    AND NOT EXISTS (SELECT 1 FROM invocations q WHERE q.state = 'queued'
-      AND (q.owner_id, coalesce(q.map_id, q.id)) > (c.owner_id, c.map_id))
+    -- Nothing of another owner or map waits: the first and the last of what waits, in
+    -- invocations_queued_map's order, are both of this map (each probe reads the index
+    -- from one end and stops at the first row that still waits).
+    AND (SELECT (q.owner_id, coalesce(q.map_id, q.id)) FROM invocations q
+      WHERE q.state = 'queued' ORDER BY q.owner_id, coalesce(q.map_id, q.id) LIMIT 1)
+      = (c.owner_id, c.map_id)
+    AND (SELECT (q.owner_id, coalesce(q.map_id, q.id)) FROM invocations q
+      WHERE q.state = 'queued'
+      ORDER BY q.owner_id DESC, coalesce(q.map_id, q.id) DESC LIMIT 1)
+      = (c.owner_id, c.map_id)
     -- The scheduler starts no call whose caller is late (db/scheduling.py: _queued_sql).
     AND NOT EXISTS (SELECT 1 FROM caller_sessions s
       WHERE s.owner_id = c.owner_id AND s.id = c.caller_session

@@ -147,6 +147,22 @@ def test_a_map_gets_no_more_of_a_slot_while_another_users_call_waits(gateway: Cl
     assert status(user, ids[1]).state == "queued"
 
 
+@pytest.mark.parametrize("other", ["0" * 32, "f" * 32], ids=["before it", "after it"])
+def test_a_map_gets_no_more_of_a_slot_while_another_map_of_its_owner_waits(
+    gateway: Cluster, other: str
+) -> None:
+    """Whichever side of the map the other one falls on in the queue's index order, the
+    completion's answer gives no more of the map: the slot goes back to the scheduler."""
+    user = Http(gateway.url, gateway.token)
+    node = register(gateway)
+    ids = submit_map(user, 10)
+    [head] = poll(node).assignments
+    [waiting] = submit_map(user, 1, map_id=str(uuid.UUID(other)))
+    answer = complete_many(node, outcome(head))
+    assert answer.done == [ids[0]] and answer.assignments == []  # the scheduler's to give
+    assert status(user, waiting).state == "queued"
+
+
 def test_another_users_calls_under_the_same_map_id_never_join_the_map(gateway: Cluster) -> None:
     """A map id is no key to another's map: bob's calls sent with alice's map id wait as
     bob's, and stop her leases from taking the slot from them."""
