@@ -18,7 +18,8 @@ the gateway's resident memory before and after).
 
 With ``--profile DIR``: py-spy (``pip install py-spy``) samples the gateway, the nodelet and
 every worker during the measured part and leaves their collapsed stacks in DIR
-(``gateway.txt``...; ``--profile-top`` prints each one's hottest functions).
+(``gateway.txt``...). py-spy samples wall time: a process preempted inside a system call
+(a pipe write that wakes the worker on the same core) is counted there.
 
 Usage: python bench/hot_path.py [--calls 300] [--no-place-at-submit] [--map N] [--profile DIR]
 """
