@@ -21,6 +21,8 @@ _log = logging.getLogger("sdk")
 
 #: How often to keep alive before the gateway has said (its default caller_timeout_s / 6).
 DEFAULT_INTERVAL_S = 10.0
+#: How long the keepalive thread outlives its last holder (a loop's next call reuses it).
+LINGER_S = 0.05
 
 
 class Liveness:
@@ -32,6 +34,7 @@ class Liveness:
         self._holders = 0
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
+        self._idle_since = 0.0
         self.interval_s = DEFAULT_INTERVAL_S
 
     def set_interval(self, seconds: float | None) -> None:
@@ -58,20 +61,30 @@ class Liveness:
         finally:
             with self._lock:
                 self._holders -= 1
-                self._wake.notify_all()
+                if self._holders == 0:
+                    self._idle_since = time.monotonic()
+                    self._wake.notify_all()
 
     def _run(self) -> None:
+        """Send a keepalive every interval while anything is held. Once nothing is, linger
+        ``LINGER_S`` before ending: a loop of blocking calls keeps one thread instead of
+        starting (and waiting for) one per call, and a call that used the sdk on a worker
+        leaves no thread behind past the worker's grace for them."""
         last = time.monotonic()
         while True:
             with self._lock:
                 # The interval is read under the lock each round: one set before this thread
                 # first waited (its notification then woke no one) counts all the same.
-                self._wake.wait(max(0.0, last + self.interval_s - time.monotonic()))
+                now = time.monotonic()
                 if self._holders == 0:
-                    self._thread = None
-                    return
-                if time.monotonic() < last + self.interval_s:
-                    continue  # woken early: a holder left, or a new interval
+                    if now >= self._idle_since + LINGER_S:
+                        self._thread = None
+                        return
+                    self._wake.wait(self._idle_since + LINGER_S - now)
+                    continue
+                if now < last + self.interval_s:
+                    self._wake.wait(last + self.interval_s - now)
+                    continue
             last = time.monotonic()
             try:
                 self._send()
