@@ -35,6 +35,10 @@ class Liveness:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._idle_since = 0.0
+        #: The thread waits for its next keepalive (not lingering): a holder leaving must
+        #: wake it. While it lingers, holders come and go without waking it (a loop's
+        #: calls wake it once per LINGER_S, not once per call).
+        self._parked = False
         self.interval_s = DEFAULT_INTERVAL_S
 
     def set_interval(self, seconds: float | None) -> None:
@@ -63,13 +67,16 @@ class Liveness:
                 self._holders -= 1
                 if self._holders == 0:
                     self._idle_since = time.monotonic()
-                    self._wake.notify_all()
+                    if self._parked:
+                        self._wake.notify_all()
 
     def _run(self) -> None:
         """Send a keepalive every interval while anything is held. Once nothing is, linger
         ``LINGER_S`` before ending: a loop of blocking calls keeps one thread instead of
         starting (and waiting for) one per call, and a call that used the sdk on a worker
-        leaves no thread behind past the worker's grace for them."""
+        leaves no thread behind past the worker's grace for them. A holder leaving wakes it
+        only while it waits for its next keepalive: waking it for every call of a loop cost
+        the caller a thread switch per call."""
         last = time.monotonic()
         while True:
             with self._lock:
@@ -83,7 +90,9 @@ class Liveness:
                     self._wake.wait(self._idle_since + LINGER_S - now)
                     continue
                 if now < last + self.interval_s:
+                    self._parked = True
                     self._wake.wait(last + self.interval_s - now)
+                    self._parked = False
                     continue
             last = time.monotonic()
             try:

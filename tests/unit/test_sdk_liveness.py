@@ -33,6 +33,24 @@ def test_a_loop_of_blocking_calls_keeps_one_thread() -> None:
     assert len(seen) == 1
 
 
+def test_a_loop_of_blocking_calls_does_not_wake_the_thread_for_every_call() -> None:
+    liveness = Liveness(lambda: None)
+    woken = 0
+    notify_all = liveness._wake.notify_all
+
+    def counted() -> None:
+        nonlocal woken
+        woken += 1
+        notify_all()
+
+    liveness._wake.notify_all = counted  # type: ignore[method-assign]
+    for _ in range(40):
+        with liveness.held():
+            time.sleep(0.001)
+        time.sleep(0.0005)
+    assert woken <= 40 * 0.0015 / 0.05 + 2  # about once per LINGER_S, not once per call
+
+
 def test_no_thread_outlives_its_last_holder_past_a_workers_grace_for_threads() -> None:
     """A call that uses the sdk on a worker must leave nothing that the worker would count
     as a thread left running (and retire itself for)."""
