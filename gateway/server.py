@@ -41,6 +41,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.errors import PROBLEM
 from gateway.notify import Hub
+from gateway.writes import CoalescedWrites
 
 _TIMED_OUT = msgspec.json.encode(
     wire.Problem(
@@ -76,7 +77,8 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
     _head = _Head.AWAITED
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        # An answer's head and body leave in one write (gateway/writes.py).
+        super().connection_made(CoalescedWrites(transport, self.loop))  # type: ignore[arg-type]
         self._start_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
