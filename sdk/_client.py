@@ -37,6 +37,7 @@ from sdk._errors import (
     RateLimited,
 )
 from sdk._liveness import Liveness
+from sdk._transport import OneWriteTransport
 
 T = TypeVar("T")
 Body = bytes | Callable[[], Iterable[bytes]] | None
@@ -144,12 +145,14 @@ class Client:
         # Threads share a client: what it sets up once is set up under these, by one of them.
         self._asking = threading.Lock()  # GET /v1/cluster
         self._setting_up = threading.Lock()  # our directory of the shared directory, the sweep
+        # ca: the PEM of the CA that signed an https:// gateway's certificate.
+        verify = tls.verify(ca)
         self._http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}", "User-Agent": "bulletin-sdk"},
             timeout=httpx.Timeout(timeout),
-            # ca: the PEM of the CA that signed an https:// gateway's certificate.
-            verify=tls.verify(ca),
+            verify=verify,  # for the proxies httpx takes from the environment, if any
+            transport=OneWriteTransport(verify=verify),  # a request in one write
         )
         #: The caller session of the calls this client waits for (sdk/_liveness.py).
         self.session = str(uuid.uuid4())
