@@ -216,7 +216,7 @@ def main() -> None:
             found = subprocess.check_output(["pgrep", "-f", "--", f"-m gateway .*{state}"])
             gateway = int(found.split()[0])
             requests: list[str] = []
-            client._http.event_hooks["request"].append(lambda r: requests.append(r.url.path))
+            client.request_hooks.append(lambda _, path: requests.append(path.split("?")[0]))
             before_sql, before_cpu = statements(counts, gateway), cpu_by_process()
             spies = profile(args.profile, state) if args.profile else []
             latency = []

@@ -19,13 +19,14 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar, cast
-from urllib.parse import quote
+from typing import Any, Generic, TypeVar, cast
+from urllib.parse import quote, urlencode, urlsplit
+from urllib.request import getproxies_environment
 
 import httpx
 import msgspec
 
-from bulletin_core import shared, tls, wire
+from bulletin_core import http1, shared, tls, wire
 from bulletin_core.backoff import Backoff
 from sdk._errors import (
     AuthError,
@@ -37,7 +38,6 @@ from sdk._errors import (
     RateLimited,
 )
 from sdk._liveness import Liveness
-from sdk._transport import OneWriteTransport
 
 T = TypeVar("T")
 Body = bytes | Callable[[], Iterable[bytes]] | None
@@ -147,13 +147,24 @@ class Client:
         self._setting_up = threading.Lock()  # our directory of the shared directory, the sweep
         # ca: the PEM of the CA that signed an https:// gateway's certificate.
         verify = tls.verify(ca)
+        headers = {"Authorization": f"Bearer {token}", "User-Agent": "bulletin-sdk"}
+        # Streams (blobs) go through httpx, and everything does when the environment names
+        # a proxy for the gateway's scheme (httpx honours it).
         self._http = httpx.Client(
             base_url=self.url,
-            headers={"Authorization": f"Bearer {token}", "User-Agent": "bulletin-sdk"},
+            headers=headers,
             timeout=httpx.Timeout(timeout),
-            verify=verify,  # for the proxies httpx takes from the environment, if any
-            transport=OneWriteTransport(verify=verify),  # a request in one write
+            verify=verify,
         )
+        #: Small JSON exchanges (a blocking call is one) go through this leaner client
+        #: (bulletin_core/http1.py: a few tens of µs of CPU where httpx spends ~0.7 ms).
+        self._fast = None
+        if not _proxied(self.url):
+            context = tls.context(ca) if self.url.startswith("https://") else None
+            self._fast = http1.SyncPool(self.url, headers=headers, tls=context)
+        #: Called with (method, path) as each request is sent (tests and benchmarks count
+        #: them).
+        self.request_hooks: list[Callable[[str, str], None]] = []
         #: The caller session of the calls this client waits for (sdk/_liveness.py).
         self.session = str(uuid.uuid4())
         self.liveness = Liveness(self.keep_alive)
@@ -170,6 +181,8 @@ class Client:
     def close(self) -> None:
         """Close the connection pool. The client cannot be used afterwards."""
         self._http.close()
+        if self._fast is not None:
+            self._fast.close()
 
     # ------------------------------------------------------------------ routes
 
@@ -222,7 +235,7 @@ class Client:
     def keep_alive(self) -> None:
         """Tell the gateway this client still waits for its session's calls."""
         path = f"/v1/sessions/{quote(self.session, safe='')}/keepalive"
-        self._request("POST", path, read=lambda r: None, deadline_s=self.liveness.interval_s)
+        self._request("POST", path, read=_NOTHING, deadline_s=self.liveness.interval_s)
 
     def get(self, invocation_id: str) -> wire.Invocation:
         """The current state of one invocation."""
@@ -272,7 +285,7 @@ class Client:
 
     def unregister_function(self, name: str) -> None:
         """Remove every version of your registered function ``name``."""
-        self._request("DELETE", "/v1/functions/" + quote(name, safe=""), read=lambda r: None)
+        self._request("DELETE", "/v1/functions/" + quote(name, safe=""), read=_NOTHING)
 
     def watch(
         self, items: Sequence[wire.WatchItem], *, timeout_s: float | None = None
@@ -449,6 +462,11 @@ class Client:
         """One try. Raises ``_Retry`` for a transient failure, an sdk exception otherwise."""
         if self._http.is_closed:
             raise GatewayError(f"{self!r} is closed")
+        for hook in self.request_hooks:
+            hook(method, path)
+        if self._fast is not None and isinstance(read, _Json) and not callable(body):
+            wait = self.timeout if timeout is None else timeout
+            return self._attempt_fast(method, path, read, body or b"", headers, params, wait)
         content = body() if callable(body) else body
         request = self._http.build_request(
             method,
@@ -462,32 +480,66 @@ class Client:
             return self._exchange(request, read)
         except _TRANSIENT as exc:
             if untrusted := tls.untrusted(exc):
-                raise ConfigError(
-                    f"The gateway {self.url} presented a TLS certificate this machine does not "
-                    f"trust ({untrusted}). If the cluster has its own CA, give its certificate: "
-                    '`ca = "/path/to/ca.pem"` in client.toml, BULLETIN_CA, or '
-                    "sdk.connect(..., ca=...)."
-                ) from None
+                raise ConfigError(_untrusted(self.url, untrusted)) from None
             raise _Retry(f"{type(exc).__name__}: {exc}") from None
         except httpx.HTTPError as exc:
             raise GatewayError(f"{method} {self.url}{path} failed: {exc}") from None
         except msgspec.DecodeError as exc:
             raise GatewayError(f"Unexpected answer to {method} {path}: {exc}") from None
 
+    def _attempt_fast(
+        self,
+        method: str,
+        path: str,
+        read: _Json[T],
+        body: bytes,
+        headers: dict[str, str] | None,
+        params: dict[str, str] | None,
+        timeout: float,
+    ) -> T:
+        """One try through the lean client (``_fast``), answered and refused as ``_attempt``."""
+        assert self._fast is not None
+        target = f"{path}{'&' if '?' in path else '?'}{urlencode(params)}" if params else path
+        try:
+            answer = self._fast.request(
+                method, target, body=body, headers=headers, timeout_s=timeout
+            )
+        except http1.TransportError as exc:
+            if untrusted := tls.untrusted(exc):
+                raise ConfigError(_untrusted(self.url, untrusted)) from None
+            raise _Retry(f"{type(exc).__name__}: {exc}") from None
+        if answer.is_error:
+            _refuse(httpx.Response(answer.status, headers=answer.headers, content=answer.body))
+        try:
+            return read.decode(answer.body)
+        except msgspec.DecodeError as exc:
+            raise GatewayError(f"Unexpected answer to {method} {path}: {exc}") from None
+
     def _exchange(self, request: httpx.Request, read: Callable[[httpx.Response], T]) -> T:
         response = self._http.send(request, stream=True)
         try:
-            if response.status_code in _RETRY_STATUS:
-                response.read()
-                after = retry_after(response)
-                final = error_for(response) if response.status_code == 429 else None
-                raise _Retry(f"HTTP {response.status_code}", after=after, final=final)
             if response.is_error:
                 response.read()
-                raise error_for(response)
+                _refuse(response)
             return read(response)
         finally:
             response.close()
+
+
+def _refuse(response: httpx.Response) -> None:
+    """Raise for an error answer (read whole): ``_Retry`` when it may heal by itself."""
+    if response.status_code in _RETRY_STATUS:
+        after = retry_after(response)
+        final = error_for(response) if response.status_code == 429 else None
+        raise _Retry(f"HTTP {response.status_code}", after=after, final=final)
+    raise error_for(response)
+
+
+def _proxied(url: str) -> bool:
+    """Whether the environment names a proxy for ``url``'s scheme (NO_PROXY aside: httpx
+    decides those)."""
+    proxies = getproxies_environment()
+    return bool(proxies.get(urlsplit(url).scheme) or proxies.get("all"))
 
 
 def error_for(response: httpx.Response) -> GatewayError:
@@ -542,6 +594,14 @@ def _detail(response: httpx.Response) -> str:
     return problem.detail or problem.title
 
 
+def _untrusted(url: str, why: str) -> str:
+    return (
+        f"The gateway {url} presented a TLS certificate this machine does not trust ({why}). "
+        'If the cluster has its own CA, give its certificate: `ca = "/path/to/ca.pem"` in '
+        "client.toml, BULLETIN_CA, or sdk.connect(..., ca=...)."
+    )
+
+
 def _unreachable(url: str, reason: str, budget: float) -> str:
     return (
         f"Cannot reach the Bulletin gateway at {url} ({reason}; gave up after {budget:g} s). "
@@ -554,11 +614,25 @@ def _path(invocation_id: str) -> str:
     return "/v1/invocations/" + quote(invocation_id, safe="")
 
 
-def _json(decoder: msgspec.json.Decoder[T]) -> Callable[[httpx.Response], T]:
-    def read(response: httpx.Response) -> T:
-        return decoder.decode(response.read())
+class _Json(Generic[T]):
+    """Reads an answer's JSON body (a small one: such requests may take the lean client)."""
 
-    return read
+    def __init__(self, decoder: msgspec.json.Decoder[T] | None) -> None:
+        self._decoder = decoder
+
+    def decode(self, body: bytes) -> T:
+        return cast(T, None) if self._decoder is None else self._decoder.decode(body)
+
+    def __call__(self, response: httpx.Response) -> T:
+        return self.decode(response.read())
+
+
+def _json(decoder: msgspec.json.Decoder[T]) -> _Json[T]:
+    return _Json(decoder)
+
+
+#: Reads nothing of the answer (its status says it all).
+_NOTHING: _Json[None] = _Json(None)
 
 
 def _collect(response: httpx.Response) -> bytearray:

@@ -150,8 +150,8 @@ def test_map_yields_in_input_order_and_batches_requests(cluster: Cluster) -> Non
 
     client = sdk.connect(cluster.url, cluster.token)
     submits = []
-    client._http.event_hooks["request"].append(
-        lambda r: submits.append(r) if r.url.path == "/v1/invocations" else None
+    client.request_hooks.append(
+        lambda method, path: submits.append(path) if path == "/v1/invocations" else None
     )
     assert list(inc.map(range(600))) == list(range(1, 601))
     assert 2 <= len(submits) <= 3, "map must submit in batches, not one request per item"

@@ -1,14 +1,17 @@
-"""bulletin_core.http1, the nodelet's client for short exchanges, against a real uvicorn on
-loopback: whole answers of both framings, kept-alive connections reused, one the server
-closed while idle replaced without an error, timeouts and refusals as transport errors."""
+"""bulletin_core.http1, the nodelet's client for short exchanges (``Pool``) and the sdk's
+(``SyncPool``), against a real uvicorn on loopback: whole answers of both framings,
+kept-alive connections reused, one the server closed while idle replaced without an error,
+timeouts and refusals as transport errors, and no connection shared across a fork."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import uvicorn
@@ -47,6 +50,24 @@ async def missing(request: Request) -> Response:
     return Response(b'{"detail":"no"}', status_code=404, media_type="application/json")
 
 
+class Threaded:
+    """``SyncPool`` behind ``Pool``'s interface (each request in a thread): the tests below
+    hold both to the same behaviour."""
+
+    def __init__(self, base_url: str, *, headers: dict[str, str]) -> None:
+        self.pool = http1.SyncPool(base_url, headers=headers)
+
+    async def request(self, *args: Any, **kwargs: Any) -> http1.Answer:
+        return await asyncio.to_thread(self.pool.request, *args, **kwargs)
+
+    async def aclose(self) -> None:
+        self.pool.close()
+
+
+POOLS = pytest.mark.parametrize("pool_class", [http1.Pool, Threaded], ids=["async", "sync"])
+PoolClass = Any
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     app = Starlette(
@@ -75,9 +96,12 @@ def server() -> Iterator[str]:
     thread.join(10)
 
 
-def test_answers_are_read_whole_and_connections_are_reused(server: str) -> None:
+@POOLS
+def test_answers_are_read_whole_and_connections_are_reused(
+    server: str, pool_class: PoolClass
+) -> None:
     async def main() -> None:
-        pool = http1.Pool(server, headers={"X-Test": "pool"})
+        pool = pool_class(server, headers={"X-Test": "pool"})
         peers.clear()
         for n in range(5):
             answer = await pool.request("POST", "/echo", body=b"%d" % n, timeout_s=5)
@@ -93,9 +117,12 @@ def test_answers_are_read_whole_and_connections_are_reused(server: str) -> None:
     asyncio.run(main())
 
 
-def test_a_connection_the_server_closed_while_idle_is_replaced_unseen(server: str) -> None:
+@POOLS
+def test_a_connection_the_server_closed_while_idle_is_replaced_unseen(
+    server: str, pool_class: PoolClass
+) -> None:
     async def main() -> None:
-        pool = http1.Pool(server, headers={})
+        pool = pool_class(server, headers={})
         peers.clear()
         await pool.request("POST", "/echo", body=b"a", timeout_s=5)
         await asyncio.sleep(IDLE_CLOSE_S * 3)  # uvicorn closes it; the pool would still reuse it
@@ -107,9 +134,10 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_unseen(server: st
     asyncio.run(main())
 
 
-def test_timeouts_and_refusals_are_transport_errors(server: str) -> None:
+@POOLS
+def test_timeouts_and_refusals_are_transport_errors(server: str, pool_class: PoolClass) -> None:
     async def main() -> None:
-        pool = http1.Pool(server, headers={})
+        pool = pool_class(server, headers={})
         started = time.monotonic()
         with pytest.raises(http1.TimedOut):
             await pool.request("GET", "/slow", timeout_s=0.3)
@@ -121,7 +149,7 @@ def test_timeouts_and_refusals_are_transport_errors(server: str) -> None:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
         free.close()
-        refused = http1.Pool(f"http://127.0.0.1:{port}", headers={})
+        refused = pool_class(f"http://127.0.0.1:{port}", headers={})
         with pytest.raises(http1.TransportError, match="cannot connect"):
             await refused.request("GET", "/", timeout_s=5)
 
@@ -129,5 +157,42 @@ def test_timeouts_and_refusals_are_transport_errors(server: str) -> None:
 
 
 def test_only_http_urls_are_taken() -> None:
-    with pytest.raises(ValueError, match="not an http"):
-        http1.Pool("ftp://127.0.0.1/", headers={})
+    for pool_class in (http1.Pool, http1.SyncPool):
+        with pytest.raises(ValueError, match="not an http"):
+            pool_class("ftp://127.0.0.1/", headers={})
+
+
+def test_a_forked_child_never_uses_its_parents_connection(server: str) -> None:
+    """A notebook that forks (multiprocessing) while the sdk holds a kept-alive connection:
+    two processes writing on one connection would read each other's answers."""
+    pool = http1.SyncPool(server, headers={})
+    peers.clear()
+    assert pool.request("POST", "/echo", body=b"parent", timeout_s=5).body == b"parent|"
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child's outcome is read through the pipe)
+        try:
+            answer = pool.request("POST", "/echo", body=b"child", timeout_s=5)
+            os.write(write, answer.body)
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as got:
+        assert got.read() == b"child|"
+    os.waitpid(child, 0)
+    assert pool.request("POST", "/echo", body=b"again", timeout_s=5).body == b"again|"
+    assert len(peers) == 3 and peers[0] == peers[2] != peers[1], peers
+    pool.close()
+
+
+def test_a_header_or_target_with_a_line_break_is_refused_before_anything_is_sent() -> None:
+    """A token pasted with its newline, or an id with one, must not smuggle a header or a
+    second request into a connection shared with other requests."""
+    for pool_class in (http1.Pool, http1.SyncPool):
+        with pytest.raises(ValueError, match="line break"):
+            pool_class("http://127.0.0.1:9", headers={"Authorization": "Bearer t\r\nX-Admin: 1"})
+    pool = http1.SyncPool("http://127.0.0.1:9", headers={})
+    with pytest.raises(ValueError, match="line break"):
+        pool.request("GET", "/v1/invocations/x\r\nX-Evil: 1", timeout_s=1)
+    with pytest.raises(ValueError, match="line break"):
+        pool.request("GET", "/v1/x", headers={"X-Test": "a\nb"}, timeout_s=1)
