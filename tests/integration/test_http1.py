@@ -8,19 +8,18 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from bulletin_core import http1
+from tests.appserver import serving
 
 IDLE_CLOSE_S = 0.3
 peers: list[int] = []
@@ -78,22 +77,8 @@ def server() -> Iterator[str]:
             Route("/missing", missing),
         ]
     )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app, log_level="warning", timeout_keep_alive=IDLE_CLOSE_S, loop="asyncio", http="h11"
-    )
-    served = uvicorn.Server(config)
-    thread = threading.Thread(target=served.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not served.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    served.should_exit = True
-    thread.join(10)
+    with serving(app, timeout_keep_alive=IDLE_CLOSE_S) as url:
+        yield url
 
 
 @POOLS

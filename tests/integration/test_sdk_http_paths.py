@@ -8,13 +8,11 @@ connection reported as unreachable."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import msgspec
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,6 +20,7 @@ from starlette.routing import Route
 
 import sdk
 from bulletin_core import wire
+from tests.appserver import serving
 
 SUBMIT = msgspec.json.Decoder(wire.SubmitRequest)
 script: list[Response] = []
@@ -46,19 +45,8 @@ def server() -> Iterator[str]:
             Route("/v1/invocations/{id}", scripted),
         ]
     )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", loop="asyncio", http="h11")
-    served = uvicorn.Server(config)
-    thread = threading.Thread(target=served.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not served.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    served.should_exit = True
-    thread.join(10)
+    with serving(app) as url:
+        yield url
 
 
 @pytest.fixture(params=["lean", "httpx"])
