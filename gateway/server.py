@@ -85,6 +85,12 @@ class HeadTimeoutProtocol(HttpToolsProtocol):
         self._stop_head_timer()
         super().connection_lost(exc)
 
+    def eof_received(self) -> None:
+        # The loop closes the transport when the client half-closes (uvicorn keeps no half-
+        # open connections): what the answer wrote this pass goes out first.
+        self.transport.flush()  # type: ignore[attr-defined]
+        super().eof_received()
+
     def data_received(self, data: bytes) -> None:
         if self._head is not _Head.DONE:
             # The first byte of the next request on a kept-alive connection (the parser

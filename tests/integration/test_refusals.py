@@ -101,7 +101,8 @@ def read_answer(sock: socket.socket) -> bytes:
     """An HTTP answer with a Content-Length, read off a raw socket."""
     answer = b""
     while b"\r\n\r\n" not in answer:
-        answer += sock.recv(65536)
+        answer += (more := sock.recv(65536))
+        assert more, f"the connection closed before a whole answer head: {answer!r}"
     head, _, body = answer.partition(b"\r\n\r\n")
     length = next(
         int(line.split(b":")[1])
@@ -368,6 +369,19 @@ def test_long_polls_streams_and_slow_uploads_outlast_the_header_timeout(
     with ThreadPoolExecutor(3) as pool:
         for done in [pool.submit(watch), pool.submit(logs), pool.submit(upload)]:
             done.result()
+
+
+def test_a_client_that_half_closes_after_its_request_still_gets_the_answer(
+    gateway: Cluster,
+) -> None:
+    """``nc -N``, some health checkers and proxies end their side once the request is sent:
+    the answer (held until its writer yields: gateway/writes.py) must still go out."""
+    port = int(gateway.url.rsplit(":", 1)[1])
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            sock.shutdown(socket.SHUT_WR)
+            assert read_answer(sock).startswith(b"HTTP/1.1 200 ")
 
 
 def test_a_pipelined_head_is_timed_from_its_turn_and_blank_lines_do_not_hold_a_connection(
