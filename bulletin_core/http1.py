@@ -30,6 +30,7 @@ import socket
 import ssl
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -102,15 +103,17 @@ class Pool:
     ) -> Answer:
         """Send one request and read its whole answer, within ``timeout_s`` in all."""
         head = self._head(method, path, body, headers)
+        reuse = True
         try:
             async with asyncio.timeout(timeout_s):
                 while True:
-                    conn, reused = await self._connection()
+                    conn, reused = await self._connection(reuse)
                     try:
                         answer, keep = await _exchange(conn, head, body, method)
                     except _Unanswered as exc:
                         conn.close()
                         if reused:
+                            reuse = False  # once more, on a new connection
                             continue  # an idle connection the gateway was closing
                         raise TransportError(str(exc.__cause__ or exc)) from exc
                     except BaseException:
@@ -130,9 +133,9 @@ class Pool:
     def _head(self, method: str, path: str, body: bytes, headers: dict[str, str] | None) -> bytes:
         return _request_head(self._prefix, self.headers, method, path, body, headers)
 
-    async def _connection(self) -> tuple[_Connection, bool]:
+    async def _connection(self, reuse: bool = True) -> tuple[_Connection, bool]:
         now = time.monotonic()
-        while self._idle:
+        while reuse and self._idle:
             conn = self._idle.pop()
             if now - conn.idle_since < MAX_IDLE_S and not conn.reader.at_eof():
                 return conn, True
@@ -223,19 +226,22 @@ async def _exchange(
         raise _Unanswered()
     try:
         raw = first + await conn.reader.readuntil(b"\r\n\r\n")
+        status, reason, version, headers = _parse_head(raw)
+        while _interim(status):  # 100 Continue, 103 Early Hints (a proxy's): the answer follows
+            raw = await conn.reader.readuntil(b"\r\n\r\n")
+            status, reason, version, headers = _parse_head(raw)
     except asyncio.LimitOverrunError:
         raise TransportError(f"answer head over {MAX_HEAD} bytes") from None
     except (asyncio.IncompleteReadError, OSError, ssl.SSLError) as exc:
         raise TransportError(f"the answer was cut short: {exc}") from exc
-    status, reason, version, headers = _parse_head(raw)
     keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
     try:
-        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+        if method == "HEAD" or status in (101, 204, 304):
             data = b""
         elif "chunked" in headers.get("transfer-encoding", "").lower():
             data = await _chunked(conn.reader)
         elif (length := headers.get("content-length")) is not None:
-            if not length.isdigit():
+            if not (length.isascii() and length.isdigit()):
                 raise TransportError(f"bad Content-Length {length!r}")
             data = await conn.reader.readexactly(int(length))
         else:
@@ -243,6 +249,21 @@ async def _exchange(
     except (asyncio.IncompleteReadError, OSError, ssl.SSLError) as exc:
         raise TransportError(f"the answer's body was cut short: {exc}") from exc
     return Answer(status, reason, headers, data), keep
+
+
+def _interim(status: int) -> bool:
+    """A 1xx answer other than 101: another head, the answer's own, follows it."""
+    return 100 <= status < 200 and status != 101
+
+
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _chunk_size(line: bytes) -> int:
+    text = line.split(b";", 1)[0].strip().decode("latin-1")
+    if not text or not _HEX.issuperset(text):
+        raise TransportError(f"bad chunk size {text[:20]!r}")
+    return int(text, 16)
 
 
 def _parse_head(raw: bytes) -> tuple[int, str, str, dict[str, str]]:
@@ -265,17 +286,14 @@ async def _chunked(reader: asyncio.StreamReader) -> bytes:
     parts: list[bytes] = []
     while True:
         size_line = await reader.readuntil(b"\r\n")
-        size_text = size_line.split(b";", 1)[0].strip()
-        try:
-            size = int(size_text, 16)
-        except ValueError:
-            raise TransportError(f"bad chunk size {size_text[:20]!r}") from None
+        size = _chunk_size(size_line)
         if size == 0:
             while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers
                 pass
             return b"".join(parts)
         parts.append(await reader.readexactly(size))
-        await reader.readexactly(2)
+        if await reader.readexactly(2) != b"\r\n":
+            raise TransportError("a chunk does not end where its size says")
 
 
 # ------------------------------------------------------------------ blocking, for threads
@@ -285,7 +303,6 @@ async def _chunked(reader: asyncio.StreamReader) -> bytes:
 class _SyncConnection:
     sock: socket.socket
     reader: io.BufferedReader[socket.SocketIO]
-    pid: int
     idle_since: float = 0.0
 
     def close(self) -> None:
@@ -297,6 +314,8 @@ class _SyncConnection:
     def still_open(self) -> bool:
         """Idle and nothing to read: a readable idle connection was closed by the gateway
         (or sent something unasked for), and is not reused."""
+        if not hasattr(select, "poll"):  # Windows
+            return not select.select([self.sock], [], [], 0)[0]
         poll = select.poll()
         poll.register(self.sock, select.POLLIN)
         return not poll.poll(0)
@@ -304,8 +323,7 @@ class _SyncConnection:
 
 class SyncPool:
     """:class:`Pool` for threads: blocking sockets, one request at a time per connection,
-    the idle ones shared under a lock. A connection made in another process (this one's
-    parent, before a fork) is never used."""
+    the idle ones shared under a lock. A forked child starts with none of its parent's."""
 
     def __init__(
         self, base_url: str, *, headers: dict[str, str], tls: ssl.SSLContext | None = None
@@ -316,6 +334,14 @@ class SyncPool:
         self._idle: list[_SyncConnection] = []
         self._lock = threading.Lock()
         self._closed = False
+        _sync_pools.add(self)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the parent's connections stay the parent's (two processes on
+        one connection would read each other's answers), and a lock another thread of the
+        parent held would stay held for ever."""
+        self._lock = threading.Lock()
+        self._idle = []
 
     def request(
         self,
@@ -329,13 +355,15 @@ class SyncPool:
         """Send one request and read its whole answer; ``timeout_s`` bounds the connecting
         and each wait for the gateway (as httpx's timeout does)."""
         head = _request_head(self._prefix, self.headers, method, path, body, headers)
+        reuse = True
         while True:
-            conn, reused = self._connection(timeout_s)
+            conn, reused = self._connection(timeout_s, reuse)
             try:
                 answer, keep = _exchange_sync(conn, head, body, method, timeout_s)
             except _Unanswered as exc:
                 conn.close()
                 if reused:
+                    reuse = False  # once more, on a new connection
                     continue  # an idle connection the gateway was closing
                 raise TransportError(str(exc.__cause__ or exc)) from exc
             except BaseException:
@@ -351,15 +379,13 @@ class SyncPool:
         for conn in idle:
             conn.close()
 
-    def _connection(self, timeout_s: float) -> tuple[_SyncConnection, bool]:
-        now, pid = time.monotonic(), os.getpid()
-        while True:
+    def _connection(self, timeout_s: float, reuse: bool) -> tuple[_SyncConnection, bool]:
+        now = time.monotonic()
+        while reuse:
             with self._lock:
                 if not self._idle:
                     break
                 conn = self._idle.pop()
-            if conn.pid != pid:
-                continue  # the parent's: it goes on using it
             if now - conn.idle_since < MAX_IDLE_S and conn.still_open():
                 return conn, True
             conn.close()
@@ -378,7 +404,7 @@ class SyncPool:
             sock.close()
             raise TransportError(f"cannot connect to {self._host}:{self._port}: {exc}") from exc
         reader = io.BufferedReader(socket.SocketIO(sock, "rb"), buffer_size=MAX_HEAD)
-        return _SyncConnection(sock, reader, pid), False
+        return _SyncConnection(sock, reader), False
 
     def _keep(self, conn: _SyncConnection) -> None:
         with self._lock:
@@ -387,6 +413,18 @@ class SyncPool:
                 self._idle.append(conn)
                 return
         conn.close()
+
+
+_sync_pools: weakref.WeakSet[SyncPool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_sync_pools):
+        pool._forget_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _exchange_sync(
@@ -407,15 +445,16 @@ def _exchange_sync(
     if not first:
         raise _Unanswered()
     try:
-        raw = first + _read_head(conn.reader)
-        status, reason, version, headers = _parse_head(raw)
+        status, reason, version, headers = _parse_head(first + _read_head(conn.reader))
+        while _interim(status):  # 100 Continue, 103 Early Hints (a proxy's): the answer follows
+            status, reason, version, headers = _parse_head(_read_head(conn.reader))
         keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
-        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+        if method == "HEAD" or status in (101, 204, 304):
             data = b""
         elif "chunked" in headers.get("transfer-encoding", "").lower():
             data = _chunked_sync(conn.reader)
         elif (length := headers.get("content-length")) is not None:
-            if not length.isdigit():
+            if not (length.isascii() and length.isdigit()):
                 raise TransportError(f"bad Content-Length {length!r}")
             data = _exactly(conn.reader, int(length))
         else:
@@ -458,15 +497,12 @@ def _chunked_sync(reader: io.BufferedReader[socket.SocketIO]) -> bytes:
         size_line = reader.readline(1024)
         if not size_line.endswith(b"\n"):
             raise TransportError("the answer was cut short in a chunk's size")
-        size_text = size_line.split(b";", 1)[0].strip()
-        try:
-            size = int(size_text, 16)
-        except ValueError:
-            raise TransportError(f"bad chunk size {size_text[:20]!r}") from None
+        size = _chunk_size(size_line)
         if size == 0:
             while (line := reader.readline(MAX_HEAD)) != b"\r\n":  # trailers
                 if not line.endswith(b"\n"):
                     raise TransportError("the answer was cut short in its trailers")
             return b"".join(parts)
         parts.append(_exactly(reader, size))
-        _exactly(reader, 2)
+        if _exactly(reader, 2) != b"\r\n":
+            raise TransportError("a chunk does not end where its size says")

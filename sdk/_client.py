@@ -145,8 +145,9 @@ class Client:
         # Threads share a client: what it sets up once is set up under these, by one of them.
         self._asking = threading.Lock()  # GET /v1/cluster
         self._setting_up = threading.Lock()  # our directory of the shared directory, the sweep
-        # ca: the PEM of the CA that signed an https:// gateway's certificate.
-        verify = tls.verify(ca)
+        # ca: the PEM of the CA that signed an https:// gateway's certificate. One context
+        # for both paths: they trust the same CAs (httpx's: certifi's, or SSL_CERT_FILE).
+        verify = httpx.create_ssl_context(verify=tls.verify(ca))
         headers = {"Authorization": f"Bearer {token}", "User-Agent": "bulletin-sdk"}
         # Streams (blobs) go through httpx, and everything does when the environment names
         # a proxy for the gateway's scheme (httpx honours it).
@@ -160,8 +161,7 @@ class Client:
         #: (bulletin_core/http1.py: a few tens of µs of CPU where httpx spends ~0.7 ms).
         self._fast = None
         if not _proxied(self.url):
-            context = tls.context(ca) if self.url.startswith("https://") else None
-            self._fast = http1.SyncPool(self.url, headers=headers, tls=context)
+            self._fast = http1.SyncPool(self.url, headers=headers, tls=verify)
         #: Called with (method, path) as each request is sent (tests and benchmarks count
         #: them).
         self.request_hooks: list[Callable[[str, str], None]] = []

@@ -6,8 +6,10 @@ timeouts and refusals as transport errors, and no connection shared across a for
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -181,3 +183,76 @@ def test_a_header_or_target_with_a_line_break_is_refused_before_anything_is_sent
         pool.request("GET", "/v1/invocations/x\r\nX-Evil: 1", timeout_s=1)
     with pytest.raises(ValueError, match="line break"):
         pool.request("GET", "/v1/x", headers={"X-Test": "a\nb"}, timeout_s=1)
+
+
+@contextlib.contextmanager
+def raw_peer(answers: list[bytes]) -> Iterator[str]:
+    """A peer on one connection that answers each request head with the next of
+    ``answers``, byte for byte: answers no uvicorn app gives (a proxy's 103, broken
+    framing), which both pools must take apart safely."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            with conn:
+                for answer in answers:
+                    seen = b""
+                    while b"\r\n\r\n" not in seen:
+                        more = conn.recv(65536)
+                        if not more:
+                            return
+                        seen += more
+                    conn.sendall(answer)
+                conn.recv(1)  # until the client closes
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        thread.join(5)
+
+
+def _ask(pool_class: PoolClass, url: str, times: int) -> list[http1.Answer]:
+    async def main() -> list[http1.Answer]:
+        pool = pool_class(url, headers={})
+        try:
+            return [await pool.request("GET", "/x", timeout_s=5) for _ in range(times)]
+        finally:
+            await pool.aclose()
+
+    return asyncio.run(main())
+
+
+@POOLS
+def test_an_interim_answer_is_skipped_and_the_next_request_gets_its_own(
+    pool_class: PoolClass,
+) -> None:
+    """A reverse proxy's 103 Early Hints before the answer: taking it for the answer would
+    leave the real one to the next request (another thread's, in the sdk)."""
+    early = b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
+    answers = [
+        early + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond",
+    ]
+    with raw_peer(answers) as url:
+        got = _ask(pool_class, url, 2)
+    assert [(a.status, a.body) for a in got] == [(200, b"first"), (200, b"second")]
+
+
+@POOLS
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n",  # a latin-1 digit
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXX0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\nabc\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x3\r\nabc\r\n0\r\n\r\n",
+    ],
+    ids=["length", "chunk-end", "chunk-negative", "chunk-prefix"],
+)
+def test_broken_framing_is_a_transport_error(pool_class: PoolClass, answer: bytes) -> None:
+    with raw_peer([answer]) as url, pytest.raises(http1.TransportError):
+        _ask(pool_class, url, 1)
