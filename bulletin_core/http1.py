@@ -234,21 +234,39 @@ async def _exchange(
         raise TransportError(f"answer head over {MAX_HEAD} bytes") from None
     except (asyncio.IncompleteReadError, OSError, ssl.SSLError) as exc:
         raise TransportError(f"the answer was cut short: {exc}") from exc
-    keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+    length, keep = _framing(method, status, version, headers)
     try:
-        if method == "HEAD" or status in (101, 204, 304):
-            data = b""
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
+        if length == _CHUNKED:
             data = await _chunked(conn.reader)
-        elif (length := headers.get("content-length")) is not None:
-            if not (length.isascii() and length.isdigit()):
-                raise TransportError(f"bad Content-Length {length!r}")
-            data = await conn.reader.readexactly(int(length))
+        elif length is None:
+            data = await conn.reader.read()
         else:
-            data, keep = await conn.reader.read(), False  # delimited by the connection's end
+            data = await conn.reader.readexactly(length)
     except (asyncio.IncompleteReadError, OSError, ssl.SSLError) as exc:
         raise TransportError(f"the answer's body was cut short: {exc}") from exc
     return Answer(status, reason, headers, data), keep
+
+
+#: ``_framing``'s length of a chunked body.
+_CHUNKED = -1
+
+
+def _framing(
+    method: str, status: int, version: str, headers: dict[str, str]
+) -> tuple[int | None, bool]:
+    """How an answer's body is delimited (for both pools): its length (0: it has none),
+    ``_CHUNKED``, or None (it ends with the connection); and whether the connection may be
+    reused after it."""
+    keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+    if method == "HEAD" or status in (101, 204, 304):
+        return 0, keep
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        return _CHUNKED, keep
+    if (length := headers.get("content-length")) is not None:
+        if not (length.isascii() and length.isdigit()):
+            raise TransportError(f"bad Content-Length {length!r}")
+        return int(length), keep
+    return None, False
 
 
 def _interim(status: int) -> bool:
@@ -448,17 +466,13 @@ def _exchange_sync(
         status, reason, version, headers = _parse_head(first + _read_head(conn.reader))
         while _interim(status):  # 100 Continue, 103 Early Hints (a proxy's): the answer follows
             status, reason, version, headers = _parse_head(_read_head(conn.reader))
-        keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
-        if method == "HEAD" or status in (101, 204, 304):
-            data = b""
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
+        length, keep = _framing(method, status, version, headers)
+        if length == _CHUNKED:
             data = _chunked_sync(conn.reader)
-        elif (length := headers.get("content-length")) is not None:
-            if not (length.isascii() and length.isdigit()):
-                raise TransportError(f"bad Content-Length {length!r}")
-            data = _exactly(conn.reader, int(length))
+        elif length is None:
+            data = conn.reader.read()
         else:
-            data, keep = conn.reader.read(), False  # delimited by the connection's end
+            data = _exactly(conn.reader, length)
     except TimeoutError:
         raise TimedOut(f"no whole answer within {timeout_s:g} s") from None
     except TransportError:

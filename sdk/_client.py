@@ -201,7 +201,7 @@ class Client:
             "/v1/invocations",
             body=body,
             headers=_JSON,
-            read=_json(_SUBMITTED),
+            read=_Json(_SUBMITTED),
             deadline_s=deadline_s,
         )
         if len(answer.ids) != len(calls):
@@ -223,7 +223,7 @@ class Client:
             f"/v1/invocations?wait={wait_s:g}",
             body=body,
             headers=_JSON,
-            read=_json(_SUBMITTED),
+            read=_Json(_SUBMITTED),
             timeout=max(self.timeout, wait_s + _LONG_POLL_MARGIN_S),
         )
         if len(answer.ids) != 1:
@@ -239,17 +239,17 @@ class Client:
 
     def get(self, invocation_id: str) -> wire.Invocation:
         """The current state of one invocation."""
-        return self._request("GET", _path(invocation_id), read=_json(_INVOCATION))
+        return self._request("GET", _path(invocation_id), read=_Json(_INVOCATION))
 
     def invocations(self, *, limit: int = 100) -> list[wire.Invocation]:
         """The caller's invocations, newest first."""
         params = {"limit": str(limit)}
-        return self._request("GET", "/v1/invocations", params=params, read=_json(_INVOCATIONS))
+        return self._request("GET", "/v1/invocations", params=params, read=_Json(_INVOCATIONS))
 
     def cancel(self, invocation_id: str, *, deadline_s: float | None = None) -> wire.Invocation:
         """Cancel one invocation; a finished one is returned unchanged."""
         path = _path(invocation_id) + "/cancel"
-        return self._request("POST", path, read=_json(_INVOCATION), deadline_s=deadline_s)
+        return self._request("POST", path, read=_Json(_INVOCATION), deadline_s=deadline_s)
 
     def cancel_many(self, ids: Sequence[str], *, deadline_s: float | None = None) -> list[str]:
         """Cancel up to ``wire.MAX_WATCH`` invocations in one request; returns those it
@@ -260,7 +260,7 @@ class Client:
             "/v1/invocations/cancel",
             body=body,
             headers=_JSON,
-            read=_json(_CANCELLED),
+            read=_Json(_CANCELLED),
             deadline_s=deadline_s,
         )
         return answer.cancelled
@@ -274,14 +274,14 @@ class Client:
             "/v1/functions/" + quote(name, safe=""),
             body=_ENCODER.encode(registration),
             headers=_JSON,
-            read=_json(_FUNCTION),
+            read=_Json(_FUNCTION),
         )
 
     def functions(self, owner: str | None = None) -> list[wire.FunctionInfo]:
         """The latest version of each registered function of ``owner`` (None: yours) that
         you may see."""
         params = {} if owner is None else {"owner": owner}
-        return self._request("GET", "/v1/functions", params=params, read=_json(_FUNCTIONS))
+        return self._request("GET", "/v1/functions", params=params, read=_Json(_FUNCTIONS))
 
     def unregister_function(self, name: str) -> None:
         """Remove every version of your registered function ``name``."""
@@ -298,7 +298,7 @@ class Client:
             "/v1/invocations/watch",
             body=body,
             headers=_JSON,
-            read=_json(_WATCHED),
+            read=_Json(_WATCHED),
             timeout=max(self.timeout, hold + _LONG_POLL_MARGIN_S),
         )
 
@@ -307,7 +307,7 @@ class Client:
         if self._cluster is None:
             with self._asking:
                 if self._cluster is None:
-                    self._cluster = self._request("GET", "/v1/cluster", read=_json(_CLUSTER))
+                    self._cluster = self._request("GET", "/v1/cluster", read=_Json(_CLUSTER))
         return self._cluster
 
     def shared_dir(self) -> str | None:
@@ -407,7 +407,7 @@ class Client:
             "/v1/blobs",
             body=lambda: _slices(pieces()),
             headers=headers,
-            read=_json(_BLOB),
+            read=_Json(_BLOB),
         )
 
     def get_blob(self, blob_id: str) -> bytearray:
@@ -625,10 +625,6 @@ class _Json(Generic[T]):
 
     def __call__(self, response: httpx.Response) -> T:
         return self.decode(response.read())
-
-
-def _json(decoder: msgspec.json.Decoder[T]) -> _Json[T]:
-    return _Json(decoder)
 
 
 #: Reads nothing of the answer (its status says it all).
