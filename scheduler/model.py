@@ -85,6 +85,9 @@ class Pending:
     priority: int = 0
     submit_time: float = 0.0
     expected_s: float | None = None
+    #: GPU-seconds of service it received before it was queued again (a preempted call's
+    #: runs so far); 0 for a call that never ran.
+    attained_gpu_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,9 @@ class Running:
     #: Already told to stop (a preemption notice is out); its GPUs free up within the grace.
     preempting: bool = False
     more: tuple[Part, ...] = ()
+    #: GPU-seconds of service it received before this run started (``attained`` adds the
+    #: run's own).
+    attained_gpu_s: float = 0.0
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -116,6 +122,10 @@ class Running:
         if not self.more:
             return len(self.gpu_indices)
         return len(self.gpu_indices) + sum(len(p.gpu_indices) for p in self.more)
+
+    def attained(self, now: float) -> float:
+        """GPU-seconds of service received by ``now``, this run included."""
+        return self.attained_gpu_s + self.gpus * max(0.0, now - self.start_time)
 
     def expected_end(self, now: float) -> float:
         """When its GPUs are expected back: never (inf) without a limit, not before ``now``."""

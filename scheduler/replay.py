@@ -16,16 +16,24 @@ Policy settings other than the starvation guard are the defaults; ``--half-life-
 fair-share half-life of the usage fed to the policy.
 
 Preemption: a preempted job keeps its GPUs for the grace period (``--grace-s``, default 0),
-then goes back to the queue with its original submit time and only its remaining work: it
-resumes from a checkpoint taken when it stopped, losing nothing (``--restart-overhead-s`` adds
-a fixed cost per preemption, e.g. reloading the checkpoint). Jobs that could never fit (more
-GPUs than the cluster, a GPU model it lacks, above their group's quota ceiling under ``fair``)
-are rejected at submit time and counted as ``rejected``.
+then goes back to the queue with its original submit time and its remaining work. By default
+it resumes from a checkpoint taken when it stopped, losing nothing; ``--preemption-cost-s``
+adds that much work each time it is preempted (the work since its last checkpoint and the
+restart: reloading the checkpoint, warming up again). A job's attained service (GPU-seconds
+of all its runs, lost work included) goes with it back to the queue. Jobs that could never fit
+(more GPUs than the cluster, a GPU model it lacks, above their group's quota ceiling under
+``fair``) are rejected at submit time and counted as ``rejected``.
+
+Policies: the live ones (:mod:`scheduler.policies`) and the replay-only yardsticks of
+:mod:`scheduler.yardsticks` (``las``, ``srtf``). ``--jobs-out FILE`` writes one CSV row per job
+(when it was submitted, first started and completed, its queueing, preemptions and attained
+service) for inspection.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import heapq
 import json
 import sys
@@ -34,7 +42,7 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from scheduler import policies, traces
+from scheduler import policies, traces, yardsticks
 from scheduler.admission import never_fits
 from scheduler.fairshare import DEFAULT_HALF_LIFE_S, UsageMeter
 from scheduler.metrics import Recorder
@@ -52,6 +60,23 @@ from scheduler.policies import Policy
 from scheduler.traces import Job
 
 FINISH, STOP = 0, 1
+#: ``--jobs-out``'s columns: times in trace seconds, empty where a job never got that far.
+JOB_COLUMNS = (
+    "job",
+    "group",
+    "user",
+    "gpus",
+    "gpu_type",
+    "submit",
+    "duration",
+    "start",
+    "end",
+    "queue_s",
+    "jct_s",
+    "preemptions",
+    "attained_gpu_s",
+    "fate",
+)
 K = TypeVar("K", bound=Hashable)
 
 
@@ -99,19 +124,22 @@ class Simulator:
         quotas: Mapping[str, Quota],
         half_life_s: float = DEFAULT_HALF_LIFE_S,
         grace_s: float = 0.0,
-        restart_overhead_s: float = 0.0,
+        preemption_cost_s: float = 0.0,
     ) -> None:
         self.jobs = list(jobs)
         self.policy = policy
         self.cluster = cluster
         self.quotas = dict(quotas)
         self.grace_s = grace_s
-        self.restart_overhead_s = restart_overhead_s
+        self.preemption_cost_s = preemption_cost_s
         self.nodes = cluster.build()
         self.free = cluster.nodes * cluster.gpus_per_node
         self.pending: dict[str, Pending] = {}
         self.running: dict[str, Running] = {}
         self.remaining = [j.duration for j in self.jobs]
+        #: GPU-seconds each job received in its runs before the current one.
+        self.attained = [0.0] * len(self.jobs)
+        self.preempted = [0] * len(self.jobs)
         self.generation = [0] * len(self.jobs)
         self.events: list[tuple[float, int, int, int, int]] = []  # (t, seq, kind, job, gen)
         self.seq = 0
@@ -124,6 +152,7 @@ class Simulator:
         self.started: dict[int, float] = {}
         self.completed: dict[int, float] = {}
         self.verdicts: dict[tuple[int, str | None, str], str | None] = {}
+        self.dropped: set[int] = set()
 
     def run(self) -> dict[str, float]:
         wall = time.perf_counter()
@@ -167,6 +196,38 @@ class Simulator:
         )
         return out
 
+    def write_jobs(self, path: str) -> None:
+        """One CSV row per job of the trace, in its order: what became of it."""
+        with open(path, "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(JOB_COLUMNS)
+            for i, job in enumerate(self.jobs):
+                start, end = self.started.get(i), self.completed.get(i)
+                if i in self.completed:
+                    fate = "completed"
+                elif i in self.dropped:
+                    fate = "rejected"
+                else:
+                    fate = "running" if str(i) in self.running else "pending"
+                out.writerow(
+                    [
+                        i,
+                        job.group,
+                        job.user,
+                        job.gpus,
+                        job.gpu_type or "",
+                        _num(job.submit),
+                        _num(job.duration),
+                        "" if start is None else _num(start),
+                        "" if end is None else _num(end),
+                        "" if start is None else _num(start - job.submit),
+                        "" if end is None else _num(end - job.submit),
+                        self.preempted[i],
+                        _num(self.attained[i]),
+                        fate,
+                    ]
+                )
+
     # ----------------------------------------------------------------- events
 
     def arrive(self, i: int) -> bool:
@@ -183,6 +244,7 @@ class Simulator:
         )
         if job.gpus < 1 or self.never_fits(call) is not None:
             self.rejected += 1
+            self.dropped.add(i)
             return False
         self.pending[call.id] = call
         self.record.want(job.group, job.gpus)
@@ -197,7 +259,8 @@ class Simulator:
         return self.verdicts[key]
 
     def finish(self, i: int, now: float) -> None:
-        self.release(i, now)
+        run = self.release(i, now)
+        self.attained[i] = run.attained(now)
         job = self.jobs[i]
         self.record.want(job.group, -job.gpus)
         self.record.finished(job.submit, job.duration, now)
@@ -207,7 +270,9 @@ class Simulator:
         """A preempted job's grace is over: it gives its GPUs back and queues again."""
         run = self.release(i, now)
         self.remaining[i] -= now - run.start_time
-        self.remaining[i] += self.restart_overhead_s
+        self.remaining[i] += self.preemption_cost_s
+        self.attained[i] = run.attained(now)
+        self.preempted[i] += 1
         job = self.jobs[i]
         self.pending[run.id] = Pending(
             run.id,
@@ -217,6 +282,7 @@ class Simulator:
             gpu_model=job.gpu_type,
             submit_time=job.submit,
             expected_s=self.remaining[i],
+            attained_gpu_s=self.attained[i],
         )
 
     def release(self, i: int, now: float) -> Running:
@@ -270,6 +336,7 @@ class Simulator:
                 expected_s=self.remaining[i],
                 borrowed=d.borrowed,
                 more=d.more,
+                attained_gpu_s=self.attained[i],
             )
             self.running[call.id] = run
             self.started.setdefault(i, now)
@@ -277,6 +344,8 @@ class Simulator:
             self.push(now + self.remaining[i], FINISH, i)
         for p in plan.preemptions:
             run = self.running[p.invocation_id]
+            if run.preempting:
+                continue  # already told: its notice stands
             self.preemptions += 1
             self.running[run.id] = replace(run, preempting=True)
             self.push(now + self.grace_s, STOP, int(run.id))
@@ -292,11 +361,25 @@ class Options:
     quota_file: str | None = None
     half_life_s: float = DEFAULT_HALF_LIFE_S
     grace_s: float = 0.0
-    restart_overhead_s: float = 0.0
+    #: Work a job redoes each time it is preempted (lost work and restart), seconds.
+    preemption_cost_s: float = 0.0
     #: GPU models cycled over the nodes; without them jobs' gpu_type is ignored.
     models: tuple[str, ...] = ()
     #: The fair policy's starvation guard (None: off).
     starve_after_s: float | None = None
+    #: Write one CSV row per job here (``JOB_COLUMNS``).
+    jobs_out: str | None = None
+
+
+def policy_names() -> list[str]:
+    """Every policy a replay can run: the live ones and the yardsticks."""
+    return sorted({*policies.POLICIES, *yardsticks.YARDSTICKS})
+
+
+def get_policy(name: str, **settings: float) -> Policy:
+    if name in yardsticks.YARDSTICKS:
+        return yardsticks.YARDSTICKS[name](**settings)
+    return policies.get(name, **settings)
 
 
 def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
@@ -316,14 +399,17 @@ def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
         settings["starve_after_s"] = options.starve_after_s
     sim = Simulator(
         jobs,
-        policies.get(options.policy, **settings),
+        get_policy(options.policy, **settings),
         cluster,
         quotas,
         options.half_life_s,
         options.grace_s,
-        options.restart_overhead_s,
+        options.preemption_cost_s,
     )
-    return sim.run()
+    out = sim.run()
+    if options.jobs_out:
+        sim.write_jobs(options.jobs_out)
+    return out
 
 
 def parser() -> argparse.ArgumentParser:
@@ -332,7 +418,12 @@ def parser() -> argparse.ArgumentParser:
         description="Replay a job trace through a scheduling policy on a virtual clock.",
     )
     p.add_argument("trace", help="CSV trace: plain, Philly or Tiresias (see scheduler.traces)")
-    p.add_argument("--policy", default="fifo", choices=sorted(policies.POLICIES))
+    p.add_argument(
+        "--policy",
+        default="fifo",
+        choices=policy_names(),
+        help="a live policy, or a replay-only yardstick (las, srtf: scheduler.yardsticks)",
+    )
     p.add_argument("--nodes", type=int, default=32)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--quota-file", help='JSON: {"group": {"guaranteed": 8, "borrow_limit": 64}}')
@@ -340,11 +431,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--half-life-s", type=float, default=DEFAULT_HALF_LIFE_S)
     p.add_argument("--grace-s", type=float, default=0.0, help="preemption notice period")
     p.add_argument(
+        "--preemption-cost-s",
         "--restart-overhead-s",
+        dest="preemption_cost_s",
         type=float,
         default=0.0,
-        help="work added to a job each time it is preempted",
+        help="work a job redoes each time it is preempted: lost work and restart (seconds)",
     )
+    p.add_argument("--jobs-out", metavar="FILE", help="write one CSV row per job here")
     p.add_argument(
         "--node-models",
         default="",
@@ -365,6 +459,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.nodes < 1 or args.gpus_per_node < 1:
         print("--nodes and --gpus-per-node must be at least 1", file=sys.stderr)
         return 2
+    if args.starve_after_s is not None and args.policy != "fair":
+        print("--starve-after-s is a setting of --policy fair only", file=sys.stderr)
+        return 2
+    if args.preemption_cost_s < 0 or args.grace_s < 0:
+        print("--preemption-cost-s and --grace-s cannot be negative", file=sys.stderr)
+        return 2
     options = Options(
         args.policy,
         args.nodes,
@@ -372,9 +472,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.quota_file,
         args.half_life_s,
         args.grace_s,
-        args.restart_overhead_s,
+        args.preemption_cost_s,
         tuple(m for m in args.node_models.split(",") if m),
         args.starve_after_s,
+        args.jobs_out,
     )
     try:
         metrics = replay(args.trace, options)
@@ -389,6 +490,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key, value in result.items():
             print(f"{key:>14}: {value:.4g}" if isinstance(value, float) else f"{key:>14}: {value}")
     return 0
+
+
+def _num(value: float) -> str:
+    return f"{value:.0f}" if value == int(value) else f"{value:.3f}"
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Hypothesis properties of both policies: no GPU handed out twice, no gang split or partial,
-constraints and quotas kept, guarantees won back, and no group starved in a replay."""
+"""Hypothesis properties of the policies and the replay's yardsticks: no GPU handed out twice,
+no gang split or partial, constraints and quotas kept, guarantees won back, and no group
+starved in a replay."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ from scheduler import (
     placement,
     plan,
 )
+from scheduler.core import resolve
 from scheduler.fair import Fair
 from scheduler.replay import Cluster, Simulator
 from scheduler.traces import Job
+from scheduler.yardsticks import Las, Srtf
 
 GROUPS = ["a", "b", "c"]
 
@@ -76,7 +79,7 @@ def held(snap: Snapshot) -> dict[str, int]:
     return out
 
 
-POLICIES: list[str | Policy] = ["fifo", "fair", Fair(starve_after_s=0)]
+POLICIES: list[str | Policy] = ["fifo", "fair", Fair(starve_after_s=0), Las((10.0, 100.0)), Srtf()]
 
 
 @settings(max_examples=300, deadline=None)
@@ -127,7 +130,7 @@ def check_preemptions(snap: Snapshot, out: Plan, policy: str | Policy) -> None:
         after[next(c.group for c in snap.pending if c.id == d.invocation_id)] += sum(
             len(p.gpu_indices) for p in d.parts
         )
-    if policy != "fifo":
+    if resolve(policy).uses_quotas:
         for g, n in after.items():
             quota = snap.quotas[g]
             assert n <= max(quota.ceiling, before.get(g, 0))  # placing never passes a ceiling

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import Quota, policies, replay, traces
+from scheduler import Quota, replay, traces
 from scheduler.replay import Cluster, Simulator
 from scheduler.traces import Job, TraceError
 
@@ -32,7 +32,7 @@ def simulate(
     **kw: float,
 ) -> Simulator:
     quotas = traces.derive_quotas(jobs, nodes * gpus) if quotas is None else quotas
-    sim = Simulator(jobs, policies.get(policy), Cluster(nodes, gpus), quotas, **kw)
+    sim = Simulator(jobs, replay.get_policy(policy), Cluster(nodes, gpus), quotas, **kw)
     sim.run()
     return sim
 
@@ -124,7 +124,7 @@ def test_a_preempted_job_keeps_its_gpus_for_the_grace_then_resumes() -> None:
     assert sim.started[1] == 15  # after b's 5 s grace
     assert sim.completed[1] == 65
     assert sim.completed[0] == 65 + 100 - 15  # b resumes with its remaining work
-    out = simulate(jobs, "fair", 1, 2, quotas, grace_s=5, restart_overhead_s=7)
+    out = simulate(jobs, "fair", 1, 2, quotas, grace_s=5, preemption_cost_s=7)
     assert out.completed[0] == 65 + 100 - 15 + 7
 
 

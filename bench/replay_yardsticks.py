@@ -1,0 +1,79 @@
+"""The live policies beside the research yardsticks, on one trace, per cluster size and cost.
+
+Run: ``python bench/replay_yardsticks.py [--trace PATH] [--nodes 88,64] [--costs 0,300]
+[--policies fifo,fair,las,srtf] [--procs N]``.
+
+Every (size, preemption cost, policy) is one replay of the whole trace (8-GPU nodes, the
+default half-life, quotas derived from the trace as ``bench/replay_philly.py`` does), each in
+its own process on one core; ``las`` and ``srtf`` are the replay-only yardsticks of
+``scheduler/yardsticks.py``. Prints one Markdown table per size: average and p99 queueing
+delay, average and p99 JCT, Jain's fairness across groups, preemptions, utilisation and the
+replay's wall time. A preemption cost only changes policies that preempt (``fifo`` never
+does: it runs once per size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from scheduler import traces
+from scheduler.replay import Options, replay
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "philly_jobs_pollux_osdi21.csv"
+COLUMNS = [
+    ("avg_queue_s", "avg queue (s)"),
+    ("p99_queue_s", "p99 queue (s)"),
+    ("avg_jct_s", "avg JCT (s)"),
+    ("p99_jct_s", "p99 JCT (s)"),
+    ("jain_fairness", "Jain"),
+    ("preemptions", "preemptions"),
+    ("utilization", "utilisation"),
+    ("wall_s", "wall (s)"),
+]
+
+
+def run(args: tuple[str, Options]) -> dict[str, float]:
+    return replay(traces.read(args[0]), args[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", default=str(TRACE))
+    parser.add_argument("--nodes", default="88,64", help="cluster sizes, 8-GPU nodes")
+    parser.add_argument("--costs", default="0,300", help="--preemption-cost-s values")
+    parser.add_argument("--policies", default="fifo,fair,las,srtf")
+    parser.add_argument("--procs", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    sizes = [int(n) for n in args.nodes.split(",")]
+    costs = [float(c) for c in args.costs.split(",")]
+    names = args.policies.split(",")
+    runs = [
+        (n, c, p)
+        for n in sizes
+        for c in costs
+        for p in names
+        if not (p == "fifo" and c != costs[0])
+    ]
+    with ProcessPoolExecutor(args.procs) as pool:
+        results = list(
+            pool.map(run, [(args.trace, Options(p, n, preemption_cost_s=c)) for n, c, p in runs])
+        )
+    for size in sizes:
+        print(f"\n## {Path(args.trace).name}, {size} x 8 GPUs\n")
+        print("| policy | preemption cost (s) | " + " | ".join(h for _, h in COLUMNS) + " |")
+        print("|---|---|" + "---|" * len(COLUMNS))
+        for (n, c, p), r in zip(runs, results, strict=True):
+            if n == size:
+                cells = " | ".join(_fmt(r[k]) for k, _ in COLUMNS)
+                print(f"| {p} | {c:.0f} | {cells} |")
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.3f}" if abs(value) < 10 and value != int(value) else f"{value:,.0f}"
+
+
+if __name__ == "__main__":
+    main()

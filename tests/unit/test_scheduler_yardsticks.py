@@ -1,0 +1,144 @@
+"""The replay's yardsticks (scheduler.yardsticks): 2D-LAS and oracle SRTF, what they preempt
+and when, and what the replay records of attained service and preemption costs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from scheduler import Quota, replay, traces
+from scheduler.model import Gpu, NodeCapacity, Pending, Running, Snapshot
+from scheduler.replay import Cluster, Simulator
+from scheduler.traces import Job
+from scheduler.yardsticks import Las, Srtf
+
+TIRESIAS = Path(__file__).resolve().parents[1] / "data" / "traces" / "tiresias_60_job.csv"
+
+
+def simulate(jobs: list[Job], policy: Las | Srtf, nodes: int, gpus: int, **kw: float) -> Simulator:
+    quotas: dict[str, Quota] = traces.derive_quotas(jobs, nodes * gpus)
+    sim = Simulator(jobs, policy, Cluster(nodes, gpus), quotas, **kw)
+    sim.run()
+    return sim
+
+
+def node(node_id: int, free: tuple[int, ...] = (), size: int = 2) -> NodeCapacity:
+    return NodeCapacity(node_id, list(free), 0, tuple(Gpu(g) for g in range(size)))
+
+
+def test_las_lets_a_newcomer_preempt_a_job_past_a_threshold() -> None:
+    # A has 400 GPU-seconds when B arrives: past 100, so a lower class than B's.
+    jobs = [Job("a", 0, 1000, 2), Job("b", 200, 10, 2)]
+    sim = simulate(jobs, Las((100.0, 1000.0)), 1, 2)
+    assert sim.preemptions == 1
+    assert (sim.started[1], sim.completed[1]) == (200, 210)
+    assert sim.completed[0] == 1010  # resumed with its remaining 800 s
+    costly = simulate(jobs, Las((100.0, 1000.0)), 1, 2, preemption_cost_s=50)
+    assert costly.completed[0] == 1060
+
+
+def test_las_never_preempts_inside_a_class() -> None:
+    # A has 20 GPU-seconds when B arrives: both in the first class, served in arrival order.
+    jobs = [Job("a", 0, 1000, 2), Job("b", 10, 10, 2)]
+    sim = simulate(jobs, Las((100.0, 1000.0)), 1, 2)
+    assert sim.preemptions == 0 and sim.started[1] == 1000
+
+
+def test_srtf_preempts_only_for_a_shorter_remainder() -> None:
+    sim = simulate([Job("a", 0, 1000, 2), Job("b", 100, 10, 2)], Srtf(), 1, 2)
+    assert sim.preemptions == 1 and (sim.started[1], sim.completed[0]) == (100, 1010)
+    sim = simulate([Job("a", 0, 100, 2), Job("b", 10, 500, 2)], Srtf(), 1, 2)
+    assert sim.preemptions == 0 and sim.started[1] == 100
+
+
+def test_preemption_frees_one_node_at_the_least_cost() -> None:
+    # Node 0: one 2-GPU job; node 1: two 1-GPU jobs. A 1-GPU call preempts one 1-GPU job,
+    # the one that started last (latest in its class).
+    now = 5000.0
+    snap = Snapshot(
+        nodes=[node(0), node(1)],
+        pending=[Pending("new", 1, submit_time=now)],
+        running=[
+            Running("big", 0, (0, 1), start_time=0.0),
+            Running("old", 1, (0,), start_time=0.0),
+            Running("young", 1, (1,), start_time=100.0),
+        ],
+        now=now,
+    )
+    out = Las((100.0, 1000.0)).plan(snap)
+    assert [p.invocation_id for p in out.preemptions] == ["young"] and not out
+
+
+def test_a_gang_preempts_whole_nodes_and_others_keep_off_them() -> None:
+    nodes = [node(n) for n in range(3)]
+    running = [Running(f"r{n}", n, (0, 1), start_time=0.0) for n in range(3)]
+    running.append(Running("fresh", 3, (1,), start_time=1000.0))  # the gang's class: stays
+    snap = Snapshot(
+        nodes=[*nodes, node(3, (0,))],
+        pending=[Pending("gang", 4, submit_time=900.0), Pending("one", 1, submit_time=950.0)],
+        running=running,
+        now=1000.0,
+    )
+    out = Las((100.0, 1000.0)).plan(snap)
+    assert len(out.preemptions) == 2  # two whole nodes of 2 GPUs, not the third
+    assert [d.invocation_id for d in out] == ["one"]  # the free GPU of node 3
+    assert {p.invocation_id for p in out.preemptions} <= {"r0", "r1", "r2"}
+
+
+def test_a_call_of_the_same_class_is_no_victim() -> None:
+    snap = Snapshot(
+        nodes=[node(0)],
+        pending=[Pending("new", 2, submit_time=10.0)],
+        running=[Running("r", 0, (0, 1), start_time=0.0)],
+        now=10.0,
+    )
+    assert not Las((100.0, 1000.0)).plan(snap).preemptions
+    done = Running("r", 0, (0, 1), start_time=0.0, attained_gpu_s=200.0)
+    assert (
+        Las((100.0, 1000.0)).plan(Snapshot(snap.nodes, snap.pending, [done], now=10.0)).preemptions
+    )
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+@pytest.mark.parametrize("cost", [0.0, 30.0])
+@pytest.mark.parametrize("policy", ["las", "srtf"])
+def test_attained_service_adds_up(policy: str, cost: float, nodes: int) -> None:
+    # Every job completes, and the service it got is its work plus the work redone after
+    # each preemption, on its GPUs.
+    jobs = traces.read(TIRESIAS)
+    pick = Las((60.0, 600.0)) if policy == "las" else Srtf()
+    sim = simulate(jobs, pick, nodes, 4, preemption_cost_s=cost)
+    assert len(sim.completed) == len(jobs) and sim.preemptions > 0
+    for i, job in enumerate(jobs):
+        work = job.duration + cost * sim.preempted[i]
+        assert sim.attained[i] == pytest.approx(job.gpus * work)
+        assert sim.completed[i] - sim.started[i] >= work - 1e-6
+
+
+def test_the_command_line_runs_a_yardstick_and_writes_each_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "jobs.csv"
+    args = [str(TIRESIAS), "--nodes", "2", "--gpus-per-node", "4", "--format", "json"]
+    assert replay.main([*args, "--policy", "srtf", "--preemption-cost-s", "30",
+                        "--jobs-out", str(out)]) == 0  # fmt: skip
+    metrics = json.loads(capsys.readouterr().out)
+    rows = list(csv.DictReader(out.open()))
+    assert tuple(rows[0]) == replay.JOB_COLUMNS and len(rows) == 60
+    assert all(r["fate"] == "completed" for r in rows)
+    assert sum(int(r["preemptions"]) for r in rows) == metrics["preemptions"] > 0
+    for r in rows:
+        assert float(r["queue_s"]) == pytest.approx(float(r["start"]) - float(r["submit"]))
+    mean_jct = sum(float(r["jct_s"]) for r in rows) / 60
+    assert mean_jct == pytest.approx(metrics["avg_jct_s"])
+
+
+def test_settings_that_do_not_apply_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [str(TIRESIAS), "--nodes", "2"]
+    assert replay.main([*args, "--policy", "las", "--starve-after-s", "60"]) == 2
+    assert "fair only" in capsys.readouterr().err
+    assert replay.main([*args, "--preemption-cost-s", "-1"]) == 2
+    assert "negative" in capsys.readouterr().err
