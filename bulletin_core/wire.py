@@ -218,15 +218,21 @@ Priority = Annotated[
         ),
     ),
 ]
-#: What a GpuModel is: part of a GPU model name.
-GPU_MODEL = "^[A-Za-z0-9 _.-]{1,64}$"
+#: One GPU model to match: part of a GPU model name.
+ONE_GPU_MODEL = "[A-Za-z0-9 _.-]{1,64}"
+#: Most models one call may accept.
+MAX_GPU_MODELS = 8
+#: What a GpuModel is: one model, or up to MAX_GPU_MODELS separated by '|' (any of them).
+GPU_MODEL = f"^{ONE_GPU_MODEL}(\\|{ONE_GPU_MODEL}){{0,{MAX_GPU_MODELS - 1}}}$"
 #: A GPU model name to match, as NVML reports it ("NVIDIA A100-SXM4-80GB" matches "A100").
 GpuModel = Annotated[
     Annotated[str, msgspec.Meta(pattern=GPU_MODEL)] | None,
     msgspec.Meta(
         description=(
             "Only GPUs whose model name contains this (case-insensitive), e.g. `A100`: 1 to 64 "
-            "letters, digits, spaces, '.', '_' and '-'. Null: any model."
+            "letters, digits, spaces, '.', '_' and '-'. Several models separated by '|' "
+            "(`A100|H100`, at most 8) accept any of them: each of the call's GPUs is one of "
+            "them. Null: any model."
         )
     ),
 ]

@@ -58,7 +58,7 @@ def never_fits(
 
 
 def _what(call: Pending) -> str:
-    what = f"{call.gpu_model} GPUs" if call.gpu_model else "GPUs"
+    what = f"{placement.model_words(call.gpu_model)} GPUs" if call.gpu_model else "GPUs"
     return what + (f" with at least {call.min_memory_mib} MiB" if call.min_memory_mib else "")
 
 

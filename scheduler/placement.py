@@ -2,7 +2,9 @@
 
 A call's GPUs all come from one node. Filters: the node is not draining; a GPU qualifies when
 its model name contains the call's model (case-insensitive: NVML's "NVIDIA A100-SXM4-80GB"
-matches "A100") and it has at least the call's memory. A node whose
+matches "A100"), or one of its models when it names several (``A100|H100``: each GPU is one of
+them, so a node mixing both may give a call some of each), and it has at least the call's
+memory. A node whose
 inventory is unknown qualifies only for unconstrained calls. Rank, best first:
 
 1. connected: all the call's GPUs in one NVLink group (nodes without topology count as
@@ -17,6 +19,7 @@ version a round uses, and the tests hold one against the other.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
@@ -30,9 +33,24 @@ def constrained(call: Pending) -> bool:
 
 
 def model_ok(model: str, wanted: str | None) -> bool:
-    """Whether a GPU model name satisfies a call's ``gpu_model`` (a case-insensitive part of
-    it; None: any)."""
-    return wanted is None or wanted.casefold() in model.casefold()
+    """Whether a GPU model name satisfies a call's ``gpu_model``: a case-insensitive part of
+    it, or of one of several separated by ``|`` (any of them); None: any."""
+    if wanted is None:
+        return True
+    name = model.casefold()
+    return any(part in name for part in alternatives(wanted))
+
+
+@functools.lru_cache(maxsize=256)
+def alternatives(wanted: str) -> tuple[str, ...]:
+    """The models a ``gpu_model`` accepts, casefolded."""
+    return tuple(part.casefold() for part in wanted.split("|"))
+
+
+def model_words(wanted: str) -> str:
+    """``A100``; ``A100 or H100``; ``A100, H100 or L40S``."""
+    parts = wanted.split("|")
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} or {parts[-1]}"
 
 
 def gpu_ok(gpu: Gpu, call: Pending) -> bool:

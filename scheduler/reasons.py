@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import ParamSpec
 
+from scheduler import placement
 from scheduler.capacity import Capacity
 from scheduler.model import Part, Pending
 
@@ -55,8 +56,8 @@ def plural(n: int, thing: str) -> str:
 
 
 def gpus(n: int, model: str | None = None) -> str:
-    """``1 GPU``, ``4 A100 GPUs``."""
-    return plural(n, f"{model} GPU" if model else "GPU")
+    """``1 GPU``, ``4 A100 GPUs``, ``2 A100 or H100 GPUs``."""
+    return plural(n, f"{placement.model_words(model)} GPU" if model else "GPU")
 
 
 def ahead(n: int, what: str = "calls") -> str:

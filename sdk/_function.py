@@ -11,7 +11,7 @@ import numbers
 import re
 import typing
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, NoReturn, ParamSpec, TypeVar, overload
 
 import msgspec
@@ -276,7 +276,7 @@ def _replace(spec: wire.CallSpec, **changes: Any) -> wire.CallSpec:
 def function(
     *,
     gpus: int = 0,
-    gpu: str | None = None,
+    gpu: str | Sequence[str] | None = None,
     gpu_memory_gb: float | None = None,
     priority: int = 0,
     max_retries: int = 2,
@@ -296,7 +296,8 @@ def function(*args: Any, **kwargs: Any) -> Any:
     """Make a function run on the cluster when called.
 
     ``gpus``: GPUs per call (0: CPU only), all on one node. ``gpu``: only GPUs whose model
-    name contains this (``"A100"``, ``"H100"``). ``gpu_memory_gb``: only GPUs with at least
+    name contains this (``"A100"``, ``"H100"``), or one of a list (``["A100", "H100"]``: each
+    GPU is one of them). ``gpu_memory_gb``: only GPUs with at least
     this much memory, in GB as on the card's label (``80`` takes an 80GB H100).
     ``priority`` (default 0): higher goes first, before fair share; users may lower it (to
     -1000) to let others go first, only administrators raise it (to 1000).
@@ -406,18 +407,27 @@ def _seconds_or_none(name: str, value: Any, unit: str) -> float | None:
 
 
 def _gpu_model(value: Any) -> str | None:
+    """``gpu=``: one model, or a list of models any of which will do (sent as ``A|B``)."""
     if value is None:
         return None
     if _whole(value):
         raise TypeError(
             f"gpu names a GPU model, such as gpu='A100'; for a number of GPUs use gpus={value}"
         )
-    if not isinstance(value, str) or not re.search(wire.GPU_MODEL, value):
+    models = list(value) if isinstance(value, list | tuple) else [value]
+    if not models or len(models) > wire.MAX_GPU_MODELS:
         raise ValueError(
-            f"gpu must be part of a GPU model name such as 'A100' or 'H100' (letters, digits, "
-            f"spaces, '.', '_', '-'; at most 64), got {value!r}"
+            f"gpu may list 1 to {wire.MAX_GPU_MODELS} GPU models (any of them will do), "
+            f"got {len(models)}"
         )
-    return value
+    for model in models:
+        if not isinstance(model, str) or not re.fullmatch(wire.ONE_GPU_MODEL, model):
+            raise ValueError(
+                "gpu must be part of a GPU model name such as 'A100', or a list of them such "
+                "as ['A100', 'H100'] (letters, digits, spaces, '.', '_', '-'; at most 64 "
+                f"each), got {value!r}"
+            )
+    return "|".join(models)
 
 
 def _priority(value: Any) -> int:

@@ -415,7 +415,7 @@ def test_user_routes_answer_only_what_the_spec_documents(unlimited: Cluster) -> 
             "max_retries": st.integers(min_value=0, max_value=10),
             "timeout_s": st.none() | st.floats(min_value=0, exclude_min=True, allow_infinity=False),
             "priority": st.integers(min_value=-1000, max_value=1000),
-            "gpu_model": st.none() | st.sampled_from(["A100", "Fake", "H100 80GB"]),
+            "gpu_model": st.none() | st.sampled_from(["A100", "Fake", "H100 80GB", "A100|Fake"]),
             "gpu_memory_mb": st.none() | st.integers(min_value=0, max_value=2**31 - 1),
             "expected_s": st.none() | st.floats(min_value=1e-3, max_value=1e9),
         },

@@ -130,6 +130,7 @@ def test_calls_that_can_never_fit_are_refused_with_the_reason(fair: Cluster) -> 
     cases = [
         (sdk.function(gpus=2)(quick), "group small may hold at most 1"),
         (sdk.function(gpus=1, gpu="A100")(quick), "no node has A100 GPUs; models here: Fake"),
+        (sdk.function(gpus=1, gpu=["A100", "H100"])(quick), "no node has A100 or H100 GPUs"),
         (sdk.function(gpus=1, gpu_memory_gb=64)(quick), "with at least 61035 MiB"),
     ]
     for fn, reason in cases:
@@ -139,6 +140,7 @@ def test_calls_that_can_never_fit_are_refused_with_the_reason(fair: Cluster) -> 
     with pytest.raises(sdk.InvalidRequest, match=r"the largest node has 2"):
         sdk.function(gpus=3)(quick)("x")
     assert sdk.function(gpus=1, gpu="Fake", gpu_memory_gb=16)(quick)("y") == "y ran"
+    assert sdk.function(gpus=1, gpu=["H100", "fake"])(quick)("z") == "z ran"  # any of them
 
 
 def test_only_administrators_raise_a_calls_priority(fair: Cluster) -> None:

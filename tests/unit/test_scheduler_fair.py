@@ -147,6 +147,8 @@ def test_never_fits_names_the_reason() -> None:
     assert never_fits(Pending("gang", 16), nodes) is None
     assert "largest node has 8" in (never_fits(Pending("big", 17), nodes) or "")
     assert "no node has H100" in (never_fits(Pending("h", 1, gpu_model="H100"), nodes) or "")
+    either = Pending("h", 1, gpu_model="H100|L40S")
+    assert "no node has H100 or L40S GPUs" in (never_fits(either, nodes) or "")
     msg = never_fits(Pending("m", 1, min_memory_mib=80000), nodes) or ""
     assert "at least 80000 MiB" in msg
     assert "largest node has 8" in (never_fits(Pending("a", 9, gpu_model="A100"), nodes) or "")

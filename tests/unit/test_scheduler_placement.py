@@ -37,6 +37,20 @@ def test_a_model_asked_for_matches_the_nvml_names_that_contain_it() -> None:
     assert decision.node_id == 1
 
 
+def test_a_call_may_accept_any_of_several_models() -> None:
+    either = Pending("e", 2, gpu_model="V100M16|V100M32")
+    assert pl.gpu_ok(Gpu(0, "Tesla V100M32"), either) and pl.gpu_ok(Gpu(0, "V100M16"), either)
+    assert not pl.gpu_ok(Gpu(0, "Tesla V100M8"), either)
+    nodes = [node(1, [0, 1], model="H100"), node(2, [0, 1, 2], model="V100M32")]
+    [decision] = plan(Snapshot(nodes, [either]))
+    assert decision.node_id == 2
+    # A node mixing the two gives the call some of each: each GPU is one of them.
+    mixed = NodeCapacity(3, [0, 1], 0, (Gpu(0, "V100M16"), Gpu(1, "V100M32"), Gpu(2, "T4")))
+    [decision] = plan(Snapshot([mixed], [either]))
+    assert decision.gpu_indices == (0, 1)
+    assert pl.model_words("V100M16|V100M32|A100") == "V100M16, V100M32 or A100"
+
+
 def test_usable_gpus_skip_draining_nodes_and_unknown_inventory_for_constrained_calls() -> None:
     assert pl.usable(node(1, [3, 1], draining=True), [3, 1], Pending("a", 1)) == []
     bare = NodeCapacity(2, [0, 1])

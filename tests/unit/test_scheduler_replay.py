@@ -115,6 +115,19 @@ def test_gpu_types_need_node_models(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert json.loads(capsys.readouterr().out)["rejected"] == 0
 
 
+def test_gpu_type_alternatives_take_any_of_their_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "t.csv", "submit_time,duration,num_gpus,gpu_type\n"
+                 "0,10,1,V100M16|V100M32\n0,10,1,V100M16\n0,10,1,T4|K80\n")  # fmt: skip
+    out = tmp_path / "jobs.csv"
+    args = [path, "--nodes", "1", "--gpus-per-node", "2", "--format", "json"]
+    assert replay.main([*args, "--node-models", "V100M32", "--jobs-out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["rejected"] == 2
+    fates = [line.rsplit(",", 1)[1] for line in out.read_text().splitlines()[1:]]
+    assert fates == ["completed", "rejected", "rejected"]
+
+
 def test_a_preempted_job_keeps_its_gpus_for_the_grace_then_resumes() -> None:
     # b borrows the whole node; a arrives within its guarantee and reclaims it.
     jobs = [Job("b", 0, 100, 2, group="b"), Job("a", 10, 50, 2, group="a")]

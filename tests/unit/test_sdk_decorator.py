@@ -72,6 +72,11 @@ def test_unknown_keyword_without_a_close_one_lists_the_valid() -> None:
     [
         ({"gpu": 1}, TypeError, "gpu names a GPU model, such as gpu='A100'; for a number of GPUs"),
         ({"gpu": "A100; drop"}, ValueError, "gpu must be part of a GPU model name"),
+        ({"gpu": "A100|H100"}, ValueError, "or a list of them such as ['A100', 'H100']"),
+        ({"gpu": ["A100", ""]}, ValueError, "gpu must be part of a GPU model name"),
+        ({"gpu": ["A100", 80]}, ValueError, "gpu must be part of a GPU model name"),
+        ({"gpu": []}, ValueError, "gpu may list 1 to 8 GPU models (any of them will do), got 0"),
+        ({"gpu": ["A100"] * 9}, ValueError, "gpu may list 1 to 8 GPU models"),
         (
             {"gpu_memory_gb": 0},
             ValueError,
@@ -100,6 +105,9 @@ def test_scheduling_options_are_kept() -> None:
     options = fn._options
     assert (options.gpu, options.gpu_memory_gb, options.priority) == ("A100", 39.5, 7)
     assert options.expected_duration == 60.0
+    either = sdk.function(gpus=1, gpu=["V100M16", "V100M32"])(lambda: None)
+    assert either._options.gpu == "V100M16|V100M32"  # the wire's form: any of them
+    assert sdk.function(gpu=("H100",))(lambda: None)._options.gpu == "H100"
 
 
 def test_negative_gpus() -> None:
