@@ -56,12 +56,13 @@ class Pool:
     """Nodes of one kind by free GPUs: ``buckets[k][c]`` holds the nodes with ``k`` free, of
     which at most ``c`` share one NVLink group."""
 
-    __slots__ = ("buckets", "memory", "model", "size", "topology")
+    __slots__ = ("buckets", "many", "memory", "model", "size", "topology")
 
-    def __init__(self, model: str | None, memory: int, size: int) -> None:
+    def __init__(self, model: str | None, memory: int, size: int, many: int = 0) -> None:
         self.model = model  # casefolded; None: inventory unknown
         self.memory = memory
         self.size = size  # 0: unknown
+        self.many = many  # GPUs of this model in the cluster (placement.plenty)
         self.topology = False
         self.buckets: list[list[dict[int, NodeState]]] = []
         self._grow(size)
@@ -115,9 +116,9 @@ class Pool:
         for state in warm:
             ok = state.pool is self and not state.withdrawn and state.conn in conns
             if ok and len(state.free) == rank[1]:
-                return (rank[0], rank[1], 0, state.order), state
+                return (rank[0], -self.many, rank[1], 0, state.order), state
         state = next(iter(next(d for d in (row[c] for c in conns) if d).values()))
-        return (rank[0], rank[1], 1, state.order), state
+        return (rank[0], -self.many, rank[1], 1, state.order), state
 
 
 def plain_call(call: Pending) -> bool:
@@ -151,6 +152,7 @@ class Capacity:
         self.warm: dict[tuple[str, str], list[NodeState]] = {}
         self._largest: dict[ConstraintKey, int] = {}
         self._failed: dict[FailKey, int] = {}
+        self.many = placement.plenty(nodes)
         largest = 0
         for order, node in enumerate(nodes):
             if node.draining:
@@ -169,7 +171,8 @@ class Capacity:
             key = (shape[0], shape[1], len(node.gpus))
             pool = self.pools.get(key)
             if pool is None:
-                pool = self.pools[key] = Pool(*key)
+                many = self.many.get(shape[0] or "", 0)
+                pool = self.pools[key] = Pool(*key, many)
         state = NodeState(node, order, pool)
         self.states[node.node_id] = state
         if pool is None:
@@ -265,8 +268,8 @@ class Capacity:
                 continue
             free = placement.usable(state.node, state.free, call)
             if len(free) >= n:
-                _, connected = placement.choose(state.node, free, n)
-                key = (not connected, len(free), not placement.warm(state.node, call), state.order)
+                many = placement.node_plenty(state.node, self.many)
+                key = placement.rank_key(state.node, free, call, state.order, many)
                 if best is None or key < best[0]:
                     best = (key, state)
         if best is None:

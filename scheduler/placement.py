@@ -9,9 +9,12 @@ inventory is unknown qualifies only for unconstrained calls. Rank, best first:
 
 1. connected: all the call's GPUs in one NVLink group (nodes without topology count as
    connected, there is nothing to prefer);
-2. best fit: the fewest qualifying free GPUs, so big holes stay whole for big calls;
-3. warm: a worker for the call's (user, function) is already warm there;
-4. the node's place in the snapshot.
+2. plenty: GPUs of the node's model, cluster-wide (a node mixing models counts as its
+   scarcest), the most first, so that a call any model will do for leaves a scarce model to
+   the calls that need it;
+3. best fit: the fewest qualifying free GPUs, so big holes stay whole for big calls;
+4. warm: a worker for the call's (user, function) is already warm there;
+5. the node's place in the snapshot.
 
 :func:`rank` is the plain reference; :class:`scheduler.capacity.Capacity` is the indexed
 version a round uses, and the tests hold one against the other.
@@ -25,7 +28,7 @@ from collections.abc import Iterable, Sequence
 
 from scheduler.model import Gpu, NodeCapacity, Pending
 
-RankKey = tuple[int, int, int, int]
+RankKey = tuple[int, int, int, int, int]
 
 
 def constrained(call: Pending) -> bool:
@@ -106,19 +109,47 @@ def warm(node: NodeCapacity, call: Pending) -> bool:
     return bool(call.function) and (call.user, call.function) in node.warm
 
 
-def rank_key(node: NodeCapacity, free: Sequence[int], call: Pending, order: int) -> RankKey:
-    """Smaller is better; ``free`` are the node's usable free GPUs (at least ``call.gpus``)."""
+def rank_key(
+    node: NodeCapacity, free: Sequence[int], call: Pending, order: int, many: int = 0
+) -> RankKey:
+    """Smaller is better; ``free`` are the node's usable free GPUs (at least ``call.gpus``),
+    ``many`` its :func:`node_plenty`."""
     _, connected = choose(node, free, call.gpus)
-    return (not connected, len(free), not warm(node, call), order)
+    return (not connected, -many, len(free), not warm(node, call), order)
+
+
+def plenty(nodes: Iterable[NodeCapacity]) -> dict[str, int]:
+    """GPUs of each model (casefolded; ``""`` for nodes of unknown inventory, counted by their
+    free GPUs) on the nodes that are not draining, free or busy."""
+    count: dict[str, int] = defaultdict(int)
+    for node in nodes:
+        if node.draining:
+            continue
+        if not node.gpus:
+            count[""] += len(node.free_gpus)
+        for gpu in node.gpus:
+            count[gpu.model] += 1
+    out: dict[str, int] = defaultdict(int)
+    for model, n in count.items():
+        out[model.casefold()] += n
+    return out
+
+
+def node_plenty(node: NodeCapacity, many: dict[str, int]) -> int:
+    """How plentiful the node's model is: its scarcest model's count in ``many``."""
+    if not node.gpus:
+        return many.get("", 0)
+    return min(many.get(g.model.casefold(), 0) for g in node.gpus)
 
 
 def rank(nodes: Sequence[NodeCapacity], call: Pending) -> list[NodeCapacity]:
     """The nodes that can take the single-node GPU call now, best first (the reference)."""
     keyed = []
+    many = plenty(nodes)
     for order, node in enumerate(nodes):
         free = usable(node, node.free_gpus, call)
         if len(free) >= call.gpus:
-            keyed.append((rank_key(node, free, call, order), node))
+            keyed.append((rank_key(node, free, call, order, node_plenty(node, many)), node))
     keyed.sort(key=lambda kn: kn[0])
     return [node for _, node in keyed]
 

@@ -51,6 +51,22 @@ def test_a_call_may_accept_any_of_several_models() -> None:
     assert pl.model_words("V100M16|V100M32|A100") == "V100M16, V100M32 or A100"
 
 
+def test_a_call_any_model_will_do_for_leaves_the_scarce_model_free() -> None:
+    # Three free A100 nodes and one H100 node with 2 free GPUs, the best fit by free count.
+    nodes = [node(i, list(range(8))) for i in range(3)] + [node(3, [0, 1], model="H100")]
+    out = plan(Snapshot(nodes, [Pending("any", 2), Pending("h100", 2, gpu_model="H100")]))
+    assert [(d.invocation_id, d.node_id) for d in out] == [("any", 0), ("h100", 3)]
+    # A100 full: the unconstrained call takes the H100 after all (never left waiting).
+    busy = [node(i, []) for i in range(3)] + [node(3, [0, 1], model="H100")]
+    [decision] = plan(Snapshot(busy, [Pending("any", 2)]))
+    assert decision.node_id == 3
+    # A call that accepts both models goes to the more plentiful one too.
+    either = Pending("e", 1, gpu_model="A100|H100")
+    assert plan(Snapshot(nodes, [either]))[0].node_id == 0
+    # Draining nodes do not count: with the A100s draining, H100 is the plenty.
+    assert pl.plenty([node(0, [], draining=True), node(1, [], model="H100")]) == {"h100": 8}
+
+
 def test_usable_gpus_skip_draining_nodes_and_unknown_inventory_for_constrained_calls() -> None:
     assert pl.usable(node(1, [3, 1], draining=True), [3, 1], Pending("a", 1)) == []
     bare = NodeCapacity(2, [0, 1])
@@ -127,8 +143,10 @@ def test_the_index_picks_a_node_ranked_as_high_as_the_reference(
     assert found is not None
     state, gpus = found
 
-    def key(n: NodeCapacity) -> tuple[int, int, int]:
-        return pl.rank_key(n, pl.usable(n, n.free_gpus, call), call, 0)[:3]
+    many = pl.plenty(nodes)
+
+    def key(n: NodeCapacity) -> tuple[int, int, int, int]:
+        return pl.rank_key(n, pl.usable(n, n.free_gpus, call), call, 0, pl.node_plenty(n, many))[:4]
 
     assert key(state.node) == key(reference[0])
     assert len(gpus) == call.gpus and set(gpus) <= set(state.node.free_gpus)
