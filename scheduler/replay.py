@@ -86,13 +86,28 @@ class Cluster:
     gpus_per_node: int
     #: GPU model per node, cycled over the nodes; () when models do not matter.
     models: tuple[str, ...] = ()
+    #: (GPUs, model) of each node (a nodes file); replaces the three fields above.
+    layout: tuple[tuple[int, str], ...] = ()
+
+    @classmethod
+    def of(cls, layout: Sequence[tuple[int, str]]) -> Cluster:
+        return cls(len(layout), max(g for g, _ in layout), layout=tuple(layout))
+
+    def shape(self) -> list[tuple[int, str]]:
+        if self.layout:
+            return list(self.layout)
+        models = self.models or ("",)
+        return [(self.gpus_per_node, models[i % len(models)]) for i in range(self.nodes)]
+
+    @property
+    def gpus(self) -> int:
+        return sum(g for g, _ in self.shape())
 
     def build(self) -> list[NodeCapacity]:
         out = []
-        for i in range(self.nodes):
-            model = self.models[i % len(self.models)] if self.models else ""
-            inventory = tuple(Gpu(g, model) for g in range(self.gpus_per_node))
-            out.append(NodeCapacity(i, list(range(self.gpus_per_node)), 0, inventory))
+        for i, (gpus, model) in enumerate(self.shape()):
+            inventory = tuple(Gpu(g, model) for g in range(gpus))
+            out.append(NodeCapacity(i, list(range(gpus)), 0, inventory))
         return out
 
 
@@ -133,7 +148,7 @@ class Simulator:
         self.grace_s = grace_s
         self.preemption_cost_s = preemption_cost_s
         self.nodes = cluster.build()
-        self.free = cluster.nodes * cluster.gpus_per_node
+        self.free = cluster.gpus
         self.pending: dict[str, Pending] = {}
         self.running: dict[str, Running] = {}
         self.remaining = [j.duration for j in self.jobs]
@@ -369,6 +384,8 @@ class Options:
     starve_after_s: float | None = None
     #: Write one CSV row per job here (``JOB_COLUMNS``).
     jobs_out: str | None = None
+    #: A nodes file (scheduler.traces.read_nodes): the cluster, in place of the three above.
+    nodes_file: str | None = None
 
 
 def policy_names() -> list[str]:
@@ -386,10 +403,15 @@ def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
     """Replay a trace (a file, or jobs already read) and return its metrics
     (see :mod:`scheduler.metrics`)."""
     jobs = traces.read(trace) if isinstance(trace, str) else list(trace)
-    if not options.models:
+    if options.nodes_file:
+        cluster = Cluster.of(traces.read_nodes(options.nodes_file))
+    else:
+        cluster = Cluster(options.nodes, options.gpus_per_node, options.models)
+    ignored = 0
+    if not any(model for _, model in cluster.shape()):
+        ignored = sum(1 for j in jobs if j.gpu_type)
         jobs = [replace(j, gpu_type=None) if j.gpu_type else j for j in jobs]
-    cluster = Cluster(options.nodes, options.gpus_per_node, options.models)
-    capacity = options.nodes * options.gpus_per_node
+    capacity = cluster.gpus
     if options.quota_file:
         quotas = traces.read_quotas(options.quota_file)
     else:
@@ -407,6 +429,7 @@ def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
         options.preemption_cost_s,
     )
     out = sim.run()
+    out.update(nodes=len(sim.nodes), gpus=capacity, gpu_types_ignored=ignored)
     if options.jobs_out:
         sim.write_jobs(options.jobs_out)
     return out
@@ -424,8 +447,14 @@ def parser() -> argparse.ArgumentParser:
         choices=policy_names(),
         help="a live policy, or a replay-only yardstick (las, srtf: scheduler.yardsticks)",
     )
-    p.add_argument("--nodes", type=int, default=32)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, help="nodes of the cluster (default 32)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs of each node (default 8)")
+    p.add_argument(
+        "--nodes-file",
+        metavar="FILE",
+        help="CSV gpus,model,count: a cluster of mixed nodes (in place of --nodes, "
+        "--gpus-per-node and --node-models)",
+    )
     p.add_argument("--quota-file", help='JSON: {"group": {"guaranteed": 8, "borrow_limit": 64}}')
     p.add_argument("--format", choices=["text", "json"], default="text")
     p.add_argument("--half-life-s", type=float, default=DEFAULT_HALF_LIFE_S)
@@ -456,6 +485,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """``bulletin replay``: print the metrics; 0 on success, 2 on bad input."""
     args = parser().parse_args(argv)
+    shaped = [f for f in ("nodes", "gpus_per_node", "node_models") if getattr(args, f)]
+    if args.nodes_file and shaped:
+        flags = ", ".join("--" + f.replace("_", "-") for f in shaped)
+        print(f"--nodes-file describes the whole cluster: drop {flags}", file=sys.stderr)
+        return 2
+    args.nodes = 32 if args.nodes is None else args.nodes
+    args.gpus_per_node = 8 if args.gpus_per_node is None else args.gpus_per_node
     if args.nodes < 1 or args.gpus_per_node < 1:
         print("--nodes and --gpus-per-node must be at least 1", file=sys.stderr)
         return 2
@@ -476,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tuple(m for m in args.node_models.split(",") if m),
         args.starve_after_s,
         args.jobs_out,
+        args.nodes_file,
     )
     try:
         metrics = replay(args.trace, options)
@@ -483,7 +520,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     result = {"policy": args.policy, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node}
+    if args.nodes_file:
+        result["gpus_per_node"] = "mixed"
     result.update(metrics)
+    if metrics["gpu_types_ignored"]:
+        print(
+            f"{metrics['gpu_types_ignored']:.0f} jobs ask for a GPU model (gpu_type) but the "
+            "cluster's nodes have none: their models were ignored; give --node-models, or a "
+            "--nodes-file with a model column",
+            file=sys.stderr,
+        )
     if args.format == "json":
         print(json.dumps(result))
     else:

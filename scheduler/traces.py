@@ -18,6 +18,16 @@ borrow every idle GPU::
 Without a quota file, :func:`derive_quotas` guarantees each group GPUs in proportion to its
 share of the trace's GPU-time (largest remainders, so they add up to the cluster) and no
 borrowing limit.
+
+Nodes files (``--nodes-file``) describe a cluster of mixed nodes, one CSV row per kind::
+
+    gpus,model,count
+    8,V100M32,40
+    4,V100M16,16
+    8,A100,2
+
+``gpus`` per node (1 or more), ``model`` (optional: empty means the model does not matter),
+``count`` nodes of that kind (optional, default 1). Nodes are numbered in file order.
 """
 
 from __future__ import annotations
@@ -105,6 +115,31 @@ def _tiresias(rows: list[dict[str, str]]) -> list[Job]:
         Job(r["job_id"], float(r["submit_time"]), float(r["duration"]), int(r["num_gpu"]))
         for r in rows
     ]
+
+
+def read_nodes(path: str | Path) -> list[tuple[int, str]]:
+    """A nodes file's nodes, each ``(gpus, model)``, in file order."""
+    path = Path(path)
+    try:
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise TraceError(f"cannot read nodes file {path}: {exc}") from exc
+    out: list[tuple[int, str]] = []
+    for line, row in enumerate(rows, 2):
+        try:
+            gpus, count = int(row["gpus"]), int(row.get("count") or 1)
+            if gpus < 1 or count < 0:
+                raise ValueError("gpus must be at least 1 and count at least 0")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TraceError(
+                f"{path}, line {line}: {exc!s}; expected the columns gpus,model,count "
+                "(model and count optional), e.g. 8,A100,4"
+            ) from exc
+        out += [(gpus, (row.get("model") or "").strip())] * count
+    if not out:
+        raise TraceError(f"{path}: no nodes; expected rows such as 8,A100,4 under gpus,model,count")
+    return out
 
 
 def read_quotas(path: str | Path) -> dict[str, Quota]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -126,6 +127,44 @@ def test_gpu_type_alternatives_take_any_of_their_models(
     assert json.loads(capsys.readouterr().out)["rejected"] == 2
     fates = [line.rsplit(",", 1)[1] for line in out.read_text().splitlines()[1:]]
     assert fates == ["completed", "rejected", "rejected"]
+
+
+def test_a_nodes_file_gives_a_cluster_of_mixed_nodes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nodes = write(tmp_path, "nodes.csv", "gpus,model,count\n8,A100,1\n4,V100M16,2\n")
+    trace = write(tmp_path, "t.csv", "submit_time,duration,num_gpus,gpu_type\n"
+                  "0,10,8,A100\n0,10,4,V100\n0,10,8,V100\n0,10,6,V100\n1,10,16,\n")  # fmt: skip
+    out = tmp_path / "jobs.csv"
+    assert replay.main([trace, "--nodes-file", nodes, "--format", "json",
+                        "--jobs-out", str(out)]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert (result["nodes"], result["gpus"], result["gpus_per_node"]) == (3, 16, "mixed")
+    # 6 V100 GPUs: more than a V100 node has, so whole nodes (8): fits; 16 takes all three.
+    assert result["rejected"] == 0 and result["completed"] == 5
+    jobs = list(csv.DictReader(out.open()))
+    assert [float(j["start"]) for j in jobs] == [0, 0, 10, 20, 30]
+
+
+def test_nodes_files_and_flags_that_cannot_apply_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write(tmp_path, "t.csv", "submit_time,duration,num_gpus,gpu_type\n0,10,1,A100\n")
+    good = write(tmp_path, "n.csv", "gpus,model\n8,A100\n")
+    assert replay.main([trace, "--nodes-file", good, "--nodes", "4"]) == 2
+    assert "drop --nodes" in capsys.readouterr().err
+    for text, says in [("gpus,model\n0,A100\n", "line 2: gpus must be at least 1"),
+                       ("gpus,model\nmany,A100\n", "expected the columns gpus,model,count"),
+                       ("gpus,model\n", "no nodes")]:  # fmt: skip
+        bad = write(tmp_path, "bad.csv", text)
+        assert replay.main([trace, "--nodes-file", bad]) == 2
+        assert says in capsys.readouterr().err
+    assert replay.main([trace, "--nodes", "1", "--format", "json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["gpu_types_ignored"] == 1
+    assert "1 jobs ask for a GPU model (gpu_type) but the cluster's nodes have none" in (
+        captured.err
+    )
 
 
 def test_a_preempted_job_keeps_its_gpus_for_the_grace_then_resumes() -> None:
