@@ -152,7 +152,8 @@ class Capacity:
         self.warm: dict[tuple[str, str], list[NodeState]] = {}
         self._largest: dict[ConstraintKey, int] = {}
         self._failed: dict[FailKey, int] = {}
-        self.many = placement.plenty(nodes)
+        #: GPUs per model (placement.plenty), counted only where models differ.
+        self.many: dict[str, int] = {}
         largest = 0
         for order, node in enumerate(nodes):
             if node.draining:
@@ -163,6 +164,10 @@ class Capacity:
             if node.free_gpus or node.free_cpu_slots > 0:
                 self._index(node, order)
         self.largest = largest
+        if self.mixed or len({pool.model for pool in self.pools.values()}) > 1:
+            self.many = placement.plenty(nodes)
+            for pool in self.pools.values():
+                pool.many = self.many.get(pool.model or "", 0)
 
     def _index(self, node: NodeCapacity, order: int) -> None:
         shape = kind(node)
@@ -171,8 +176,7 @@ class Capacity:
             key = (shape[0], shape[1], len(node.gpus))
             pool = self.pools.get(key)
             if pool is None:
-                many = self.many.get(shape[0] or "", 0)
-                pool = self.pools[key] = Pool(*key, many)
+                pool = self.pools[key] = Pool(*key)
         state = NodeState(node, order, pool)
         self.states[node.node_id] = state
         if pool is None:

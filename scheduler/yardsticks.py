@@ -57,13 +57,16 @@ class _Preemptive:
         out = Plan()
         victims: _Victims | None = None  # made when first needed
         for call in sorted(snapshot.pending, key=lambda c: self.rank(c, now)):
+            klass = self.rank(call, now)[0]
+            if cap.exhausted() and victims is not None and victims.spent(klass):
+                break  # nothing frees up for this call or any after it
             parts = cap.place(call)
             if parts is not None:
                 out.append(Decision.of(call.id, parts))
                 continue
             if victims is None:
                 victims = _Victims(snapshot, lambda r: self.running_class(r, now))
-            chosen = victims.free_for(call, self.rank(call, now)[0], cap)
+            chosen = victims.free_for(call, klass, cap)
             out.preemptions.extend(Preemption(r.id, f"preempted by {self.name}") for r in chosen)
         return out
 
@@ -130,6 +133,10 @@ class _Victims:
                         by_node[node_id].append(entry)
                     else:
                         by_node[node_id] = [entry]
+
+    def spent(self, klass: float) -> bool:
+        """Whether no call of this class or after it can free anything by preempting."""
+        return klass >= self.worst or self.failed <= 1
 
     def free_for(self, call: Pending, klass: float, cap: Capacity) -> list[Running]:
         """Running calls to preempt so that ``call`` fits (none if it cannot be done). The
