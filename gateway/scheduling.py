@@ -21,7 +21,17 @@ from gateway import db, expiry
 from gateway.config import GatewayConfig
 from gateway.expiry import Outages
 from gateway.notify import Hub
-from scheduler import Gpu, NodeCapacity, Pending, Plan, Quota, Running, Snapshot, placement
+from scheduler import (
+    Gpu,
+    NodeCapacity,
+    Pending,
+    Plan,
+    Quota,
+    Running,
+    Snapshot,
+    lookahead,
+    placement,
+)
 
 log = logging.getLogger(__name__)
 #: How often the leader stores each queued call's position and reason (call.status()).
@@ -86,14 +96,6 @@ def _inventory(gpus: tuple[wire.GpuInfo, ...]) -> tuple[Gpu, ...]:
     return made
 
 
-def look_ahead(free: list[NodeCapacity], most: int) -> int:
-    """How far down each user's queue a round looks: enough to fill what is free, with room
-    to backfill past calls that do not fit, and some even when nothing is free (a group
-    owed its guarantee reclaims GPUs), without re-reading a huge backlog every round."""
-    units = sum(len(n.free_gpus) + n.free_cpu_slots for n in free)
-    return max(1, min(most, 16 + 16 * units))
-
-
 NO_NODE = "no node is up to run it (none registered, or all draining or silent)"
 
 
@@ -137,9 +139,8 @@ async def plan_round(
             return 0
         held = await db.holdings(conn, quotas=True)
         free = capacity(nodes, held.leases)
-        queued = await db.queued(
-            conn, look_ahead(free, config.plan_batch), config.plan_batch, config.caller_late_s
-        )
+        per_user = lookahead.per_user(free, config.plan_batch)
+        queued = await db.queued(conn, per_user, config.plan_batch, config.caller_late_s)
         if not queued:
             return 0
         # A call runs on one node: one bigger than every live node waits, reserving nothing,

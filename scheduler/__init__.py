@@ -8,8 +8,9 @@ Modules: ``model`` (the data), ``placement`` (filter and rank steps on one node)
 ``capacity`` (the round's indexed free capacity), ``backfill`` (EASY reservations),
 ``quotas`` / ``reclaim`` / ``fairshare`` (guarantees, borrowing, fair share), ``policies``
 (``fifo``, ``fair``), ``admission`` (submit-time rejection), ``chunks`` (how far ahead a
-node gets the items of a map), ``core`` (entry points),
-``traces`` / ``metrics`` / ``replay`` (the simulator).
+node gets the items of a map), ``lookahead`` (how much of a long queue a round is shown),
+``core`` (entry points), ``traces`` / ``metrics`` / ``replay`` (the simulator) and
+``yardsticks`` (replay-only research policies to measure against).
 """
 
 from scheduler.admission import never_fits

@@ -42,7 +42,7 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from scheduler import policies, traces, yardsticks
+from scheduler import lookahead, policies, traces, yardsticks
 from scheduler.admission import never_fits
 from scheduler.fairshare import DEFAULT_HALF_LIFE_S, UsageMeter
 from scheduler.metrics import Recorder
@@ -140,6 +140,7 @@ class Simulator:
         half_life_s: float = DEFAULT_HALF_LIFE_S,
         grace_s: float = 0.0,
         preemption_cost_s: float = 0.0,
+        look_ahead: int | None = None,
     ) -> None:
         self.jobs = list(jobs)
         self.policy = policy
@@ -147,6 +148,9 @@ class Simulator:
         self.quotas = dict(quotas)
         self.grace_s = grace_s
         self.preemption_cost_s = preemption_cost_s
+        #: Show each round only what a live round would read (scheduler.lookahead), at most
+        #: this many calls; None: every pending call.
+        self.look_ahead = look_ahead
         self.nodes = cluster.build()
         self.free = cluster.gpus
         self.pending: dict[str, Pending] = {}
@@ -322,9 +326,12 @@ class Simulator:
 
     def plan(self, now: float) -> Plan:
         self.plans += 1
+        pending = list(self.pending.values())
+        if self.look_ahead is not None:
+            pending = lookahead.shown(pending, self.nodes, self.look_ahead)
         snapshot = Snapshot(
             nodes=self.nodes,
-            pending=list(self.pending.values()),
+            pending=pending,
             running=list(self.running.values()),
             quotas=self.quotas,
             usage=Usage(self.groups, now),
@@ -386,6 +393,8 @@ class Options:
     jobs_out: str | None = None
     #: A nodes file (scheduler.traces.read_nodes): the cluster, in place of the three above.
     nodes_file: str | None = None
+    #: Show rounds only what a live round reads, at most this many calls (None: all).
+    look_ahead: int | None = None
 
 
 def policy_names() -> list[str]:
@@ -427,6 +436,7 @@ def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
         options.half_life_s,
         options.grace_s,
         options.preemption_cost_s,
+        options.look_ahead,
     )
     out = sim.run()
     out.update(nodes=len(sim.nodes), gpus=capacity, gpu_types_ignored=ignored)
@@ -469,6 +479,15 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--jobs-out", metavar="FILE", help="write one CSV row per job here")
     p.add_argument(
+        "--look-ahead",
+        type=int,
+        nargs="?",
+        const=lookahead.MOST,
+        metavar="MOST",
+        help="show each round only what a live round reads: each user's first 16 + 16 per "
+        f"free GPU, at most MOST in all (default {lookahead.MOST}, the gateway's --plan-batch)",
+    )
+    p.add_argument(
         "--node-models",
         default="",
         help="comma-separated GPU models, cycled over the nodes; enables gpu_type",
@@ -498,6 +517,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.starve_after_s is not None and args.policy != "fair":
         print("--starve-after-s is a setting of --policy fair only", file=sys.stderr)
         return 2
+    if args.look_ahead is not None and args.look_ahead < 1:
+        print("--look-ahead must be at least 1", file=sys.stderr)
+        return 2
     if args.preemption_cost_s < 0 or args.grace_s < 0:
         print("--preemption-cost-s and --grace-s cannot be negative", file=sys.stderr)
         return 2
@@ -513,6 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.starve_after_s,
         args.jobs_out,
         args.nodes_file,
+        args.look_ahead,
     )
     try:
         metrics = replay(args.trace, options)
