@@ -59,7 +59,7 @@ from scheduler.model import (
 from scheduler.policies import Policy
 from scheduler.traces import Job
 
-FINISH, STOP = 0, 1
+FINISH, STOP, DOWN, UP = 0, 1, 2, 3
 #: ``--jobs-out``'s columns: times in trace seconds, empty where a job never got that far.
 JOB_COLUMNS = (
     "job",
@@ -74,6 +74,7 @@ JOB_COLUMNS = (
     "queue_s",
     "jct_s",
     "preemptions",
+    "interruptions",
     "attained_gpu_s",
     "fate",
 )
@@ -141,6 +142,7 @@ class Simulator:
         grace_s: float = 0.0,
         preemption_cost_s: float = 0.0,
         look_ahead: int | None = None,
+        failures: Sequence[tuple[int, float, float | None]] = (),
     ) -> None:
         self.jobs = list(jobs)
         self.policy = policy
@@ -159,6 +161,13 @@ class Simulator:
         #: GPU-seconds each job received in its runs before the current one.
         self.attained = [0.0] * len(self.jobs)
         self.preempted = [0] * len(self.jobs)
+        #: Runs cut short by their node failing, per job.
+        self.interrupted = [0] * len(self.jobs)
+        self.outages = [0] * len(self.nodes)  # outages under way, per node
+        self.node_failures = 0
+        #: A job queued again since the last round: the queue is put back in submission
+        #: order (a requeued call keeps its place, as it does live).
+        self.requeued = False
         self.generation = [0] * len(self.jobs)
         self.events: list[tuple[float, int, int, int, int]] = []  # (t, seq, kind, job, gen)
         self.seq = 0
@@ -172,6 +181,10 @@ class Simulator:
         self.completed: dict[int, float] = {}
         self.verdicts: dict[tuple[int, str | None, str], str | None] = {}
         self.dropped: set[int] = set()
+        for node, down, up in failures:
+            self.push_node(down, DOWN, node)
+            if up is not None:
+                self.push_node(up, UP, node)
 
     def run(self) -> dict[str, float]:
         wall = time.perf_counter()
@@ -190,7 +203,9 @@ class Simulator:
             while again:
                 while self.events and self.events[0][0] <= now:
                     _, _, kind, job, gen = heapq.heappop(self.events)
-                    if gen == self.generation[job]:
+                    if kind >= DOWN:
+                        (self.down if kind == DOWN else self.up)(job, now)
+                    elif gen == self.generation[job]:
                         (self.finish if kind == FINISH else self.stop)(job, now)
                 if not (self.pending and (self.free > 0 or arrived)):
                     break
@@ -207,6 +222,8 @@ class Simulator:
         out = self.record.summary()
         out.update(
             preemptions=self.preemptions,
+            node_failures=self.node_failures,
+            interruptions=sum(self.interrupted),
             rejected=self.rejected,
             jobs=len(self.jobs),
             completed=len(self.record.jct),
@@ -242,6 +259,7 @@ class Simulator:
                         "" if start is None else _num(start - job.submit),
                         "" if end is None else _num(end - job.submit),
                         self.preempted[i],
+                        self.interrupted[i],
                         _num(self.attained[i]),
                         fate,
                     ]
@@ -287,11 +305,38 @@ class Simulator:
 
     def stop(self, i: int, now: float) -> None:
         """A preempted job's grace is over: it gives its GPUs back and queues again."""
+        self.requeue(i, now)
+        self.preempted[i] += 1
+
+    def down(self, n: int, now: float) -> None:
+        """Node ``n`` fails: the jobs on it stop at once (their work since the last checkpoint
+        lost, as at a preemption) and queue again; nothing is placed on it until it is up."""
+        self.outages[n] += 1
+        node = self.nodes[n]
+        if self.outages[n] > 1:
+            return  # already down
+        self.node_failures += 1
+        hit = [int(r.id) for r in self.running.values() if any(p.node_id == n for p in r.parts)]
+        for i in hit:
+            self.requeue(i, now)
+            self.interrupted[i] += 1
+        node.draining = True
+        self.free -= len(node.free_gpus)
+
+    def up(self, n: int, now: float) -> None:
+        self.outages[n] -= 1
+        if self.outages[n] == 0:
+            node = self.nodes[n]
+            node.draining = False
+            self.free += len(node.free_gpus)
+
+    def requeue(self, i: int, now: float) -> None:
+        """Job ``i`` stops running and queues again with its remaining work."""
         run = self.release(i, now)
         self.remaining[i] -= now - run.start_time
         self.remaining[i] += self.preemption_cost_s
         self.attained[i] = run.attained(now)
-        self.preempted[i] += 1
+        self.requeued = True
         job = self.jobs[i]
         self.pending[run.id] = Pending(
             run.id,
@@ -322,10 +367,17 @@ class Simulator:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, job, self.generation[job]))
 
+    def push_node(self, t: float, kind: int, node: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, node, 0))
+
     # ----------------------------------------------------------------- planning
 
     def plan(self, now: float) -> Plan:
         self.plans += 1
+        if self.requeued:
+            self.pending = dict(sorted(self.pending.items(), key=lambda kv: int(kv[0])))
+            self.requeued = False
         pending = list(self.pending.values())
         if self.look_ahead is not None:
             pending = lookahead.shown(pending, self.nodes, self.look_ahead)
@@ -395,6 +447,8 @@ class Options:
     nodes_file: str | None = None
     #: Show rounds only what a live round reads, at most this many calls (None: all).
     look_ahead: int | None = None
+    #: A node failures file (scheduler.traces.read_failures).
+    node_failures: str | None = None
 
 
 def policy_names() -> list[str]:
@@ -421,6 +475,9 @@ def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
         ignored = sum(1 for j in jobs if j.gpu_type)
         jobs = [replace(j, gpu_type=None) if j.gpu_type else j for j in jobs]
     capacity = cluster.gpus
+    failures: list[tuple[int, float, float | None]] = []
+    if options.node_failures:
+        failures = traces.read_failures(options.node_failures, len(cluster.shape()))
     if options.quota_file:
         quotas = traces.read_quotas(options.quota_file)
     else:
@@ -437,6 +494,7 @@ def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
         options.grace_s,
         options.preemption_cost_s,
         options.look_ahead,
+        failures,
     )
     out = sim.run()
     out.update(nodes=len(sim.nodes), gpus=capacity, gpu_types_ignored=ignored)
@@ -478,6 +536,11 @@ def parser() -> argparse.ArgumentParser:
         help="work a job redoes each time it is preempted: lost work and restart (seconds)",
     )
     p.add_argument("--jobs-out", metavar="FILE", help="write one CSV row per job here")
+    p.add_argument(
+        "--node-failures",
+        metavar="FILE",
+        help="CSV node,down,up: outages; the jobs on a failing node queue again",
+    )
     p.add_argument(
         "--look-ahead",
         type=int,
@@ -536,6 +599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.jobs_out,
         args.nodes_file,
         args.look_ahead,
+        args.node_failures,
     )
     try:
         metrics = replay(args.trace, options)

@@ -28,6 +28,14 @@ Nodes files (``--nodes-file``) describe a cluster of mixed nodes, one CSV row pe
 
 ``gpus`` per node (1 or more), ``model`` (optional: empty means the model does not matter),
 ``count`` nodes of that kind (optional, default 1). Nodes are numbered in file order.
+
+Node failures files (``--node-failures``), one row per outage, times in trace seconds::
+
+    node,down,up
+    3,86400,90000
+    7,100000,
+
+``node`` is the node's number (0 for the first), ``up`` empty when it never comes back.
 """
 
 from __future__ import annotations
@@ -139,6 +147,32 @@ def read_nodes(path: str | Path) -> list[tuple[int, str]]:
         out += [(gpus, (row.get("model") or "").strip())] * count
     if not out:
         raise TraceError(f"{path}: no nodes; expected rows such as 8,A100,4 under gpus,model,count")
+    return out
+
+
+def read_failures(path: str | Path, nodes: int) -> list[tuple[int, float, float | None]]:
+    """A node failures file's outages, ``(node, down, up or None)``, for ``nodes`` nodes."""
+    path = Path(path)
+    try:
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise TraceError(f"cannot read node failures file {path}: {exc}") from exc
+    out: list[tuple[int, float, float | None]] = []
+    for line, row in enumerate(rows, 2):
+        try:
+            node, down = int(row["node"]), float(row["down"])
+            up = float(row["up"]) if (row.get("up") or "").strip() else None
+            if not 0 <= node < nodes:
+                raise ValueError(f"node {node} is not one of the cluster's 0..{nodes - 1}")
+            if down < 0 or (up is not None and up <= down):
+                raise ValueError("down must be at least 0 and up after down")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TraceError(
+                f"{path}, line {line}: {exc!s}; expected the columns node,down,up (up empty: "
+                "never back), e.g. 3,86400,90000"
+            ) from exc
+        out.append((node, down, up))
     return out
 
 

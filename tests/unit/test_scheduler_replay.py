@@ -193,3 +193,33 @@ def test_bulletin_replay_runs_the_simulator(tmp_path: Path) -> None:
     assert set(metrics) >= KEYS
     assert metrics["avg_jct_s"] == pytest.approx((10 + (15 - 1)) / 2)  # b waits for a
     assert "usage: bulletin replay" in CliRunner().invoke(cli, ["replay", "--help"]).output
+
+
+def test_a_failing_node_stops_its_jobs_which_queue_again_until_it_is_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two 2-GPU nodes. Job 0 runs on node 0 from 0 to 100; node 0 fails at 40, back at 300.
+    # Job 0 moves to node 1 once job 1 leaves it (at 50), redoing 10 s lost, and job 2
+    # (2 GPUs) waits for a node: node 1 is busy until 120, node 0 is down until 300.
+    trace = write(tmp_path, "t.csv", "submit_time,duration,num_gpus\n0,100,2\n0,50,2\n1,10,2\n")
+    failures = write(tmp_path, "f.csv", "node,down,up\n0,40,300\n")
+    out = tmp_path / "jobs.csv"
+    args = [trace, "--nodes", "2", "--gpus-per-node", "2", "--format", "json"]
+    assert replay.main([*args, "--node-failures", failures, "--preemption-cost-s", "10",
+                        "--jobs-out", str(out)]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert (result["node_failures"], result["interruptions"], result["completed"]) == (1, 1, 3)
+    jobs = {r["job"]: r for r in csv.DictReader(out.open())}
+    assert (jobs["0"]["end"], jobs["0"]["interruptions"], jobs["0"]["preemptions"]) == (
+        "120", "1", "0")  # fmt: skip
+    assert float(jobs["0"]["attained_gpu_s"]) == 2 * (100 + 10)
+    assert (jobs["2"]["start"], jobs["2"]["end"]) == ("120", "130")
+    never = write(tmp_path, "g.csv", "node,down,up\n1,0,\n0,5,\n")
+    assert replay.main([*args, "--node-failures", never]) == 0
+    assert json.loads(capsys.readouterr().out)["completed"] == 0  # no node ever again
+    for text, says in [("node,down,up\n2,0,5\n", "not one of the cluster's 0..1"),
+                       ("node,down,up\n0,9,5\n", "up after down"),
+                       ("node,when\n0,5\n", "expected the columns node,down,up")]:  # fmt: skip
+        bad = write(tmp_path, "bad.csv", text)
+        assert replay.main([*args, "--node-failures", bad]) == 2
+        assert says in capsys.readouterr().err
