@@ -44,10 +44,11 @@ import csv
 import json
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import TypeVar
 
 from scheduler.model import Quota, SchedulerError
 
@@ -127,24 +128,15 @@ def _tiresias(rows: list[dict[str, str]]) -> list[Job]:
 
 def read_nodes(path: str | Path) -> list[tuple[int, str]]:
     """A nodes file's nodes, each ``(gpus, model)``, in file order."""
-    path = Path(path)
-    try:
-        with path.open(newline="") as f:
-            rows = list(csv.DictReader(f))
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
-        raise TraceError(f"cannot read nodes file {path}: {exc}") from exc
-    out: list[tuple[int, str]] = []
-    for line, row in enumerate(rows, 2):
-        try:
-            gpus, count = int(row["gpus"]), int(row.get("count") or 1)
-            if gpus < 1 or count < 0:
-                raise ValueError("gpus must be at least 1 and count at least 0")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TraceError(
-                f"{path}, line {line}: {exc!s}; expected the columns gpus,model,count "
-                "(model and count optional), e.g. 8,A100,4"
-            ) from exc
-        out += [(gpus, (row.get("model") or "").strip())] * count
+
+    def nodes(row: dict[str, str]) -> list[tuple[int, str]]:
+        gpus, count = int(row["gpus"]), int(row.get("count") or 1)
+        if gpus < 1 or count < 0:
+            raise ValueError("gpus must be at least 1 and count at least 0")
+        return [(gpus, (row.get("model") or "").strip())] * count
+
+    path, out = _parse(path, "nodes file", nodes, "gpus,model,count (model and count optional), "
+                       "e.g. 8,A100,4")  # fmt: skip
     if not out:
         raise TraceError(f"{path}: no nodes; expected rows such as 8,A100,4 under gpus,model,count")
     return out
@@ -152,28 +144,42 @@ def read_nodes(path: str | Path) -> list[tuple[int, str]]:
 
 def read_failures(path: str | Path, nodes: int) -> list[tuple[int, float, float | None]]:
     """A node failures file's outages, ``(node, down, up or None)``, for ``nodes`` nodes."""
+
+    def outage(row: dict[str, str]) -> list[tuple[int, float, float | None]]:
+        node, down = int(row["node"]), float(row["down"])
+        up = float(row["up"]) if (row.get("up") or "").strip() else None
+        if not 0 <= node < nodes:
+            raise ValueError(f"node {node} is not one of the cluster's 0..{nodes - 1}")
+        if down < 0 or (up is not None and up <= down):
+            raise ValueError("down must be at least 0 and up after down")
+        return [(node, down, up)]
+
+    return _parse(path, "node failures file", outage, "node,down,up (up empty: never back), "
+                  "e.g. 3,86400,90000")[1]  # fmt: skip
+
+
+R = TypeVar("R")
+
+
+def _parse(
+    path: str | Path, what: str, parse: Callable[[dict[str, str]], list[R]], columns: str
+) -> tuple[Path, list[R]]:
+    """A CSV file's rows, each made into what ``parse`` returns; a TraceError naming the file
+    and line (or ``what`` it is, when it cannot be read) and the ``columns`` expected."""
     path = Path(path)
     try:
         with path.open(newline="") as f:
             rows = list(csv.DictReader(f))
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
-        raise TraceError(f"cannot read node failures file {path}: {exc}") from exc
-    out: list[tuple[int, float, float | None]] = []
+        raise TraceError(f"cannot read {what} {path}: {exc}") from exc
+    out: list[R] = []
     for line, row in enumerate(rows, 2):
         try:
-            node, down = int(row["node"]), float(row["down"])
-            up = float(row["up"]) if (row.get("up") or "").strip() else None
-            if not 0 <= node < nodes:
-                raise ValueError(f"node {node} is not one of the cluster's 0..{nodes - 1}")
-            if down < 0 or (up is not None and up <= down):
-                raise ValueError("down must be at least 0 and up after down")
+            out += parse(row)
         except (KeyError, TypeError, ValueError) as exc:
-            raise TraceError(
-                f"{path}, line {line}: {exc!s}; expected the columns node,down,up (up empty: "
-                "never back), e.g. 3,86400,90000"
-            ) from exc
-        out.append((node, down, up))
-    return out
+            message = f"{path}, line {line}: {exc!s}; expected the columns {columns}"
+            raise TraceError(message) from exc
+    return path, out
 
 
 def read_quotas(path: str | Path) -> dict[str, Quota]:
