@@ -7,8 +7,8 @@ Every (size, preemption cost, policy) is one replay of the whole trace (8-GPU no
 default half-life, quotas derived from the trace as ``bench/replay_philly.py`` does), each in
 its own process on one core; ``las`` and ``srtf`` are the replay-only yardsticks of
 ``scheduler/yardsticks.py``. Prints one Markdown table per size: average and p99 queueing
-delay, average and p99 JCT, Jain's fairness across groups, preemptions, utilisation and the
-replay's wall time. A preemption cost only changes policies that preempt (``fifo`` never
+delay, average and p99 JCT, Jain's fairness across groups (over got/due, and over
+min(got/due, 1): scheduler/metrics.py), preemptions, utilisation and the replay's wall time. A preemption cost only changes policies that preempt (``fifo`` never
 does: it runs once per size).
 """
 
@@ -29,6 +29,7 @@ COLUMNS = [
     ("avg_jct_s", "avg JCT (s)"),
     ("p99_jct_s", "p99 JCT (s)"),
     ("jain_fairness", "Jain"),
+    ("jain_due", "Jain of the due"),
     ("preemptions", "preemptions"),
     ("utilization", "utilisation"),
     ("wall_s", "wall (s)"),

@@ -8,7 +8,10 @@
   GPU-seconds a group held, ``E`` the GPU-seconds it was entitled to, integrating at every
   moment the weighted max-min fair split of the cluster among the groups' demands (GPUs of
   their running and queued jobs), weights from :func:`scheduler.traces.weights`. 1 means every
-  group got its fair share of the time it wanted GPUs.
+  group got its fair share of the time it wanted GPUs. ``jain_fairness`` counts a group served
+  *above* its due (it borrowed GPUs nobody else wanted) as unfair as one served below, so a
+  small group that borrowed a lot can pull it far down; ``jain_due`` is the same index over
+  ``min(x, 1)``: 1 when no group got less than its due, whatever others borrowed.
 """
 
 from __future__ import annotations
@@ -110,5 +113,6 @@ class Recorder:
             "p99_queue_s": percentile(queue, 99),
             "utilization": self.busy_s / (self.capacity * span) if span > 0 else 0.0,
             "jain_fairness": jain(shares),
+            "jain_due": jain([min(x, 1.0) for x in shares]),
             "makespan_s": span,
         }

@@ -15,7 +15,7 @@ from scheduler.traces import Job, TraceError
 #: A copy of the shared traces' Tiresias 60-job file (tests/data/traces/README.md).
 TIRESIAS = Path(__file__).resolve().parents[1] / "data" / "traces" / "tiresias_60_job.csv"
 KEYS = {"avg_jct_s", "p50_jct_s", "p99_jct_s", "avg_queue_s", "p99_queue_s", "utilization",
-        "jain_fairness", "preemptions", "wall_s"}  # fmt: skip
+        "jain_fairness", "jain_due", "preemptions", "wall_s"}  # fmt: skip
 
 
 def write(tmp_path: Path, name: str, text: str) -> str:
@@ -223,3 +223,17 @@ def test_a_failing_node_stops_its_jobs_which_queue_again_until_it_is_back(
         bad = write(tmp_path, "bad.csv", text)
         assert replay.main([*args, "--node-failures", bad]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_fairness_over_the_due_does_not_count_lending_idle_gpus_as_unfair() -> None:
+    from scheduler.metrics import Recorder
+
+    rec = Recorder(8, {"tiny": 1.0, "b": 1.0, "c": 1.0})
+    # A tiny group that borrowed three times its due, two that got exactly theirs.
+    rec.due_s = {"tiny": 10.0, "b": 500.0, "c": 500.0}
+    rec.got_s = {"tiny": 30.0, "b": 500.0, "c": 500.0}
+    out = rec.summary()
+    assert out["jain_fairness"] == pytest.approx(25 / 33)  # (3 + 1 + 1)^2 / (3 * 11)
+    assert out["jain_due"] == 1.0
+    rec.got_s["c"] = 250.0  # c got half its due
+    assert rec.summary()["jain_due"] == pytest.approx(2.5**2 / (3 * 2.25))
