@@ -8,8 +8,9 @@ default half-life, quotas derived from the trace as ``bench/replay_philly.py`` d
 its own process on one core; ``las`` and ``srtf`` are the replay-only yardsticks of
 ``scheduler/yardsticks.py``. Prints one Markdown table per size: average and p99 queueing
 delay, average and p99 JCT, Jain's fairness across groups (over got/due, and over
-min(got/due, 1): scheduler/metrics.py), preemptions, utilisation and the replay's wall time. A preemption cost only changes policies that preempt (``fifo`` never
-does: it runs once per size).
+min(got/due, 1): scheduler/metrics.py), preemptions, utilisation and the replay's wall time.
+A preemption cost only changes policies that preempt (``fifo`` never does: it runs once per
+size).
 """
 
 from __future__ import annotations
