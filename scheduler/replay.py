@@ -83,30 +83,22 @@ K = TypeVar("K", bound=Hashable)
 
 @dataclass(frozen=True, slots=True)
 class Cluster:
-    nodes: int
-    gpus_per_node: int
-    #: GPU model per node, cycled over the nodes; () when models do not matter.
-    models: tuple[str, ...] = ()
-    #: (GPUs, model) of each node (a nodes file); replaces the three fields above.
-    layout: tuple[tuple[int, str], ...] = ()
+    #: (GPUs, GPU model) of each node, in node order; "" when models do not matter.
+    layout: tuple[tuple[int, str], ...]
 
     @classmethod
-    def of(cls, layout: Sequence[tuple[int, str]]) -> Cluster:
-        return cls(len(layout), max(g for g, _ in layout), layout=tuple(layout))
-
-    def shape(self) -> list[tuple[int, str]]:
-        if self.layout:
-            return list(self.layout)
-        models = self.models or ("",)
-        return [(self.gpus_per_node, models[i % len(models)]) for i in range(self.nodes)]
+    def uniform(cls, nodes: int, gpus_per_node: int, models: Sequence[str] = ()) -> Cluster:
+        """``nodes`` nodes of ``gpus_per_node`` GPUs, their models cycled from ``models``."""
+        cycle = tuple(models) or ("",)
+        return cls(tuple((gpus_per_node, cycle[i % len(cycle)]) for i in range(nodes)))
 
     @property
     def gpus(self) -> int:
-        return sum(g for g, _ in self.shape())
+        return sum(g for g, _ in self.layout)
 
     def build(self) -> list[NodeCapacity]:
         out = []
-        for i, (gpus, model) in enumerate(self.shape()):
+        for i, (gpus, model) in enumerate(self.layout):
             inventory = tuple(Gpu(g, model) for g in range(gpus))
             out.append(NodeCapacity(i, list(range(gpus)), 0, inventory))
         return out
@@ -175,12 +167,13 @@ class Simulator:
         self.users = UsageMeter[tuple[str, str]](half_life_s)
         groups = sorted({j.group for j in self.jobs})
         self.record = Recorder(self.free, traces.weights(self.quotas, groups))
-        self.plans = self.preemptions = self.rejected = 0
+        self.plans = self.preemptions = 0
         #: Per job index: when it first started, and when it completed.
         self.started: dict[int, float] = {}
         self.completed: dict[int, float] = {}
         self.verdicts: dict[tuple[int, str | None, str], str | None] = {}
-        self.dropped: set[int] = set()
+        #: Jobs refused at submission (they could never fit).
+        self.rejected: set[int] = set()
         for node, down, up in failures:
             self.push_node(down, DOWN, node)
             if up is not None:
@@ -224,7 +217,7 @@ class Simulator:
             preemptions=self.preemptions,
             node_failures=self.node_failures,
             interruptions=sum(self.interrupted),
-            rejected=self.rejected,
+            rejected=len(self.rejected),
             jobs=len(self.jobs),
             completed=len(self.record.jct),
             plans=self.plans,
@@ -241,10 +234,8 @@ class Simulator:
                 start, end = self.started.get(i), self.completed.get(i)
                 if i in self.completed:
                     fate = "completed"
-                elif i in self.dropped:
-                    fate = "rejected"
-                else:
-                    fate = "running" if str(i) in self.running else "pending"
+                else:  # a replay ends with nothing running
+                    fate = "rejected" if i in self.rejected else "pending"
                 out.writerow(
                     [
                         i,
@@ -280,8 +271,7 @@ class Simulator:
             expected_s=job.duration,
         )
         if job.gpus < 1 or self.never_fits(call) is not None:
-            self.rejected += 1
-            self.dropped.add(i)
+            self.rejected.add(i)
             return False
         self.pending[call.id] = call
         self.record.want(job.group, job.gpus)
@@ -467,17 +457,17 @@ def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
     (see :mod:`scheduler.metrics`)."""
     jobs = traces.read(trace) if isinstance(trace, str) else list(trace)
     if options.nodes_file:
-        cluster = Cluster.of(traces.read_nodes(options.nodes_file))
+        cluster = Cluster(tuple(traces.read_nodes(options.nodes_file)))
     else:
-        cluster = Cluster(options.nodes, options.gpus_per_node, options.models)
+        cluster = Cluster.uniform(options.nodes, options.gpus_per_node, options.models)
     ignored = 0
-    if not any(model for _, model in cluster.shape()):
+    if not any(model for _, model in cluster.layout):
         ignored = sum(1 for j in jobs if j.gpu_type)
         jobs = [replace(j, gpu_type=None) if j.gpu_type else j for j in jobs]
     capacity = cluster.gpus
     failures: list[tuple[int, float, float | None]] = []
     if options.node_failures:
-        failures = traces.read_failures(options.node_failures, len(cluster.shape()))
+        failures = traces.read_failures(options.node_failures, len(cluster.layout))
     if options.quota_file:
         quotas = traces.read_quotas(options.quota_file)
     else:

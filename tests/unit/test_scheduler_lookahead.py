@@ -54,10 +54,10 @@ def test_the_replay_shows_rounds_only_what_a_live_round_reads() -> None:
     jobs = [Job("long", 0, 1000, 1, user="u")]
     jobs += [Job(str(i), 1 + i, 10, 1, user="u") for i in range(40)]
     everything = Recording()
-    Simulator(jobs, everything, Cluster(1, 1), {}).run()
+    Simulator(jobs, everything, Cluster.uniform(1, 1), {}).run()
     assert max(everything.seen) == 40
     live = Recording()
-    sim = Simulator(jobs, live, Cluster(1, 1), {}, look_ahead=5000)
+    sim = Simulator(jobs, live, Cluster.uniform(1, 1), {}, look_ahead=5000)
     sim.run()
     # Arrivals while the node is busy: 16 at most; when it frees, 16 + 16 for the free GPU.
     assert max(live.seen[:40]) == 16 and max(live.seen) == 32

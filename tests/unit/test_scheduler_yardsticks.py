@@ -20,7 +20,7 @@ TIRESIAS = Path(__file__).resolve().parents[1] / "data" / "traces" / "tiresias_6
 
 def simulate(jobs: list[Job], policy: Las | Srtf, nodes: int, gpus: int, **kw: float) -> Simulator:
     quotas: dict[str, Quota] = traces.derive_quotas(jobs, nodes * gpus)
-    sim = Simulator(jobs, policy, Cluster(nodes, gpus), quotas, **kw)
+    sim = Simulator(jobs, policy, Cluster.uniform(nodes, gpus), quotas, **kw)
     sim.run()
     return sim
 
