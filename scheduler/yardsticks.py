@@ -56,8 +56,8 @@ class _Preemptive:
         cap = Capacity(snapshot.nodes)
         out = Plan()
         victims: _Victims | None = None  # made when first needed
-        for call in sorted(snapshot.pending, key=lambda c: self.rank(c, now)):
-            klass = self.rank(call, now)[0]
+        ranked = sorted((self.rank(c, now), c) for c in snapshot.pending)
+        for (klass, _, _), call in ranked:
             if cap.exhausted() and victims is not None and victims.spent(klass):
                 break  # nothing frees up for this call or any after it
             parts = cap.place(call)
