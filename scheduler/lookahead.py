@@ -24,7 +24,7 @@ def per_user(free: Iterable[NodeCapacity], most: int) -> int:
     """How far down each user's queue a round looks: enough to fill what is free, with room
     to backfill past calls that do not fit, and some even when nothing is free (a group
     owed its guarantee reclaims GPUs), without re-reading a huge backlog every round."""
-    units = sum(len(n.free_gpus) + n.free_cpu_slots for n in free)
+    units = sum(len(n.free_gpus) + n.free_cpu_slots for n in free if not n.draining)
     return max(1, min(most, 16 + 16 * units))
 
 

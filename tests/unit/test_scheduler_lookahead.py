@@ -32,6 +32,8 @@ def test_a_round_looks_further_the_more_is_free() -> None:
     assert lookahead.per_user([full], 5000) == 16
     assert lookahead.per_user([full, free3], 5000) == 16 + 16 * 4  # GPUs and CPU slots
     assert lookahead.per_user([free3] * 1000, 100) == 100  # never past the batch
+    down = NodeCapacity(2, [0, 1, 2, 3], 0, draining=True)  # a replay's failed node
+    assert lookahead.per_user([full, down], 5000) == 16
     assert len(lookahead.shown(calls("a" * 50), [full])) == 16
 
 
