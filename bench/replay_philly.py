@@ -89,7 +89,7 @@ def main() -> None:
         change = f"{(b - a) / a * 100:+.1f} %" if a else "n/a"
         won = (b < a) if better == "lower" else (b > a)
         mark = "" if a == b or key in ("wall_s", "preemptions") else (" ✓" if won else " ✗")
-        print(f"| {label} | {_fmt(a)} | {_fmt(b)} | {change}{mark} |")
+        print(f"| {label} | {fmt(a)} | {fmt(b)} | {change}{mark} |")
     print("\n## Other settings of fair (same cluster)\n")
     print("| variant | avg JCT (s) | avg queue (s) | p99 queue (s) | utilisation | Jain | "
           "preemptions |")  # fmt: skip
@@ -100,7 +100,7 @@ def main() -> None:
               f"{r['preemptions']:.0f} |")  # fmt: skip
 
 
-def _fmt(value: float) -> str:
+def fmt(value: float) -> str:
     return f"{value:.3f}" if abs(value) < 10 and value != int(value) else f"{value:,.0f}"
 
 

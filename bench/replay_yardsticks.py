@@ -20,10 +20,10 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from scheduler import traces
-from scheduler.replay import Options, replay
+from replay_philly import TRACE, fmt, run  # bench/ is this script's first import path
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "philly_jobs_pollux_osdi21.csv"
+from scheduler.replay import Options
+
 COLUMNS = [
     ("avg_queue_s", "avg queue (s)"),
     ("p99_queue_s", "p99 queue (s)"),
@@ -35,10 +35,6 @@ COLUMNS = [
     ("utilization", "utilisation"),
     ("wall_s", "wall (s)"),
 ]
-
-
-def run(args: tuple[str, Options]) -> dict[str, float]:
-    return replay(traces.read(args[0]), args[1])
 
 
 def main() -> None:
@@ -69,12 +65,8 @@ def main() -> None:
         print("|---|---|" + "---|" * len(COLUMNS))
         for (n, c, p), r in zip(runs, results, strict=True):
             if n == size:
-                cells = " | ".join(_fmt(r[k]) for k, _ in COLUMNS)
+                cells = " | ".join(fmt(r[k]) for k, _ in COLUMNS)
                 print(f"| {p} | {c:.0f} | {cells} |")
-
-
-def _fmt(value: float) -> str:
-    return f"{value:.3f}" if abs(value) < 10 and value != int(value) else f"{value:,.0f}"
 
 
 if __name__ == "__main__":
