@@ -287,10 +287,15 @@ def test_blob_uploads_take_octet_streams_and_refuse_json(gateway: Cluster) -> No
         ("max_retries", -1, ">= 0"),
         ("timeout_s", 0, "> 0"),
         ("expected_s", -5, "> 0"),
+        # Model alternatives: at most 8, none empty (the published pattern).
+        ("gpu_model", "A100||H100", "matching regex"),
+        ("gpu_model", "A100|", "matching regex"),
+        ("gpu_model", "|".join("ABCDEFGHI"), "matching regex"),
+        ("gpu_model", "A100|H100;drop", "matching regex"),
     ],
 )
 def test_an_out_of_range_resource_gets_422_naming_the_field_and_the_rule(
-    gateway: Cluster, field: str, value: int, rule: str
+    gateway: Cluster, field: str, value: int | str, rule: str
 ) -> None:
     # The same rule the published schema states (openapi.yaml: CallSpec), checked once.
     body = submit_body(**{field: value})
