@@ -10,6 +10,7 @@ import msgspec
 
 from bulletin_core.settings import AT_LEAST_0, AT_LEAST_1, POSITIVE, check, doc
 from scheduler import POLICIES, Policy, policies
+from scheduler.fair import DEFAULT_STARVE_AFTER_S
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -105,10 +106,11 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         again.
     """)] = 30.0
     fair_starve_after_s: Annotated[float, AT_LEAST_0, doc("""
-        fair: a borrower (a call above its group's guarantee) that has waited this many seconds
-        gets a reservation, so a big call cannot wait for ever behind smaller ones; 0: never
-        (the default: holding room idle costs the others, see docs/scheduling.md).
-    """)] = 0.0
+        fair: a whole-node call (as many GPUs as the largest node that may take it, or more)
+        that has waited this many seconds gets a reservation, and is not reclaimed once it
+        starts, so it cannot wait for ever behind smaller calls that take every GPU that frees
+        up (docs/scheduling.md); 0: never.
+    """)] = DEFAULT_STARVE_AFTER_S
     rate_limit_per_s: Annotated[float, AT_LEAST_0, doc("""
         Requests a second each user may make, on average, with a user token (a token bucket per
         user, in this replica's memory: N replicas allow up to N times as much); over it the
@@ -178,8 +180,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def policy(self) -> Policy:
         """A fresh instance of the configured scheduling policy, with its settings."""
-        if self.scheduler_policy == "fair" and self.fair_starve_after_s > 0:
-            return policies.get("fair", starve_after_s=self.fair_starve_after_s)
+        if self.scheduler_policy == "fair":
+            return policies.get("fair", starve_after_s=self.fair_starve_after_s or None)
         return policies.get(self.scheduler_policy)
 
     @property

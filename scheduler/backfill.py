@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from scheduler import placement
@@ -89,16 +89,18 @@ def reserve(
     snapshot: Snapshot,
     rel: dict[int, list[Release]],
     limit: float = math.inf,
+    held: Collection[int] = (),
 ) -> Reservation | None:
     """Reserve the earliest room for ``call`` and withdraw it from ``cap``; None if the call
     can never fit on these nodes as far as the running calls' ends tell. ``rel`` comes from
-    :func:`releases`; whole nodes for a gang add up to no more than ``limit`` GPUs."""
+    :func:`releases`; whole nodes for a gang add up to no more than ``limit`` GPUs; nodes in
+    ``held`` (reserved already this round, free GPUs or not) are not used."""
     if call.gpus == 0:
         return None
     if call.gpus > cap.largest_for(call):
-        found = _whole_nodes(call, cap, snapshot, rel, limit)
+        found = _whole_nodes(call, cap, snapshot, rel, limit, held)
     else:
-        found = _one_node(call, cap, snapshot, rel)
+        found = _one_node(call, cap, snapshot, rel, held)
     if found is None or found.start == math.inf:
         return None  # no known end to plan by: nothing is held back (work-conserving)
     for node_id in found.spare:
@@ -107,12 +109,16 @@ def reserve(
 
 
 def _one_node(
-    call: Pending, cap: Capacity, snapshot: Snapshot, rel: dict[int, list[Release]]
+    call: Pending,
+    cap: Capacity,
+    snapshot: Snapshot,
+    rel: dict[int, list[Release]],
+    held: Collection[int],
 ) -> Reservation | None:
     n = call.gpus
     plain = not placement.constrained(call)
     best: tuple[float, int, int] | None = None  # (start, -spare, node id)
-    for node in _usable(snapshot.nodes, call, cap):
+    for node in _usable(snapshot.nodes, call, cap, held):
         ends = rel.get(node.node_id, [])
         ends.sort()
         free = cap.free_of(node.node_id)
@@ -136,10 +142,11 @@ def _whole_nodes(
     snapshot: Snapshot,
     rel: dict[int, list[Release]],
     limit: float,
+    held: Collection[int],
 ) -> Reservation | None:
     ready = sorted(
         (max((end for end, _ in rel.get(n.node_id, ())), default=snapshot.now), order, n)
-        for order, n in enumerate(_usable(snapshot.nodes, call, cap))
+        for order, n in enumerate(_usable(snapshot.nodes, call, cap, held))
         if placement.whole_node_ok(n, call)
     )
     total = 0
@@ -154,14 +161,79 @@ def _whole_nodes(
     return None
 
 
-def _usable(nodes: Iterable[NodeCapacity], call: Pending, cap: Capacity) -> Iterable[NodeCapacity]:
+def _usable(
+    nodes: Iterable[NodeCapacity], call: Pending, cap: Capacity, held: Collection[int]
+) -> Iterable[NodeCapacity]:
     """Nodes the call may be reserved on: live, not already held for another call, big
     enough (a node of unknown size may be, once its running calls end)."""
     for node in nodes:
         state = cap.states.get(node.node_id)
-        if node.draining or (state is not None and state.withdrawn):
+        if node.draining or (state is not None and state.withdrawn) or node.node_id in held:
             continue
         if not node.gpus or call.gpus > cap.largest_for(call):
             yield node  # sizes are checked as the room is counted
         elif placement.node_fits_ever(node, call):
             yield node
+
+
+class Horizon:
+    """Reservations for calls that need whole nodes, many in one round: every node's *ready*
+    time (when all its GPUs are expected back: its last release, not before now), the nodes
+    sorted by it. Each reservation takes the earliest ready nodes that qualify, as
+    :func:`reserve` does, without a pass over every node and its releases per call (a cursor
+    per kind of call skips the nodes already held or not of its kind). Only for clusters
+    whose nodes all have a known inventory of one model (:meth:`serves`); ``rel`` as for
+    :func:`reserve`, and built again when it changes."""
+
+    def __init__(self, snapshot: Snapshot, rel: dict[int, list[Release]]) -> None:
+        now = snapshot.now
+        self.order = sorted(
+            (
+                (max((end for end, _ in rel.get(node.node_id, ())), default=now), i, node)
+                for i, node in enumerate(snapshot.nodes)
+                if not node.draining
+            ),
+            key=lambda entry: entry[:2],
+        )
+        #: Per kind of call (model, memory): entries before it are held or not of its kind.
+        self.cursor: dict[tuple[str | None, int], int] = {}
+
+    @staticmethod
+    def serves(nodes: Iterable[NodeCapacity], cap: Capacity) -> bool:
+        """Whether the cluster's nodes suit it: known inventories, none mixing models."""
+        return not cap.mixed and all(node.gpus for node in nodes)
+
+    def reserve(
+        self, call: Pending, cap: Capacity, held: Collection[int], limit: float = math.inf
+    ) -> Reservation | None:
+        """What :func:`reserve` gives a call of at least ``cap.largest_for(call)`` GPUs."""
+        key = (call.gpu_model, call.min_memory_mib)
+        gang = call.gpus > cap.largest_for(call)
+        start = k = self.cursor.get(key, 0)
+        chosen: list[int] = []
+        total, spare, ready = 0, 0, math.inf
+        while k < len(self.order):
+            ready, _, node = self.order[k]
+            k += 1
+            state = cap.states.get(node.node_id)
+            gone = node.node_id in held or (state is not None and state.withdrawn)
+            if gone or not placement.whole_node_ok(node, call):
+                if k - 1 == start:
+                    start = k  # never of use to this kind again this round
+                continue
+            size = len(node.gpus)
+            if not gang:
+                if size >= call.gpus:
+                    chosen, spare = [node.node_id], size - call.gpus
+                    break
+            elif total + size <= limit:  # else the gang would hold more than its group may
+                total += size
+                chosen.append(node.node_id)
+                if total >= call.gpus:
+                    break
+        self.cursor[key] = start
+        if not chosen or (gang and total < call.gpus) or ready == math.inf:
+            return None
+        for node_id in chosen:
+            cap.withdraw(node_id)
+        return Reservation(call.id, ready, dict.fromkeys(chosen, spare))

@@ -3,18 +3,27 @@
 Each round takes the pending calls in fair-share order
 (:func:`~scheduler.fairshare.fair_buckets`):
 
+0. Starvation guard (``starve_after_s``, one hour by default): the *whole-node* calls (as
+   many GPUs as the largest node that may take them, or more) that have waited past the
+   bound, oldest first, each start now if they fit, else reclaim room (if within their
+   guarantee), else get a reservation: the earliest room by the running calls' expected ends
+   (:mod:`scheduler.backfill`) on nodes no older call holds; at the first that can get none,
+   the guard stops, so no call is promised room an older one will take. Every later call,
+   guaranteed or borrowing, may use reserved GPUs only if it ends before the reservation is
+   due. A guaranteed call kept out only by a reservation waits for it instead of reclaiming
+   elsewhere. A call that waited past the bound is never reclaimed once it starts. Without
+   the guard, borrowers that need less than a node take every GPU that frees up and a
+   whole-node call can wait for days.
 1. Guaranteed: calls that keep their group within its guarantee start if they fit; one that
    does not fit reclaims borrowed GPUs from other groups (:mod:`scheduler.reclaim`): the plan
    preempts just enough calls, holds the room back from this round's borrowers, and the call
    starts in a later round once its victims have exited.
 2. Borrowers: the other calls start on idle GPUs, up to their group's ceiling, in the same
    order (so the group that used least of its share lately goes first), placed ``borrowed``.
-   First, though, a starvation guard: the first of them that has waited ``starve_after_s`` or
-   longer gets what FIFO's head gets: it starts now if it fits, else the earliest room for it
-   is reserved (:mod:`scheduler.backfill`) and other borrowers may use that room only if they
-   end before it is due. Without it, a big call (say, bigger than its group's guarantee) could
-   wait for ever while smaller borrowers take every GPU that frees up. Guaranteed work is not
-   held back by the reservation: guarantees come first.
+
+How long a call has waited counts from when it last entered the queue
+(:attr:`~scheduler.model.Pending.waiting_since`): a call preempted or requeued starts a new
+wait, so reclaim's victims do not take the room straight back.
 
 Groups without a configured quota get ``default_quota`` (nothing guaranteed, no ceiling), so
 with no quotas at all the policy is fair share over first-fit backfill.
@@ -23,9 +32,11 @@ with no quotas at all the policy is fair share over first-fit backfill.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
-from scheduler.backfill import Reservation, releases, reserve
+from scheduler import placement
+from scheduler.backfill import Horizon, Release, Reservation, releases, reserve
 from scheduler.capacity import Capacity
 from scheduler.fairshare import fair_buckets
 from scheduler.model import (
@@ -42,6 +53,9 @@ from scheduler.quotas import Book
 from scheduler.reasons import Why, ahead, note, shortfall, starting
 from scheduler.reclaim import Reclaim, Reclaimer
 
+#: A whole-node call that has waited this long gets a reservation (fair's default).
+DEFAULT_STARVE_AFTER_S = 3600.0
+
 
 @dataclass
 class Fair:
@@ -50,16 +64,15 @@ class Fair:
     ``max_reclaims`` bounds the calls one round reclaims room for (Kueue likewise preempts for
     one head per queue per cycle): a burst of returning demand is worked off over a few rounds
     instead of one long one, and the plan says so (:attr:`scheduler.model.Plan.more`).
-    ``starve_after_s`` (None, the default: never) is the wait after which a borrower gets a
-    reservation. It is off by default because holding room idle costs the others: on the
-    Philly trace (bench/replay_philly.py) a 1 h to 24 h guard raised the average queueing
-    delay by 10 to 35 %. Turn it on where big calls above their group's guarantee must not
-    wait without bound."""
+    ``starve_after_s`` is the wait after which a whole-node call gets a reservation (None:
+    never). On the Philly trace at 88 x 8 GPUs the one-hour default cut the average wait of
+    multi-node calls from 32,420 s to 4,705 s (FIFO: 9,096 s) and of 8-GPU calls from 5,005 s
+    to 3,289 s, for 8 % more average queueing (docs/benchmarks.md)."""
 
     default_quota: Quota = DEFAULT_QUOTA
     reclaim: bool = True
     max_reclaims: int | None = 128
-    starve_after_s: float | None = None
+    starve_after_s: float | None = DEFAULT_STARVE_AFTER_S
     name: str = "fair"
     uses_quotas: bool = True
 
@@ -85,12 +98,22 @@ class _Round:
             self.pos = {c.id: i for i, c in enumerate(itertools.chain(*self.buckets), 1)}
         self.out = Plan()
         self.done: set[str] = set()  # calls this round has dealt with
-        self.held: Reservation | None = None
+        #: This round's reservations that still have free GPUs (the others admit nothing: a
+        #: reserved node's free GPUs only go down as the round goes on).
+        self.held: list[Reservation] = []
+        #: Calls the guard started this round, with their expected ends.
+        self.placed: list[tuple[tuple[Part, ...], float]] = []
+        self.guarding = False
+        self.reclaimer = Reclaimer(self.snapshot, self.cap, self.book, policy.starve_after_s)
+        self.reclaims = 0
+        self.stuck: set[tuple[str, int, str | None, int]] = set()  # reclaim found nothing
 
     def run(self) -> Plan:
-        self.guaranteed()
         if self.policy.starve_after_s is not None:
+            self.guarding = True
             self.guard(self.policy.starve_after_s)
+            self.guarding = False
+        self.guaranteed()
         self.borrowers()
         return self.out
 
@@ -99,14 +122,17 @@ class _Round:
         note(self.why, call, self.pos.get(call.id, 0), str, reason)
 
     def place(self, call: Pending) -> tuple[Part, ...] | None:
-        """Room for the call now: outside any reservation, or inside if it cannot delay it;
-        never more GPUs than its group may still take (a gang's whole nodes may hold more
-        than it asks for)."""
+        """Room for the call now: outside any reservation, or inside one if it cannot delay
+        it; never more GPUs than its group may still take (a gang's whole nodes may hold
+        more than it asks for)."""
         parts = self.cap.place(call, self.book.room(call.group))
-        if parts is None and self.held is not None:
-            choice = self.held.admit(call, self.cap, self.snapshot.now)
-            if choice is not None:
-                parts = (Part(choice[0].node.node_id, choice[1]),)
+        if parts is None and self.held:
+            for held in self.held:
+                choice = held.admit(call, self.cap, self.snapshot.now)
+                if choice is not None:
+                    if not held.open(self.cap):
+                        self.held.remove(held)
+                    return (Part(choice[0].node.node_id, choice[1]),)
         return parts
 
     def start(self, call: Pending, parts: tuple[Part, ...]) -> None:
@@ -116,38 +142,109 @@ class _Round:
         self.book.add(call.group, taken)
         self.out.append(Decision.of(call.id, parts, borrowed))
         self.done.add(call.id)
+        if self.guarding:  # later reservations of this round count it as running
+            end = math.inf if call.expected_s is None else self.snapshot.now + call.expected_s
+            self.placed.append((parts, end))
         if self.why is not None:
             self.note(call, starting(parts, " (borrowed)" if borrowed else ""))
 
+    def starving(self, after_s: float) -> list[Pending]:
+        """The whole-node calls (as many GPUs as the largest node that may take them, or
+        more) that have waited ``after_s`` or longer, oldest first (higher priority first)."""
+        now, cap = self.snapshot.now, self.cap
+        found = [
+            call
+            for call in self.snapshot.pending
+            if call.gpus
+            and now - call.waiting_since >= after_s
+            and call.gpus >= cap.largest_for(call)
+            and call.id not in self.done
+        ]
+        return sorted(found, key=_age_key)
+
     def guard(self, after_s: float) -> None:
-        """Step 2a: the most deserving starving call starts now or gets a reservation."""
-        now = self.snapshot.now
-        for call in itertools.chain(*self.buckets):
-            if call.id in self.done:
-                continue
-            if now - call.submit_time < after_s or not self.book.within_ceiling(call):
+        """Step 0: the starving whole-node calls, oldest first, start now, reclaim room
+        (within their guarantee) or get reservations, before anything else is placed, until
+        one can be given none (younger ones then wait their turn, so that none is promised
+        room an older one will take); later calls of every group, guaranteed or not, may use
+        reserved GPUs only if they end before the reservation is due (backfill)."""
+        rel: tuple[int, dict[int, list[Release]]] | None = None  # (len(placed), releases)
+        fast = Horizon.serves(self.snapshot.nodes, self.cap)
+        horizon: Horizon | None = None
+        for call in self.starving(after_s):
+            if not self.book.within_ceiling(call):
                 continue
             room = self.book.room(call.group)
-            parts = self.cap.place(call, room)
+            parts = self.place(call)
             if parts is not None:
                 self.start(call, parts)
-                continue  # the next starving call may need a reservation
-            rel = releases(self.snapshot, [])
-            self.held = reserve(call, self.cap, self.snapshot, rel, limit=room)
-            if self.held is not None:
+                continue
+            if self.book.nominal(call) and self.try_reclaim(call):
                 self.done.add(call.id)
-                if self.why is not None:
-                    wait = self.held.start - now
-                    self.note(call, f"waited over {after_s:.0f} s: {shortfall(call, self.cap)}; "
-                              f"GPUs reserved for it from in about {wait:.0f} s")  # fmt: skip
-                return
+                continue
+            if rel is None or rel[0] != len(self.placed):
+                rel = (len(self.placed), releases(self.snapshot, self.placed))
+                horizon = Horizon(self.snapshot, rel[1]) if fast else None
+            taken = self.reclaimer.reserved
+            if horizon is not None:
+                held = horizon.reserve(call, self.cap, taken, limit=room)
+            else:
+                held = reserve(call, self.cap, self.snapshot, rel[1], limit=room, held=taken)
+            if held is None:
+                break  # younger calls may not take room it will need (it keeps its turn)
+            if held.open(self.cap):
+                self.held.append(held)
+            self.reclaimer.reserved.update(held.spare)
+            self.out.reserved[call.id] = held.start
+            self.done.add(call.id)
+            if self.why is not None:
+                wait = held.start - self.snapshot.now
+                self.note(call, f"waited over {after_s:.0f} s: {shortfall(call, self.cap)}; "
+                          f"GPUs reserved for it from in about {wait:.0f} s")  # fmt: skip
 
-    def guaranteed(self) -> None:
-        """Step 1: place, or reclaim room for, the calls within their group's guarantee."""
-        book, limit = self.book, self.policy.max_reclaims
-        reclaimer = Reclaimer(self.snapshot, self.cap, book)
-        stuck: set[tuple[str, int, str | None, int]] = set()  # reclaim found nothing for these
-        reclaims = 0
+    def held_for(self, call: Pending) -> Reservation | None:
+        """The reservation whose idle GPUs would hold ``call`` (one node), if any: a call
+        kept out only by a reservation waits for it rather than preempt elsewhere (else each
+        room it freed would draw the reservation there next round, and reclaim again)."""
+        for held in self.held:
+            for node_id in held.spare:
+                state = self.cap.states.get(node_id)
+                if (
+                    state is not None
+                    and len(state.free) >= call.gpus
+                    and len(placement.usable(state.node, state.free, call)) >= call.gpus
+                ):
+                    return held
+        return None
+
+    def try_reclaim(self, call: Pending) -> bool:
+        """Reclaim room for a call within its group's guarantee; whether it was dealt with
+        (room found, or the round's reclaim bound reached)."""
+        book, limit, group = self.book, self.policy.max_reclaims, call.group
+        if limit is not None and self.reclaims >= limit:
+            self.out.more = True
+            note(self.why, call, self.pos.get(call.id, 0), _later, call, self.cap)
+            return True
+        shape = (group, call.gpus, call.gpu_model, call.min_memory_mib)
+        can = self.policy.reclaim and shape not in self.stuck and book.any_borrowing()
+        found = self.reclaimer.reclaim(call, book.room(group)) if can else None
+        if found is None:
+            self.stuck.add(shape)
+            return False
+        self.reclaims += bool(found.victims)
+        book.add(group, found.gpus)  # promised: that much of its quota is spoken for
+        reason = (
+            f"reclaimed for group {group} (within its guarantee of "
+            f"{book.quota(group).guaranteed} GPUs) by call {call.id}"
+        )
+        self.out.preemptions.extend(Preemption(v.id, reason) for v in found.victims)
+        note(self.why, call, self.pos.get(call.id, 0), _reclaiming, found)
+        return True
+
+    def guaranteed(self, reclaim: bool = True) -> None:
+        """Step 1: place, or reclaim room for, the calls within their group's guarantee
+        (``reclaim=False``: only place those that fit)."""
+        book = self.book
         for bucket in self.buckets:
             group = bucket[0].group
             guaranteed = book.quota(group).guaranteed
@@ -156,30 +253,20 @@ class _Round:
                     break  # nothing else of this group is within its guarantee
                 if call.id in self.done or not book.nominal(call):
                     continue
-                self.done.add(call.id)
                 parts = self.place(call)
                 if parts is not None:
                     self.start(call, parts)
                     continue
-                shape = (group, call.gpus, call.gpu_model, call.min_memory_mib)
-                if limit is not None and reclaims >= limit:
-                    self.out.more = True
-                    note(self.why, call, self.pos.get(call.id, 0), _later, call, self.cap)
+                if not reclaim:
                     continue
-                can = self.policy.reclaim and shape not in stuck and book.any_borrowing()
-                found = reclaimer.reclaim(call, book.room(group)) if can else None
-                if found is None:
-                    stuck.add(shape)
+                self.done.add(call.id)
+                held = self.held_for(call)
+                if held is not None:
+                    self.note(call, f"{shortfall(call, self.cap)} outside the GPUs reserved for "
+                              f"call {held.call_id}, which waited past the starvation bound; "
+                              "they are idle until it starts, so nothing is reclaimed")  # fmt: skip
+                elif not self.try_reclaim(call):
                     note(self.why, call, self.pos.get(call.id, 0), _unreclaimable, call, self.cap)
-                    continue
-                reclaims += bool(found.victims)
-                book.add(group, found.gpus)  # promised: that much of its quota is spoken for
-                reason = (
-                    f"reclaimed for group {group} (within its guarantee of {guaranteed} GPUs) "
-                    f"by call {call.id}"
-                )
-                self.out.preemptions.extend(Preemption(v.id, reason) for v in found.victims)
-                note(self.why, call, self.pos.get(call.id, 0), _reclaiming, found)
 
     def borrowers(self) -> None:
         """Step 2: lend idle GPUs to the other calls, in fair-share order, up to ceilings."""
@@ -187,7 +274,7 @@ class _Round:
         for call in itertools.chain(*self.buckets):
             if call.id in self.done:
                 continue
-            if cap.exhausted() and (self.held is None or not self.held.open(cap)):
+            if cap.exhausted() and not any(held.open(cap) for held in self.held):
                 if self.why is None:
                     return
                 note(self.why, call, self.pos[call.id], _borrowing, call, cap, self.pos[call.id])
@@ -210,6 +297,10 @@ class _Round:
             if taking is not None and taking > self.book.room(call.group):
                 return self.book.ceiling_reason(call, taking)
         return _borrowing(call, self.cap, pos)
+
+
+def _age_key(call: Pending) -> tuple[int, float]:
+    return (-call.priority, call.waiting_since)
 
 
 def _unreclaimable(call: Pending, cap: Capacity) -> str:

@@ -69,6 +69,7 @@ class Fifo:
                 if held is None:
                     unreservable.add(shape)
                 else:
+                    out.reserved[call.id] = held.start
                     note(why, call, pos, _head, call, cap, held, now)
                     continue
             note(why, call, pos, _blocked, call, cap, held)

@@ -88,6 +88,14 @@ class Pending:
     #: GPU-seconds of service it received before it was queued again (a preempted call's
     #: runs so far); 0 for a call that never ran.
     attained_gpu_s: float = 0.0
+    #: When it last entered the queue: at submission, or when it was queued again after a
+    #: preemption, a lost node or a retry (None: at ``submit_time``). Its queue place stays
+    #: by ``submit_time``; how long it has been waiting counts from here.
+    queued_time: float | None = None
+
+    @property
+    def waiting_since(self) -> float:
+        return self.submit_time if self.queued_time is None else self.queued_time
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +120,9 @@ class Running:
     #: GPU-seconds of service it received before this run started (``attained`` adds the
     #: run's own).
     attained_gpu_s: float = 0.0
+    #: When it last entered the queue before this run (None: unknown); ``start_time`` minus
+    #: this is how long it waited for this run.
+    queued_time: float | None = None
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -201,6 +212,7 @@ class Plan(list[Decision]):
 
     A list of :class:`Decision` so that callers which only place calls keep working. ``more``
     says the round stopped short of all it could do (a bound on its work): plan again soon.
+    ``reserved`` maps each call the round reserved GPUs for to when the reservation is due.
     """
 
     def __init__(
@@ -212,6 +224,7 @@ class Plan(list[Decision]):
         super().__init__(placements)
         self.preemptions: list[Preemption] = list(preemptions)
         self.more = more
+        self.reserved: dict[str, float] = {}
 
     def __repr__(self) -> str:
         return f"Plan({list(self)!r}, preemptions={self.preemptions!r})"

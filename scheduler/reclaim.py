@@ -1,16 +1,17 @@
 """Reclaim: make room for a group's guaranteed work by preempting other groups' borrowing.
 
-A running call is a candidate if it is preemptible, not already stopping, of another group,
-and its group holds more than its guarantee when it is picked (so reclaim never eats into
-anyone's guarantee). Candidates are taken youngest first (those flagged borrowed before the
-rest), and only as many as make the call fit: for a single-node call, walking the candidates
-in that order, the first node whose free GPUs plus its candidates so far hold the call wins,
-with those candidates as victims. A multi-node gang clears the whole nodes needing the fewest
-victims, leaving out nodes that would take its group past its ceiling (a gang holds every GPU
-of its nodes). GPUs of calls already stopping count as free, so a round never preempts twice for the
-same need. The chosen nodes are withdrawn from the round's index, so borrowers cannot take
-the room back before the reclaiming call starts; later reclaims may still use what is left
-there beyond the GPUs promised.
+A running call is a candidate if it is preemptible, not already stopping, not protected (it
+waited past the starvation bound before it started: see :mod:`scheduler.fair`), of another
+group, and its group holds more than its guarantee when it is picked (so reclaim never eats
+into anyone's guarantee). Nodes reserved for a starving call are left alone. Candidates are
+taken youngest first (those flagged borrowed before the rest), and only as many as make the
+call fit: for a single-node call, walking the candidates in that order, the first node whose
+free GPUs plus its candidates so far hold the call wins, with those candidates as victims. A
+multi-node gang clears the whole nodes needing the fewest victims, leaving out nodes that would
+take its group past its ceiling (a gang holds every GPU of its nodes). GPUs of calls already
+stopping count as free, so a round never preempts twice for the same need. The chosen nodes are
+withdrawn from the round's index, so borrowers cannot take the room back before the reclaiming
+call starts; later reclaims may still use what is left there beyond the GPUs promised.
 """
 
 from __future__ import annotations
@@ -47,10 +48,22 @@ class _Room:
 class Reclaimer:
     """Victim selection for one round; remembers what it already chose."""
 
-    def __init__(self, snapshot: Snapshot, cap: Capacity, book: Book) -> None:
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        cap: Capacity,
+        book: Book,
+        protect_after_s: float | None = None,
+        reserved: set[int] | None = None,
+    ) -> None:
         self.snapshot = snapshot
         self.cap = cap
         self.book = book
+        #: Runs that waited this long before they started are never victims (None: none is
+        #: protected).
+        self.protect_after_s = protect_after_s
+        #: Nodes held for reservations: no room is sought there (the caller may add to it).
+        self.reserved: set[int] = set() if reserved is None else reserved
         self.chosen: set[str] = set()
         self._ready = False
         self._nodes: dict[int, NodeCapacity] = {}
@@ -84,9 +97,13 @@ class Reclaimer:
                 else:
                     self._by_node[part.node_id].append(run)
         self._queue = sorted(
-            (r for r in self.snapshot.running if r.preemptible and not r.preempting),
+            (r for r in self.snapshot.running if self._victim_ok(r) and not r.preempting),
             key=lambda r: (not r.borrowed, -r.start_time),
         )
+
+    def _victim_ok(self, run: Running) -> bool:
+        """Whether the run may ever be preempted by reclaim."""
+        return run.preemptible and not protected(run, self.protect_after_s)
 
     def reclaim(self, call: Pending, limit: float = math.inf) -> Reclaim | None:
         """Pick room for ``call`` (victims possibly none), withdraw it, charge the groups;
@@ -122,7 +139,7 @@ class Reclaimer:
         """The node, if it may hold (part of) the call: live and big enough; for a whole node,
         nothing on it promised to another call."""
         node = self._nodes.get(node_id)
-        if node is None or node.draining:
+        if node is None or node.draining or node_id in self.reserved:
             return None
         if whole and self._promised.get(node_id):
             return None
@@ -184,7 +201,7 @@ class Reclaimer:
                 room = self._rooms.get(part.node_id)
                 if room is None:
                     node = self._nodes.get(part.node_id)
-                    if node is None or node.draining:
+                    if node is None or node.draining or part.node_id in self.reserved:
                         continue
                     room = self._rooms[part.node_id] = _Room(node, 0)
                 room.victims.append(run)
@@ -271,7 +288,7 @@ class Reclaimer:
             self._clearable = []
             for order, each in enumerate(self.snapshot.nodes):
                 runs = self._by_node.get(each.node_id, [])
-                if each.gpus and all(r.preemptible for r in runs):
+                if each.gpus and all(self._victim_ok(r) for r in runs):
                     self._clearable.append((len(runs), order, each, runs))
             self._clearable.sort(key=lambda o: o[:2])
         released: dict[str, int] = defaultdict(int)
@@ -296,3 +313,11 @@ class Reclaimer:
                 if total >= call.gpus:
                     return found
         return None
+
+
+def protected(run: Running, after_s: float | None) -> bool:
+    """Whether ``run`` waited ``after_s`` or longer in the queue before this start (a call
+    that starved is not sent back to the queue by reclaim). Unknown wait: no."""
+    if after_s is None or run.queued_time is None:
+        return False
+    return run.start_time - run.queued_time >= after_s

@@ -337,6 +337,7 @@ class Simulator:
             submit_time=job.submit,
             expected_s=self.remaining[i],
             attained_gpu_s=self.attained[i],
+            queued_time=now,
         )
 
     def release(self, i: int, now: float) -> Running:
@@ -401,6 +402,7 @@ class Simulator:
                 borrowed=d.borrowed,
                 more=d.more,
                 attained_gpu_s=self.attained[i],
+                queued_time=call.waiting_since,
             )
             self.running[call.id] = run
             self.started.setdefault(i, now)
@@ -429,7 +431,7 @@ class Options:
     preemption_cost_s: float = 0.0
     #: GPU models cycled over the nodes; without them jobs' gpu_type is ignored.
     models: tuple[str, ...] = ()
-    #: The fair policy's starvation guard (None: off).
+    #: The fair policy's starvation guard, seconds (None: the policy's default; 0: off).
     starve_after_s: float | None = None
     #: Write one CSV row per job here (``JOB_COLUMNS``).
     jobs_out: str | None = None
@@ -446,7 +448,7 @@ def policy_names() -> list[str]:
     return sorted({*policies.POLICIES, *yardsticks.YARDSTICKS})
 
 
-def get_policy(name: str, **settings: float) -> Policy:
+def get_policy(name: str, **settings: float | None) -> Policy:
     if name in yardsticks.YARDSTICKS:
         return yardsticks.YARDSTICKS[name](**settings)
     return policies.get(name, **settings)
@@ -474,7 +476,7 @@ def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
         quotas = traces.derive_quotas(jobs, capacity)
     settings = {}
     if options.starve_after_s is not None:
-        settings["starve_after_s"] = options.starve_after_s
+        settings["starve_after_s"] = options.starve_after_s or None
     sim = Simulator(
         jobs,
         get_policy(options.policy, **settings),
@@ -549,7 +551,8 @@ def parser() -> argparse.ArgumentParser:
         "--starve-after-s",
         type=float,
         default=None,
-        help="fair: wait after which a call gets a reservation (default: never)",
+        help="fair: wait after which a whole-node call gets a reservation "
+        "(default 3600; 0: never)",
     )
     return p
 

@@ -50,7 +50,8 @@ _RELEASE = """
 UPDATE invocations i SET state = 'queued', attempts = i.attempts - 1,
   node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL,
   delivered_at = NULL, started_at = NULL, scheduled_at = NULL, borrowed = false,
-  preemptions = i.preemptions + (i.preempt_at IS NOT NULL)::int, preempt_at = NULL
+  preemptions = i.preemptions + (i.preempt_at IS NOT NULL)::int, preempt_at = NULL,
+  queued_at = clock_timestamp()
 WHERE i.id = $1
 """
 

@@ -206,6 +206,9 @@ UPDATE invocations i SET
     || ' after ' || i.attempts || ' attempt(s); raise max_retries to retry more' END,
   finished_at = CASE WHEN e.requeue THEN NULL ELSE clock_timestamp() END,
   scheduled_at = CASE WHEN e.requeue THEN NULL ELSE i.scheduled_at END,
+  -- A new wait starts, unless the attempt never reached its node (it never ran).
+  queued_at = CASE WHEN e.requeue AND (e.preempted OR NOT e.uncounted)
+    THEN clock_timestamp() ELSE i.queued_at END,
   node_id = NULL, gpu_indices = '{{}}', lease_expires_at = NULL,
   borrowed = false, preempt_at = NULL
 FROM e

@@ -53,7 +53,8 @@ SELECT DISTINCT ON (coalesce(i.lease_id, i.id))
   extract(epoch FROM coalesce(i.scheduled_at, i.submitted_at))::float8 AS start_time,
   coalesce(i.expected_s, i.timeout_s) AS expected_s,
   -- Preempting frees GPUs only; nodelets before protocol 2 cannot be told to.
-  i.gpus > 0 AND n.protocol_version >= {PREEMPTING_PROTOCOL} AS preemptible
+  i.gpus > 0 AND n.protocol_version >= {PREEMPTING_PROTOCOL} AS preemptible,
+  extract(epoch FROM coalesce(i.queued_at, i.submitted_at))::float8 AS queued_time
 FROM invocations i
 JOIN users u ON u.id = i.owner_id
 JOIN nodes n ON n.id = i.node_id
@@ -70,17 +71,17 @@ SELECT 'now' AS kind, NULL::text AS id, NULL::bigint AS node_id, NULL::int[] AS 
   NULL::text AS "user", NULL::text AS "group", NULL::text AS function, NULL::int AS priority,
   NULL::bool AS borrowed, NULL::bool AS preempting,
   extract(epoch FROM clock_timestamp())::float8 AS start_time, NULL::float8 AS expected_s,
-  NULL::bool AS preemptible, NULL::int AS guaranteed_gpus, NULL::int AS borrow_limit_gpus,
-  NULL::float8 AS decayed_gpu_seconds
+  NULL::bool AS preemptible, NULL::float8 AS queued_time, NULL::int AS guaranteed_gpus,
+  NULL::int AS borrow_limit_gpus, NULL::float8 AS decayed_gpu_seconds
 UNION ALL
 SELECT 'lease', l.*, NULL, NULL, NULL FROM ({_LEASES}) l
 UNION ALL
-SELECT 'quota', NULL, NULL, NULL, NULL, name, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+SELECT 'quota', NULL, NULL, NULL, NULL, name, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
   guaranteed_gpus, borrow_limit_gpus, NULL
 FROM groups WHERE $1
 UNION ALL
 SELECT 'usage', NULL, NULL, NULL, user_name, group_name, NULL, NULL, NULL, NULL, NULL, NULL,
-  NULL, NULL, NULL, decayed_gpu_seconds
+  NULL, NULL, NULL, NULL, decayed_gpu_seconds
 FROM fair_usage WHERE $1
 """
 
@@ -168,16 +169,17 @@ def _queued_sql(per_user: int, most: int, late_s: float) -> str:
     # calls; the users' heads are taken in turns up to ``most``, then put in queue order.
     return f"""
 SELECT id, gpus, "user", "group", function, priority, gpu_model, min_memory_mib,
-  submit_time, expected_s
+  submit_time, expected_s, queued_time
 FROM (
   SELECT q.id::text AS id, q.gpus, u.name AS "user", u.group_name AS "group",
     q.function_name AS function, q.priority, q.gpu_model,
     coalesce(q.gpu_memory_mb, 0) AS min_memory_mib,
     extract(epoch FROM q.submitted_at)::float8 AS submit_time,
-    coalesce(q.expected_s, q.timeout_s) AS expected_s, q.seq, q.turn
+    coalesce(q.expected_s, q.timeout_s) AS expected_s,
+    extract(epoch FROM q.queued_at)::float8 AS queued_time, q.seq, q.turn
   FROM users u CROSS JOIN LATERAL (
     SELECT id, gpus, function_name, priority, gpu_model, gpu_memory_mb, seq, submitted_at,
-      expected_s, timeout_s, row_number() OVER (ORDER BY seq) AS turn
+      queued_at, expected_s, timeout_s, row_number() OVER (ORDER BY seq) AS turn
     FROM invocations i
     WHERE owner_id = u.id AND state = 'queued' AND (caller_session IS NULL
       -- A call whose caller is late is not started: it is cancelled if the caller is gone.
@@ -232,7 +234,7 @@ class Holdings:
 
 _LEASE_FIELDS = (
     "id", "node_id", "gpu_indices", "user", "group", "function", "priority", "borrowed",
-    "preempting", "start_time", "expected_s", "preemptible",
+    "preempting", "start_time", "expected_s", "preemptible", "queued_time",
 )  # fmt: skip
 
 

@@ -140,6 +140,7 @@ CREATE TABLE public.invocations (
     caller_session uuid,
     map_id uuid,
     lease_id uuid,
+    queued_at timestamp with time zone,
     CONSTRAINT invocations_gpus_check CHECK ((gpus >= 0)),
     CONSTRAINT invocations_max_retries_check CHECK ((max_retries >= 0)),
     CONSTRAINT invocations_payload_check CHECK (((payload IS NOT NULL) OR (payload_blob IS NOT NULL) OR (payload_file IS NOT NULL))),

@@ -182,6 +182,78 @@ def test_the_starvation_guard_reserves_room_for_a_long_waiting_big_call() -> Non
     assert "reserved for it" in explain(snap, guarded)["big"][1]
 
 
+def starving_cluster(now: float, pending_more: list[Pending]) -> Snapshot:
+    """Group c's whole-node (4-GPU) call has waited 2 h; node 1 frees up at t=now+100 (x
+    ends), node 2 at now+5000 (y ends); group b holds both nodes' busy GPUs as borrowers."""
+    running = [
+        run("x", 1, (0, 1), "b", start=0, expected_s=now + 100.0),
+        run("y", 2, (0, 1, 2), "b", start=0, expected_s=now + 5000.0),
+    ]
+    pending = [Pending("big", 4, group="c", submit_time=now - 7200), *pending_more]
+    quotas = {"a": Quota(2), "b": Quota(0), "c": Quota(0)}
+    return Snapshot([node(1, [2, 3]), node(2, [3])], pending, running, quotas=quotas, now=now)
+
+
+def test_the_guard_holds_a_starving_whole_node_call_s_room_against_guaranteed_calls() -> None:
+    # a's 1-GPU call is within a's guarantee and would run for an hour: it would take node 1's
+    # free GPUs and push big's reservation back by that hour. It gets node 2's free GPU; the
+    # second one is kept off node 1 and, held out only by the reservation, reclaims nothing.
+    a1 = Pending("a1", 1, group="a", submit_time=9_000, expected_s=3600.0)
+    a2 = Pending("a2", 1, group="a", submit_time=9_001, expected_s=3600.0)
+    snap = starving_cluster(10_000, [a1, a2])
+    out = plan(snap, "fair")
+    assert [(d.invocation_id, d.node_id) for d in out] == [("a1", 2)]
+    assert out.preemptions == []
+    why = explain(snap, "fair")
+    assert "reserved for it" in why["big"][1]
+    assert "reserved for call big" in why["a2"][1] and "nothing is reclaimed" in why["a2"][1]
+    # Without the guard the second call takes node 1 for an hour, and big waits on.
+    free = plan(snap, Fair(starve_after_s=None))
+    assert [(d.invocation_id, d.node_id) for d in free] == [("a1", 2), ("a2", 1)]
+
+
+def test_a_call_that_ends_before_the_reservation_may_use_its_gpus() -> None:
+    quick = Pending("quick", 2, group="b", submit_time=9_500, expected_s=50.0)
+    slow = Pending("slow", 1, group="b", submit_time=9_600, expected_s=500.0)
+    out = plan(starving_cluster(10_000, [quick, slow]), "fair")
+    assert {(d.invocation_id, d.node_id) for d in out} == {("quick", 1), ("slow", 2)}
+
+
+def test_only_whole_node_calls_past_the_bound_get_reservations() -> None:
+    now = 10_000.0
+    for call, guarded in [
+        (Pending("big", 4, group="c", submit_time=now - 7200), True),
+        (Pending("big", 4, group="c", submit_time=now - 600), False),  # not waited long enough
+        (Pending("big", 3, group="c", submit_time=now - 7200), False),  # less than a node
+        # Preempted an hour and a half after it was submitted: it has waited only 10 minutes.
+        (Pending("big", 4, group="c", submit_time=now - 7200, queued_time=now - 600), False),
+    ]:
+        # small needs node 1's two free GPUs for longer than node 1 takes to free up.
+        small = Pending("small", 2, group="b", submit_time=now - 60, expected_s=9_000.0)
+        snap = starving_cluster(now, [small])
+        snap = Snapshot(snap.nodes, [call, small], snap.running, snap.quotas, now=now)
+        started = [d.invocation_id for d in plan(snap, "fair")]
+        assert ("small" in started) is not guarded, call
+        assert ("reserved for it" in explain(snap, "fair")["big"][1]) is guarded, call
+
+
+def test_a_call_that_starved_is_not_reclaimed_once_it_runs() -> None:
+    # Group a (guarantee 4) wants its GPUs back from b's borrowers: the one that waited
+    # two hours before it started is left alone, the one that started at once is preempted.
+    running = [
+        Running("old", 1, (0, 1), group="b", start_time=10_000, borrowed=True,
+                queued_time=10_000 - 7200),
+        Running("new", 2, (0, 1), group="b", start_time=9_000, borrowed=True,
+                queued_time=9_000),
+    ]  # fmt: skip
+    quotas = {"a": Quota(4), "b": Quota(0)}
+    snap = Snapshot([node(1, [2, 3]), node(2, [2, 3])], [Pending("a1", 4, group="a")], running,
+                    quotas=quotas, now=10_100)  # fmt: skip
+    assert [p.invocation_id for p in plan(snap, "fair").preemptions] == ["new"]
+    unguarded = plan(snap, Fair(starve_after_s=None)).preemptions
+    assert [p.invocation_id for p in unguarded] == ["old"]  # the youngest, without the guard
+
+
 def gang_cluster(busy_small: bool) -> list[NodeCapacity]:
     """Two free 8-GPU nodes and a 4-GPU node, busy (group b holds it) or free."""
     return [

@@ -4,6 +4,7 @@ starved in a replay."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter, defaultdict
 
@@ -22,8 +23,11 @@ from scheduler import (
     placement,
     plan,
 )
+from scheduler.backfill import Horizon, releases, reserve
+from scheduler.capacity import Capacity
 from scheduler.core import resolve
 from scheduler.fair import Fair
+from scheduler.reclaim import protected
 from scheduler.replay import Cluster, Simulator
 from scheduler.traces import Job
 from scheduler.yardsticks import Las, Srtf
@@ -52,6 +56,7 @@ def snapshots(draw: st.DrawFn, one_gpu: bool = False) -> Snapshot:
                 start_time=draw(st.floats(0, 100)), expected_s=draw(st.none() | st.floats(1, 99)),
                 borrowed=draw(st.booleans()), preemptible=draw(st.booleans()) or one_gpu,
                 preempting=draw(st.booleans()) and not one_gpu,
+                queued_time=draw(st.none() | st.floats(-7200, 0)),
             ))  # fmt: skip
         nodes.append(NodeCapacity(i, free, draw(st.integers(0, 2)), gpus,
                                   draining=draw(st.booleans()) and not one_gpu))  # fmt: skip
@@ -122,6 +127,9 @@ def check_preemptions(snap: Snapshot, out: Plan, policy: str | Policy) -> None:
         assert not victims
     for v in victims:
         assert running[v].preemptible and not running[v].preempting
+    chosen = resolve(policy)
+    if isinstance(chosen, Fair):  # a call that starved is never sent back by reclaim
+        assert not any(protected(running[v], chosen.starve_after_s) for v in victims)
     after = held(snap)
     before = dict(after)
     for v in victims:
@@ -209,3 +217,72 @@ def test_no_group_starves_under_sustained_demand(sizes: list[int], nodes: int, s
         submit, start = first.get(job.group, (job.submit, sim.started[i]))
         first[job.group] = (min(submit, job.submit), min(start, sim.started[i]))
     assert all(start == submit for submit, start in first.values()), first
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 400),
+            st.integers(5, 300),
+            st.sampled_from([1, 2, 3, 4, 4, 8]),
+            st.sampled_from(GROUPS),
+        ),
+        min_size=4,
+        max_size=40,
+    ),
+    st.integers(2, 4),
+    st.sampled_from(["fifo", "fair"]),
+    st.lists(st.integers(0, 4), min_size=3, max_size=3),
+)
+def test_a_reserved_call_starts_no_later_than_its_reservation(
+    specs: list[tuple[int, int, int, str]], nodes: int, name: str, guarantees: list[int]
+) -> None:
+    """Replayed with exact durations (the running calls' ends are known), a call that was
+    reserved for starts no later than the first reservation promised it: FIFO's head, and
+    under ``fair`` every whole-node call (4 or 8 GPUs on 4-GPU nodes) that waited past the
+    bound, whatever its group and the others' guarantees."""
+    jobs = [Job(str(i), float(t), float(d), g, group=grp) for i, (t, d, g, grp) in
+            enumerate(specs)]  # fmt: skip
+    jobs.sort(key=lambda j: j.submit)
+    policy: Policy = Fair(starve_after_s=30.0) if name == "fair" else resolve("fifo")
+    quotas = {g: Quota(n) for g, n in zip(GROUPS, guarantees, strict=True)}
+    sim = Simulator(jobs, policy, Cluster.uniform(nodes, 4), quotas)
+    promised: dict[int, float] = {}
+    planner = sim.plan
+
+    def plan_and_note(now: float) -> Plan:
+        out = planner(now)
+        for call_id, start in out.reserved.items():
+            promised.setdefault(int(call_id), start)
+        return out
+
+    sim.plan = plan_and_note  # type: ignore[method-assign]
+    sim.run()
+    assert len(sim.completed) + len(sim.rejected) == len(jobs)
+    for i, start in promised.items():
+        assert sim.started[i] <= start + 1e-6, (i, jobs[i], sim.started[i], start)
+
+
+@settings(max_examples=300, deadline=None)
+@given(snapshots(), st.data())
+def test_the_horizon_reserves_what_reserve_does(snap: Snapshot, data: st.DataObject) -> None:
+    """fair's fast path for whole-node reservations gives each call the nodes and start time
+    the general reservation gives it, one after another as in a round."""
+    general, fast = Capacity(snap.nodes), Capacity(snap.nodes)
+    assert Horizon.serves(snap.nodes, fast)  # one model per node, inventories known
+    rel = releases(snap, [])
+    horizon = Horizon(snap, rel)
+    held_general: set[int] = set()
+    held_fast: set[int] = set()
+    for call in snap.pending:
+        if not call.gpus or call.gpus < general.largest_for(call):
+            continue  # not a whole-node call
+        limit = data.draw(st.sampled_from([math.inf, 8, 12, 16]))
+        a = reserve(call, general, snap, rel, limit=limit, held=held_general)
+        b = horizon.reserve(call, fast, held_fast, limit=limit)
+        assert (a is None) == (b is None), (call, a, b)
+        if a is not None and b is not None:
+            assert (a.start, a.spare) == (b.start, b.spare), call
+            held_general.update(a.spare)
+            held_fast.update(b.spare)
