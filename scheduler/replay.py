@@ -27,7 +27,11 @@ of all its runs, lost work included) goes with it back to the queue. Jobs that c
 Policies: the live ones (:mod:`scheduler.policies`) and the replay-only yardsticks of
 :mod:`scheduler.yardsticks` (``las``, ``srtf``). ``--jobs-out FILE`` writes one CSV row per job
 (when it was submitted, first started and completed, its queueing, preemptions and attained
-service) for inspection.
+service, and its fate: ``completed``, ``failed`` or ``cancelled`` as the trace's ``status``
+says, ``rejected`` or ``pending``) for inspection. A trace's ``status`` shapes the outcome only:
+a failed or cancelled job holds its GPUs for its ``duration`` (how long it ran before it
+failed or was cancelled) like any other; ``completed`` counts every job that ran to its end,
+``failed`` and ``cancelled`` those of them that ended so.
 """
 
 from __future__ import annotations
@@ -220,6 +224,8 @@ class Simulator:
             rejected=len(self.rejected),
             jobs=len(self.jobs),
             completed=len(self.record.jct),
+            failed=sum(self.jobs[i].status == "failed" for i in self.completed),
+            cancelled=sum(self.jobs[i].status == "cancelled" for i in self.completed),
             plans=self.plans,
             wall_s=time.perf_counter() - wall,
         )
@@ -233,7 +239,7 @@ class Simulator:
             for i, job in enumerate(self.jobs):
                 start, end = self.started.get(i), self.completed.get(i)
                 if i in self.completed:
-                    fate = "completed"
+                    fate = job.status
                 else:  # a replay ends with nothing running
                     fate = "rejected" if i in self.rejected else "pending"
                 out.writerow(

@@ -3,7 +3,10 @@
 Trace formats, told apart by the CSV header:
 
 - plain: ``submit_time,duration,num_gpus`` (seconds, seconds, GPUs) plus optional ``user``,
-  ``group``, ``gpu_type`` (a GPU model constraint) and ``job_id`` columns;
+  ``group``, ``gpu_type`` (a GPU model constraint), ``job_id`` and ``status`` columns;
+  ``status`` is how the job ended: ``completed`` (the default; also ``pass``, ``passed``,
+  ``succeeded``), ``failed`` (``fail``) or ``cancelled`` (``canceled``, ``killed``), its
+  ``duration`` being how long it ran before that;
 - Philly (``philly_jobs_pollux_osdi21.csv``): ``timestamp`` (``YYYY-MM-DD HH:MM:SS``),
   ``duration``, ``num_gpus``, ``gpu_time``, ``cluster``; the virtual cluster is the group and
   submit times count from the earliest timestamp;
@@ -66,6 +69,34 @@ class Job:
     user: str = ""
     group: str = ""
     gpu_type: str | None = None
+    #: How it ended (``STATUSES``' values): it holds its GPUs for ``duration`` either way.
+    status: str = "completed"
+
+
+#: A trace's ``status`` values (lower-cased) and what they mean.
+STATUSES = {
+    "": "completed",
+    "completed": "completed",
+    "complete": "completed",
+    "pass": "completed",
+    "passed": "completed",
+    "success": "completed",
+    "succeeded": "completed",
+    "failed": "failed",
+    "fail": "failed",
+    "cancelled": "cancelled",
+    "canceled": "cancelled",
+    "killed": "cancelled",
+}
+
+
+def _status(value: str | None) -> str:
+    try:
+        return STATUSES[(value or "").strip().lower()]
+    except KeyError:
+        raise ValueError(
+            f"status {value!r} is not one of completed, failed, cancelled (or pass, killed)"
+        ) from None
 
 
 def read(path: str | Path) -> list[Job]:
@@ -105,6 +136,7 @@ def _plain(rows: list[dict[str, str]]) -> list[Job]:
             user=r.get("user") or "",
             group=r.get("group") or "",
             gpu_type=r.get("gpu_type") or None,
+            status=_status(r.get("status")),
         )
         for i, r in enumerate(rows)
     ]

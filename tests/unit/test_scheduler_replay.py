@@ -237,3 +237,28 @@ def test_fairness_over_the_due_does_not_count_lending_idle_gpus_as_unfair() -> N
     assert out["jain_due"] == 1.0
     rec.got_s["c"] = 250.0  # c got half its due
     assert rec.summary()["jain_due"] == pytest.approx(2.5**2 / (3 * 2.25))
+
+
+def test_a_status_column_gives_each_job_its_outcome(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One GPU: the failed job still holds it for its 10 s, so the last job waits 20 s.
+    path = write(tmp_path, "t.csv", "submit_time,duration,num_gpus,status\n0,10,1,Pass\n"
+                 "0,10,1,failed\n0,5,1,killed\n0,5,1,\n")  # fmt: skip
+    out = tmp_path / "jobs.csv"
+    args = [path, "--nodes", "1", "--gpus-per-node", "1", "--format", "json"]
+    assert replay.main([*args, "--jobs-out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["completed"], result["failed"], result["cancelled"]) == (4, 1, 1)
+    rows = [line.split(",") for line in out.read_text().splitlines()[1:]]
+    assert [r[-1] for r in rows] == ["completed", "failed", "cancelled", "completed"]
+    assert [r[9] for r in rows] == ["0", "10", "20", "25"]  # queue_s
+
+
+def test_an_unknown_status_is_refused_with_the_values_it_may_take(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "t.csv", "submit_time,duration,num_gpus,status\n0,10,1,exploded\n")
+    assert replay.main([path]) == 2
+    err = capsys.readouterr().err
+    assert "exploded" in err and "completed, failed, cancelled" in err and "t.csv" in err
