@@ -8,7 +8,10 @@ a fifth of them H100s and the rest A100s), running calls mostly single-GPU, leav
 with a GPU model constraint; warm workers advertised on a tenth of the nodes; 10 groups with
 equal guarantees summing to the cluster. ``balanced``: the running calls are spread over all
 groups (no one borrows); ``reclaim``: three groups hold them all, so the seven others reclaim
-(the worst case for ``fair``, which then preempts up to ``max_reclaims`` = 128 times).
+(the worst case for ``fair``, which then preempts up to ``max_reclaims`` = 128 times);
+``starving``: ``balanced`` with every free GPU taken (a call per node) and the clock an hour
+past the last submission, so every whole-node call has waited past fair's starvation bound
+and none fits: the worst case for its guard, which then reserves (``reserved``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from scheduler import Gpu, NodeCapacity, Pending, Quota, Running, Snapshot, plan
 NODES, GPUS, RUNNING, PENDING, GROUPS = 1000, 8, 5000, 10000, 10
 
 
-def snapshot(nvlink: bool, borrowing: bool, seed: int = 1) -> Snapshot:
+def snapshot(nvlink: bool, borrowing: bool, seed: int = 1, starving: bool = False) -> Snapshot:
     rng = random.Random(seed)
     nodes = []
     for i in range(NODES):
@@ -48,6 +51,15 @@ def snapshot(nvlink: bool, borrowing: bool, seed: int = 1) -> Snapshot:
             )
         )  # fmt: skip
         node += rng.random() < 0.6
+    if starving:  # fill every node
+        for n in nodes:
+            if n.free_gpus:
+                running.append(Running(
+                    f"fill{n.node_id}", n.node_id, tuple(n.free_gpus), f"u{n.node_id % 50}",
+                    f"g{n.node_id % GROUPS}", start_time=-rng.uniform(0, 36000),
+                    expected_s=rng.uniform(600, 72000),
+                ))  # fmt: skip
+                n.free_gpus = []
     pending = [
         Pending(
             f"p{p}",
@@ -64,18 +76,21 @@ def snapshot(nvlink: bool, borrowing: bool, seed: int = 1) -> Snapshot:
     ]
     quotas = {f"g{g}": Quota(NODES * GPUS // GROUPS, None) for g in range(GROUPS)}
     usage = {f"g{g}": rng.uniform(0, 1e7) for g in range(GROUPS)}
-    return Snapshot(nodes, pending, running, quotas, usage, {}, now=0.0)
+    now = PENDING + 3600.0 if starving else 0.0
+    return Snapshot(nodes, pending, running, quotas, usage, {}, now=now)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args()
-    print("| policy | snapshot | NVLink topology | free GPUs | placed | preempted | plan() ms |")
-    print("|---|---|---|---|---|---|---|")
-    for borrowing in (False, True):
+    print("| policy | snapshot | NVLink topology | free GPUs | placed | preempted | reserved "
+          "| plan() ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for borrowing, starving in ((False, False), (True, False), (False, True)):
         for nvlink in (False, True):
-            snap = snapshot(nvlink, borrowing)
+            snap = snapshot(nvlink, borrowing, starving=starving)
+            name = "starving" if starving else "reclaim" if borrowing else "balanced"
             free = sum(len(n.free_gpus) for n in snap.nodes)
             for policy in ("fifo", "fair"):
                 times = []
@@ -85,9 +100,8 @@ def main() -> None:
                     times.append(time.perf_counter() - start)
                 ms = statistics.median(times) * 1000
                 print(
-                    f"| {policy} | {'reclaim' if borrowing else 'balanced'} "
-                    f"| {'yes' if nvlink else 'no'} | {free} | {len(out)} "
-                    f"| {len(out.preemptions)} | {ms:.1f} |"
+                    f"| {policy} | {name} | {'yes' if nvlink else 'no'} | {free} | {len(out)} "
+                    f"| {len(out.preemptions)} | {len(out.reserved)} | {ms:.1f} |"
                 )
     print(f"\n(median of {args.runs} runs each; {NODES} nodes x {GPUS} GPUs, {RUNNING} running, "
           f"{PENDING} pending)")  # fmt: skip

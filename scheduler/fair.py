@@ -66,8 +66,8 @@ class Fair:
     instead of one long one, and the plan says so (:attr:`scheduler.model.Plan.more`).
     ``starve_after_s`` is the wait after which a whole-node call gets a reservation (None:
     never). On the Philly trace at 88 x 8 GPUs the one-hour default cut the average wait of
-    multi-node calls from 32,420 s to 4,705 s (FIFO: 9,096 s) and of 8-GPU calls from 5,005 s
-    to 3,289 s, for 8 % more average queueing (docs/benchmarks.md)."""
+    multi-node calls from 32,420 s to 4,125 s (FIFO: 9,096 s) and of 8-GPU calls from 5,005 s
+    to 3,035 s (FIFO: 7,734 s), for 4 % more average queueing (docs/benchmarks.md)."""
 
     default_quota: Quota = DEFAULT_QUOTA
     reclaim: bool = True
@@ -107,6 +107,8 @@ class _Round:
         self.reclaimer = Reclaimer(self.snapshot, self.cap, self.book, policy.starve_after_s)
         self.reclaims = 0
         self.stuck: set[tuple[str, int, str | None, int]] = set()  # reclaim found nothing
+        #: Kinds of call (group, GPUs, model, memory) that found no room outside reservations.
+        self.full: set[tuple[str, int, str | None, int]] = set()
 
     def run(self) -> Plan:
         if self.policy.starve_after_s is not None:
@@ -125,7 +127,12 @@ class _Round:
         """Room for the call now: outside any reservation, or inside one if it cannot delay
         it; never more GPUs than its group may still take (a gang's whole nodes may hold
         more than it asks for)."""
-        parts = self.cap.place(call, self.book.room(call.group))
+        key = (call.group, call.gpus, call.gpu_model, call.min_memory_mib)
+        parts = None
+        if key not in self.full:  # free GPUs and a group's room only shrink in a round
+            parts = self.cap.place(call, self.book.room(call.group))
+            if parts is None:
+                self.full.add(key)
         if parts is None and self.held:
             for held in self.held:
                 choice = held.admit(call, self.cap, self.snapshot.now)
@@ -151,15 +158,18 @@ class _Round:
     def starving(self, after_s: float) -> list[Pending]:
         """The whole-node calls (as many GPUs as the largest node that may take them, or
         more) that have waited ``after_s`` or longer, oldest first (higher priority first)."""
-        now, cap = self.snapshot.now, self.cap
-        found = [
-            call
-            for call in self.snapshot.pending
-            if call.gpus
-            and now - call.waiting_since >= after_s
-            and call.gpus >= cap.largest_for(call)
-            and call.id not in self.done
-        ]
+        cap, largest, since = self.cap, self.cap.largest, self.snapshot.now - after_s
+        found = []
+        for call in self.snapshot.pending:
+            if call.gpus < largest and call.gpu_model is None and not call.min_memory_mib:
+                continue  # the common case first: an unconstrained call smaller than a node
+            if (
+                call.gpus
+                and call.gpus >= cap.largest_for(call)
+                and call.waiting_since <= since
+                and call.id not in self.done
+            ):
+                found.append(call)
         return sorted(found, key=_age_key)
 
     def guard(self, after_s: float) -> None:
@@ -241,9 +251,8 @@ class _Round:
         note(self.why, call, self.pos.get(call.id, 0), _reclaiming, found)
         return True
 
-    def guaranteed(self, reclaim: bool = True) -> None:
-        """Step 1: place, or reclaim room for, the calls within their group's guarantee
-        (``reclaim=False``: only place those that fit)."""
+    def guaranteed(self) -> None:
+        """Step 1: place, or reclaim room for, the calls within their group's guarantee."""
         book = self.book
         for bucket in self.buckets:
             group = bucket[0].group
@@ -253,18 +262,21 @@ class _Round:
                     break  # nothing else of this group is within its guarantee
                 if call.id in self.done or not book.nominal(call):
                     continue
+                shape = (group, call.gpus, call.gpu_model, call.min_memory_mib)
+                if not self.held and shape in self.stuck and shape in self.full:
+                    # No room, nothing to reclaim, no reservation to backfill: as the last.
+                    self.done.add(call.id)
+                    note(self.why, call, self.pos.get(call.id, 0), _unreclaimable, call, self.cap)
+                    continue
                 parts = self.place(call)
                 if parts is not None:
                     self.start(call, parts)
                     continue
-                if not reclaim:
-                    continue
                 self.done.add(call.id)
-                held = self.held_for(call)
+                held = self.held_for(call) if shape not in self.stuck else None
                 if held is not None:
-                    self.note(call, f"{shortfall(call, self.cap)} outside the GPUs reserved for "
-                              f"call {held.call_id}, which waited past the starvation bound; "
-                              "they are idle until it starts, so nothing is reclaimed")  # fmt: skip
+                    note(self.why, call, self.pos.get(call.id, 0), _reserved, call, self.cap,
+                         held)  # fmt: skip
                 elif not self.try_reclaim(call):
                     note(self.why, call, self.pos.get(call.id, 0), _unreclaimable, call, self.cap)
 
@@ -274,7 +286,7 @@ class _Round:
         for call in itertools.chain(*self.buckets):
             if call.id in self.done:
                 continue
-            if cap.exhausted() and not any(held.open(cap) for held in self.held):
+            if not self.held and cap.exhausted():  # (self.held: reservations still open)
                 if self.why is None:
                     return
                 note(self.why, call, self.pos[call.id], _borrowing, call, cap, self.pos[call.id])
@@ -301,6 +313,14 @@ class _Round:
 
 def _age_key(call: Pending) -> tuple[int, float]:
     return (-call.priority, call.waiting_since)
+
+
+def _reserved(call: Pending, cap: Capacity, held: Reservation) -> str:
+    return (
+        f"{shortfall(call, cap)} outside the GPUs reserved for call {held.call_id}, which "
+        "waited past the starvation bound; they are idle until it starts, so nothing is "
+        "reclaimed"
+    )
 
 
 def _unreclaimable(call: Pending, cap: Capacity) -> str:

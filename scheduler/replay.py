@@ -151,7 +151,7 @@ class Simulator:
         self.look_ahead = look_ahead
         self.nodes = cluster.build()
         self.free = cluster.gpus
-        self.pending: dict[str, Pending] = {}
+        self.pending: dict[int, Pending] = {}  # by job index
         self.running: dict[str, Running] = {}
         self.remaining = [j.duration for j in self.jobs]
         #: GPU-seconds each job received in its runs before the current one.
@@ -279,7 +279,7 @@ class Simulator:
         if job.gpus < 1 or self.never_fits(call) is not None:
             self.rejected.add(i)
             return False
-        self.pending[call.id] = call
+        self.pending[i] = call
         self.record.want(job.group, job.gpus)
         return True
 
@@ -334,7 +334,7 @@ class Simulator:
         self.attained[i] = run.attained(now)
         self.requeued = True
         job = self.jobs[i]
-        self.pending[run.id] = Pending(
+        self.pending[i] = Pending(
             run.id,
             job.gpus,
             job.user,
@@ -373,7 +373,7 @@ class Simulator:
     def plan(self, now: float) -> Plan:
         self.plans += 1
         if self.requeued:
-            self.pending = dict(sorted(self.pending.items(), key=lambda kv: int(kv[0])))
+            self.pending = dict(sorted(self.pending.items()))  # keys are unique: ints compared
             self.requeued = False
         pending = list(self.pending.values())
         if self.look_ahead is not None:
@@ -391,7 +391,7 @@ class Simulator:
 
     def apply(self, plan: Plan, now: float) -> None:
         for d in plan:
-            call = self.pending.pop(d.invocation_id)
+            call = self.pending.pop(int(d.invocation_id))
             i = int(call.id)
             for part in d.parts:
                 taken = set(part.gpu_indices)
