@@ -116,17 +116,25 @@ def test_gpu_types_need_node_models(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert json.loads(capsys.readouterr().out)["rejected"] == 0
 
 
+def replay_jobs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], trace: str, *flags: str
+) -> tuple[dict[str, float], list[list[str]]]:
+    """The JSON metrics and the --jobs-out rows of a replay of ``trace``."""
+    path, out = write(tmp_path, "t.csv", trace), tmp_path / "jobs.csv"
+    assert replay.main([path, "--format", "json", "--jobs-out", str(out), *flags]) == 0
+    rows = [line.split(",") for line in out.read_text().splitlines()[1:]]
+    return json.loads(capsys.readouterr().out), rows
+
+
 def test_gpu_type_alternatives_take_any_of_their_models(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = write(tmp_path, "t.csv", "submit_time,duration,num_gpus,gpu_type\n"
-                 "0,10,1,V100M16|V100M32\n0,10,1,V100M16\n0,10,1,T4|K80\n")  # fmt: skip
-    out = tmp_path / "jobs.csv"
-    args = [path, "--nodes", "1", "--gpus-per-node", "2", "--format", "json"]
-    assert replay.main([*args, "--node-models", "V100M32", "--jobs-out", str(out)]) == 0
-    assert json.loads(capsys.readouterr().out)["rejected"] == 2
-    fates = [line.rsplit(",", 1)[1] for line in out.read_text().splitlines()[1:]]
-    assert fates == ["completed", "rejected", "rejected"]
+    trace = ("submit_time,duration,num_gpus,gpu_type\n"
+             "0,10,1,V100M16|V100M32\n0,10,1,V100M16\n0,10,1,T4|K80\n")  # fmt: skip
+    result, rows = replay_jobs(tmp_path, capsys, trace, "--nodes", "1", "--gpus-per-node", "2",
+                               "--node-models", "V100M32")  # fmt: skip
+    assert result["rejected"] == 2
+    assert [r[-1] for r in rows] == ["completed", "rejected", "rejected"]
 
 
 def test_a_nodes_file_gives_a_cluster_of_mixed_nodes(
@@ -243,14 +251,10 @@ def test_a_status_column_gives_each_job_its_outcome(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # One GPU: the failed job still holds it for its 10 s, so the last job waits 20 s.
-    path = write(tmp_path, "t.csv", "submit_time,duration,num_gpus,status\n0,10,1,Pass\n"
-                 "0,10,1,failed\n0,5,1,killed\n0,5,1,\n")  # fmt: skip
-    out = tmp_path / "jobs.csv"
-    args = [path, "--nodes", "1", "--gpus-per-node", "1", "--format", "json"]
-    assert replay.main([*args, "--jobs-out", str(out)]) == 0
-    result = json.loads(capsys.readouterr().out)
+    trace = ("submit_time,duration,num_gpus,status\n0,10,1,Pass\n0,10,1,failed\n0,5,1,killed\n"
+             "0,5,1,\n")  # fmt: skip
+    result, rows = replay_jobs(tmp_path, capsys, trace, "--nodes", "1", "--gpus-per-node", "1")
     assert (result["completed"], result["failed"], result["cancelled"]) == (4, 1, 1)
-    rows = [line.split(",") for line in out.read_text().splitlines()[1:]]
     assert [r[-1] for r in rows] == ["completed", "failed", "cancelled", "completed"]
     assert [r[9] for r in rows] == ["0", "10", "20", "25"]  # queue_s
 
