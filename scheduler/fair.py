@@ -11,9 +11,9 @@ Each round takes the pending calls in fair-share order
    the guard stops, so no call is promised room an older one will take. Every later call,
    guaranteed or borrowing, may use reserved GPUs only if it ends before the reservation is
    due. A guaranteed call kept out only by a reservation waits for it instead of reclaiming
-   elsewhere. A call that waited past the bound is never reclaimed once it starts. Without
-   the guard, borrowers that need less than a node take every GPU that frees up and a
-   whole-node call can wait for days.
+   elsewhere, and borrowers may no longer backfill into that one. A call that waited past the
+   bound is never reclaimed once it starts. Without the guard, borrowers that need less than
+   a node take every GPU that frees up and a whole-node call can wait for days.
 1. Guaranteed: calls that keep their group within its guarantee start if they fit; one that
    does not fit reclaims borrowed GPUs from other groups (:mod:`scheduler.reclaim`): the plan
    preempts just enough calls, holds the room back from this round's borrowers, and the call
@@ -66,8 +66,9 @@ class Fair:
     instead of one long one, and the plan says so (:attr:`scheduler.model.Plan.more`).
     ``starve_after_s`` is the wait after which a whole-node call gets a reservation (None:
     never). On the Philly trace at 88 x 8 GPUs the one-hour default cut the average wait of
-    multi-node calls from 32,420 s to 4,125 s (FIFO: 9,096 s) and of 8-GPU calls from 5,005 s
-    to 3,035 s (FIFO: 7,734 s), for 4 % more average queueing (docs/benchmarks.md)."""
+    multi-node calls from 32,420 s to 4,754 s (FIFO: 9,096 s) and of 8-GPU calls from 5,005 s
+    to 3,235 s (FIFO: 7,734 s), for 20 % more average queueing (3,267 s; FIFO: 3,413 s;
+    docs/benchmarks.md)."""
 
     default_quota: Quota = DEFAULT_QUOTA
     reclaim: bool = True
@@ -107,6 +108,10 @@ class _Round:
         self.reclaimer = Reclaimer(self.snapshot, self.cap, self.book, policy.starve_after_s)
         self.reclaims = 0
         self.stuck: set[tuple[str, int, str | None, int]] = set()  # reclaim found nothing
+        #: Reservations a guaranteed call waits on: borrowers may not backfill into them (a
+        #: borrower reclaim just sent back would take the room again, and be reclaimed again).
+        self.claimed: set[str] = set()
+        self.borrowing = False
         #: Kinds of call (group, GPUs, model, memory) that found no room outside reservations.
         self.full: set[tuple[str, int, str | None, int]] = set()
 
@@ -135,6 +140,8 @@ class _Round:
                 self.full.add(key)
         if parts is None and self.held:
             for held in self.held:
+                if self.borrowing and held.call_id in self.claimed:
+                    continue
                 choice = held.admit(call, self.cap, self.snapshot.now)
                 if choice is not None:
                     if not held.open(self.cap):
@@ -189,7 +196,7 @@ class _Round:
             if parts is not None:
                 self.start(call, parts)
                 continue
-            if self.book.nominal(call) and self.try_reclaim(call):
+            if self.book.nominal(call) and self.held_for(call) is None and self.try_reclaim(call):
                 self.done.add(call.id)
                 continue
             if rel is None or rel[0] != len(self.placed):
@@ -213,9 +220,24 @@ class _Round:
                           f"GPUs reserved for it from in about {wait:.0f} s")  # fmt: skip
 
     def held_for(self, call: Pending) -> Reservation | None:
-        """The reservation whose idle GPUs would hold ``call`` (one node), if any: a call
-        kept out only by a reservation waits for it rather than preempt elsewhere (else each
-        room it freed would draw the reservation there next round, and reclaim again)."""
+        """The reservation whose idle GPUs would hold ``call`` (with free nodes outside any
+        reservation, for a gang), if any: a call kept out only by a reservation waits for it
+        rather than preempt elsewhere (else each room it freed would draw the reservation
+        there next round, and reclaim again)."""
+        if call.gpus > self.cap.largest_for(call):  # a gang: whole free nodes
+            have = sum(len(s.node.gpus) for s in self.cap.whole_free(call))
+            for held in self.held:
+                for node_id in held.spare:
+                    state = self.cap.states.get(node_id)
+                    if (
+                        state is not None
+                        and len(state.free) == len(state.node.gpus)
+                        and placement.whole_node_ok(state.node, call)
+                    ):
+                        have += len(state.free)
+                        if have >= call.gpus:
+                            return held
+            return None
         for held in self.held:
             for node_id in held.spare:
                 state = self.cap.states.get(node_id)
@@ -275,6 +297,7 @@ class _Round:
                 self.done.add(call.id)
                 held = self.held_for(call) if shape not in self.stuck else None
                 if held is not None:
+                    self.claimed.add(held.call_id)
                     note(self.why, call, self.pos.get(call.id, 0), _reserved, call, self.cap,
                          held)  # fmt: skip
                 elif not self.try_reclaim(call):
@@ -283,6 +306,7 @@ class _Round:
     def borrowers(self) -> None:
         """Step 2: lend idle GPUs to the other calls, in fair-share order, up to ceilings."""
         cap, book = self.cap, self.book
+        self.borrowing = True
         for call in itertools.chain(*self.buckets):
             if call.id in self.done:
                 continue

@@ -219,6 +219,18 @@ def test_a_call_that_ends_before_the_reservation_may_use_its_gpus() -> None:
     assert {(d.invocation_id, d.node_id) for d in out} == {("quick", 1), ("slow", 2)}
 
 
+def test_a_borrower_may_not_backfill_where_a_guaranteed_call_waits() -> None:
+    # a's call waits for node 1's reserved GPUs (it would not end before big starts); b's
+    # quick borrower would end in time, but taking them would leave a's call nothing idle to
+    # wait on: it would reclaim the borrower, which would backfill again, round after round.
+    waiting = Pending("a1", 2, group="a", submit_time=9_000, expected_s=3600.0)
+    quick = Pending("quick", 2, group="b", submit_time=9_500, expected_s=50.0)
+    out = plan(starving_cluster(10_000, [waiting, quick]), "fair")
+    assert list(out) == [] and out.preemptions == []
+    alone = plan(starving_cluster(10_000, [quick]), "fair")  # nobody waits: it backfills
+    assert [(d.invocation_id, d.node_id) for d in alone] == [("quick", 1)]
+
+
 def test_only_whole_node_calls_past_the_bound_get_reservations() -> None:
     now = 10_000.0
     for call, guarded in [
