@@ -3,17 +3,18 @@
 Each round takes the pending calls in fair-share order
 (:func:`~scheduler.fairshare.fair_buckets`):
 
-0. Starvation guard (``starve_after_s``, one hour by default): the *whole-node* calls (as
-   many GPUs as the largest node that may take them, or more) that have waited past the
-   bound, oldest first, each start now if they fit, else reclaim room (if within their
-   guarantee), else get a reservation: the earliest room by the running calls' expected ends
-   (:mod:`scheduler.backfill`) on nodes no older call holds; at the first that can get none,
-   the guard stops, so no call is promised room an older one will take. Every later call,
-   guaranteed or borrowing, may use reserved GPUs only if it ends before the reservation is
-   due. A guaranteed call kept out only by a reservation waits for it instead of reclaiming
-   elsewhere, and borrowers may no longer backfill into that one. A call that waited past the
-   bound is never reclaimed once it starts. Without the guard, borrowers that need less than
-   a node take every GPU that frees up and a whole-node call can wait for days.
+0. Starvation guard (``starve_after_s``, off by default, one hour where turned on): the
+   *whole-node* calls (as many GPUs as the largest node that may take them, or more) that
+   have waited past the bound, oldest first, each start now if they fit, else reclaim room
+   (if within their guarantee), else get a reservation: the earliest room by the running
+   calls' expected ends (:mod:`scheduler.backfill`) on nodes no older call holds; at the
+   first that can get none, the guard stops, so no call is promised room an older one will
+   take. Every later call, guaranteed or borrowing, may use reserved GPUs only if it ends
+   before the reservation is due. A guaranteed call kept out only by a reservation waits for
+   it instead of reclaiming elsewhere, and borrowers may no longer backfill into that one. A
+   call that waited past the bound is never reclaimed once it starts. Without the guard,
+   borrowers that need less than a node take every GPU that frees up and a whole-node call
+   can wait for days.
 1. Guaranteed: calls that keep their group within its guarantee start if they fit; one that
    does not fit reclaims borrowed GPUs from other groups (:mod:`scheduler.reclaim`): the plan
    preempts just enough calls, holds the room back from this round's borrowers, and the call
@@ -53,7 +54,8 @@ from scheduler.quotas import Book
 from scheduler.reasons import Why, ahead, note, shortfall, starting
 from scheduler.reclaim import Reclaim, Reclaimer
 
-#: A whole-node call that has waited this long gets a reservation (fair's default).
+#: The starvation guard's bound where it is turned on (``--fair-starve-after-s``): off by
+#: default until it stops starving small calls on an overloaded cluster (docs/benchmarks.md).
 DEFAULT_STARVE_AFTER_S = 3600.0
 
 
@@ -64,16 +66,18 @@ class Fair:
     ``max_reclaims`` bounds the calls one round reclaims room for (Kueue likewise preempts for
     one head per queue per cycle): a burst of returning demand is worked off over a few rounds
     instead of one long one, and the plan says so (:attr:`scheduler.model.Plan.more`).
-    ``starve_after_s`` is the wait after which a whole-node call gets a reservation (None:
-    never). On the Philly trace at 88 x 8 GPUs the one-hour default cut the average wait of
+    ``starve_after_s`` is the wait after which a whole-node call gets a reservation (None,
+    the default: never). On the Philly trace at 88 x 8 GPUs a one-hour bound cut the average wait of
     multi-node calls from 32,420 s to 4,754 s (FIFO: 9,096 s) and of 8-GPU calls from 5,005 s
     to 3,235 s (FIFO: 7,734 s), for 20 % more average queueing (3,267 s; FIFO: 3,413 s;
-    docs/benchmarks.md)."""
+    docs/benchmarks.md). On an overloaded cluster (64 x 8) it starved the small calls
+    instead (average queueing 487,201 s against 55,386 s without it), so it is off by
+    default."""
 
     default_quota: Quota = DEFAULT_QUOTA
     reclaim: bool = True
     max_reclaims: int | None = 128
-    starve_after_s: float | None = DEFAULT_STARVE_AFTER_S
+    starve_after_s: float | None = None
     name: str = "fair"
     uses_quotas: bool = True
 

@@ -16,7 +16,7 @@ from scheduler import (
     never_fits,
     plan,
 )
-from scheduler.fair import Fair
+from scheduler.fair import DEFAULT_STARVE_AFTER_S, Fair
 from scheduler.fairshare import fair_order
 
 
@@ -182,6 +182,10 @@ def test_the_starvation_guard_reserves_room_for_a_long_waiting_big_call() -> Non
     assert "reserved for it" in explain(snap, guarded)["big"][1]
 
 
+#: fair with the starvation guard on, at its usual bound.
+GUARD = Fair(starve_after_s=DEFAULT_STARVE_AFTER_S)
+
+
 def starving_cluster(now: float, pending_more: list[Pending]) -> Snapshot:
     """Group c's whole-node (4-GPU) call has waited 2 h; node 1 frees up at t=now+100 (x
     ends), node 2 at now+5000 (y ends); group b holds both nodes' busy GPUs as borrowers."""
@@ -201,10 +205,10 @@ def test_the_guard_holds_a_starving_whole_node_call_s_room_against_guaranteed_ca
     a1 = Pending("a1", 1, group="a", submit_time=9_000, expected_s=3600.0)
     a2 = Pending("a2", 1, group="a", submit_time=9_001, expected_s=3600.0)
     snap = starving_cluster(10_000, [a1, a2])
-    out = plan(snap, "fair")
+    out = plan(snap, GUARD)
     assert [(d.invocation_id, d.node_id) for d in out] == [("a1", 2)]
     assert out.preemptions == []
-    why = explain(snap, "fair")
+    why = explain(snap, GUARD)
     assert "reserved for it" in why["big"][1]
     assert "reserved for call big" in why["a2"][1] and "nothing is reclaimed" in why["a2"][1]
     # Without the guard the second call takes node 1 for an hour, and big waits on.
@@ -215,7 +219,7 @@ def test_the_guard_holds_a_starving_whole_node_call_s_room_against_guaranteed_ca
 def test_a_call_that_ends_before_the_reservation_may_use_its_gpus() -> None:
     quick = Pending("quick", 2, group="b", submit_time=9_500, expected_s=50.0)
     slow = Pending("slow", 1, group="b", submit_time=9_600, expected_s=500.0)
-    out = plan(starving_cluster(10_000, [quick, slow]), "fair")
+    out = plan(starving_cluster(10_000, [quick, slow]), GUARD)
     assert {(d.invocation_id, d.node_id) for d in out} == {("quick", 1), ("slow", 2)}
 
 
@@ -225,9 +229,9 @@ def test_a_borrower_may_not_backfill_where_a_guaranteed_call_waits() -> None:
     # wait on: it would reclaim the borrower, which would backfill again, round after round.
     waiting = Pending("a1", 2, group="a", submit_time=9_000, expected_s=3600.0)
     quick = Pending("quick", 2, group="b", submit_time=9_500, expected_s=50.0)
-    out = plan(starving_cluster(10_000, [waiting, quick]), "fair")
+    out = plan(starving_cluster(10_000, [waiting, quick]), GUARD)
     assert list(out) == [] and out.preemptions == []
-    alone = plan(starving_cluster(10_000, [quick]), "fair")  # nobody waits: it backfills
+    alone = plan(starving_cluster(10_000, [quick]), GUARD)  # nobody waits: it backfills
     assert [(d.invocation_id, d.node_id) for d in alone] == [("quick", 1)]
 
 
@@ -244,9 +248,9 @@ def test_only_whole_node_calls_past_the_bound_get_reservations() -> None:
         small = Pending("small", 2, group="b", submit_time=now - 60, expected_s=9_000.0)
         snap = starving_cluster(now, [small])
         snap = Snapshot(snap.nodes, [call, small], snap.running, snap.quotas, now=now)
-        started = [d.invocation_id for d in plan(snap, "fair")]
+        started = [d.invocation_id for d in plan(snap, GUARD)]
         assert ("small" in started) is not guarded, call
-        assert ("reserved for it" in explain(snap, "fair")["big"][1]) is guarded, call
+        assert ("reserved for it" in explain(snap, GUARD)["big"][1]) is guarded, call
 
 
 def test_a_call_that_starved_is_not_reclaimed_once_it_runs() -> None:
@@ -261,7 +265,7 @@ def test_a_call_that_starved_is_not_reclaimed_once_it_runs() -> None:
     quotas = {"a": Quota(4), "b": Quota(0)}
     snap = Snapshot([node(1, [2, 3]), node(2, [2, 3])], [Pending("a1", 4, group="a")], running,
                     quotas=quotas, now=10_100)  # fmt: skip
-    assert [p.invocation_id for p in plan(snap, "fair").preemptions] == ["new"]
+    assert [p.invocation_id for p in plan(snap, GUARD).preemptions] == ["new"]
     unguarded = plan(snap, Fair(starve_after_s=None)).preemptions
     assert [p.invocation_id for p in unguarded] == ["old"]  # the youngest, without the guard
 
