@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from scheduler import placement
@@ -89,18 +89,17 @@ def reserve(
     snapshot: Snapshot,
     rel: dict[int, list[Release]],
     limit: float = math.inf,
-    held: Collection[int] = (),
 ) -> Reservation | None:
     """Reserve the earliest room for ``call`` and withdraw it from ``cap``; None if the call
     can never fit on these nodes as far as the running calls' ends tell. ``rel`` comes from
-    :func:`releases`; whole nodes for a gang add up to no more than ``limit`` GPUs; nodes in
-    ``held`` (reserved already this round, free GPUs or not) are not used."""
+    :func:`releases`; whole nodes for a gang add up to no more than ``limit`` GPUs; nodes
+    withdrawn this round (reserved or reclaimed already, free GPUs or not) are not used."""
     if call.gpus == 0:
         return None
     if call.gpus > cap.largest_for(call):
-        found = _whole_nodes(call, cap, snapshot, rel, limit, held)
+        found = _whole_nodes(call, cap, snapshot, rel, limit)
     else:
-        found = _one_node(call, cap, snapshot, rel, held)
+        found = _one_node(call, cap, snapshot, rel)
     if found is None or found.start == math.inf:
         return None  # no known end to plan by: nothing is held back (work-conserving)
     for node_id in found.spare:
@@ -109,16 +108,12 @@ def reserve(
 
 
 def _one_node(
-    call: Pending,
-    cap: Capacity,
-    snapshot: Snapshot,
-    rel: dict[int, list[Release]],
-    held: Collection[int],
+    call: Pending, cap: Capacity, snapshot: Snapshot, rel: dict[int, list[Release]]
 ) -> Reservation | None:
     n = call.gpus
     plain = not placement.constrained(call)
     best: tuple[float, int, int] | None = None  # (start, -spare, node id)
-    for node in _usable(snapshot.nodes, call, cap, held):
+    for node in _usable(snapshot.nodes, call, cap):
         ends = rel.get(node.node_id, [])
         ends.sort()
         free = cap.free_of(node.node_id)
@@ -142,11 +137,10 @@ def _whole_nodes(
     snapshot: Snapshot,
     rel: dict[int, list[Release]],
     limit: float,
-    held: Collection[int],
 ) -> Reservation | None:
     ready = sorted(
         (max((end for end, _ in rel.get(n.node_id, ())), default=snapshot.now), order, n)
-        for order, n in enumerate(_usable(snapshot.nodes, call, cap, held))
+        for order, n in enumerate(_usable(snapshot.nodes, call, cap))
         if placement.whole_node_ok(n, call)
     )
     total = 0
@@ -161,14 +155,11 @@ def _whole_nodes(
     return None
 
 
-def _usable(
-    nodes: Iterable[NodeCapacity], call: Pending, cap: Capacity, held: Collection[int]
-) -> Iterable[NodeCapacity]:
+def _usable(nodes: Iterable[NodeCapacity], call: Pending, cap: Capacity) -> Iterable[NodeCapacity]:
     """Nodes the call may be reserved on: live, not already held for another call, big
     enough (a node of unknown size may be, once its running calls end)."""
     for node in nodes:
-        state = cap.states.get(node.node_id)
-        if node.draining or (state is not None and state.withdrawn) or node.node_id in held:
+        if node.draining or node.node_id in cap.withdrawn:
             continue
         if not node.gpus or call.gpus > cap.largest_for(call):
             yield node  # sizes are checked as the room is counted
@@ -203,9 +194,7 @@ class Horizon:
         """Whether the cluster's nodes suit it: known inventories, none mixing models."""
         return not cap.mixed and all(node.gpus for node in nodes)
 
-    def reserve(
-        self, call: Pending, cap: Capacity, held: Collection[int], limit: float = math.inf
-    ) -> Reservation | None:
+    def reserve(self, call: Pending, cap: Capacity, limit: float = math.inf) -> Reservation | None:
         """What :func:`reserve` gives a call of at least ``cap.largest_for(call)`` GPUs."""
         key = (call.gpu_model, call.min_memory_mib)
         gang = call.gpus > cap.largest_for(call)
@@ -215,9 +204,7 @@ class Horizon:
         while k < len(self.order):
             ready, _, node = self.order[k]
             k += 1
-            state = cap.states.get(node.node_id)
-            gone = node.node_id in held or (state is not None and state.withdrawn)
-            if gone or not placement.whole_node_ok(node, call):
+            if node.node_id in cap.withdrawn or not placement.whole_node_ok(node, call):
                 if k - 1 == start:
                     start = k  # never of use to this kind again this round
                 continue

@@ -152,6 +152,8 @@ class Capacity:
         self.warm: dict[tuple[str, str], list[NodeState]] = {}
         self._largest: dict[ConstraintKey, int] = {}
         self._failed: dict[FailKey, int] = {}
+        #: Every node withdrawn this round, busy ones (no state) included.
+        self.withdrawn: set[int] = set()
         #: GPUs per model (placement.plenty), counted only where models differ.
         self.many: dict[str, int] = {}
         largest = 0
@@ -330,7 +332,9 @@ class Capacity:
             self.cpu.pop(state.node.node_id, None)
 
     def withdraw(self, node_id: int) -> NodeState | None:
-        """Hide a node's free GPUs from :meth:`place` (it is reserved); returns its state."""
+        """Hide a node's free GPUs from :meth:`place` (it is reserved), free GPUs or not;
+        returns its state."""
+        self.withdrawn.add(node_id)
         state = self.states.get(node_id)
         if state is None or state.withdrawn:
             return state

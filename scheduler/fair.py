@@ -67,10 +67,10 @@ class Fair:
     one head per queue per cycle): a burst of returning demand is worked off over a few rounds
     instead of one long one, and the plan says so (:attr:`scheduler.model.Plan.more`).
     ``starve_after_s`` is the wait after which a whole-node call gets a reservation (None,
-    the default: never). On the Philly trace at 88 x 8 GPUs a one-hour bound cut the average wait of
-    multi-node calls from 32,420 s to 4,754 s (FIFO: 9,096 s) and of 8-GPU calls from 5,005 s
-    to 3,235 s (FIFO: 7,734 s), for 20 % more average queueing (3,267 s; FIFO: 3,413 s;
-    docs/benchmarks.md). On an overloaded cluster (64 x 8) it starved the small calls
+    the default: never). On the Philly trace at 88 x 8 GPUs a one-hour bound cut the average
+    wait of multi-node calls from 32,420 s to 4,754 s (FIFO: 9,096 s) and of 8-GPU calls from
+    5,005 s to 3,235 s (FIFO: 7,734 s), for 20 % more average queueing (3,267 s; FIFO:
+    3,413 s; docs/benchmarks.md). On an overloaded cluster (64 x 8) it starved the small calls
     instead (average queueing 487,201 s against 55,386 s without it), so it is off by
     default."""
 
@@ -106,24 +106,21 @@ class _Round:
         #: This round's reservations that still have free GPUs (the others admit nothing: a
         #: reserved node's free GPUs only go down as the round goes on).
         self.held: list[Reservation] = []
-        #: Calls the guard started this round, with their expected ends.
+        #: Calls started this round, with their expected ends (the guard's later
+        #: reservations count them as running).
         self.placed: list[tuple[tuple[Part, ...], float]] = []
-        self.guarding = False
         self.reclaimer = Reclaimer(self.snapshot, self.cap, self.book, policy.starve_after_s)
         self.reclaims = 0
         self.stuck: set[tuple[str, int, str | None, int]] = set()  # reclaim found nothing
         #: Reservations a guaranteed call waits on: borrowers may not backfill into them (a
         #: borrower reclaim just sent back would take the room again, and be reclaimed again).
         self.claimed: set[str] = set()
-        self.borrowing = False
         #: Kinds of call (group, GPUs, model, memory) that found no room outside reservations.
         self.full: set[tuple[str, int, str | None, int]] = set()
 
     def run(self) -> Plan:
         if self.policy.starve_after_s is not None:
-            self.guarding = True
             self.guard(self.policy.starve_after_s)
-            self.guarding = False
         self.guaranteed()
         self.borrowers()
         return self.out
@@ -132,10 +129,10 @@ class _Round:
         """Record a reason already worded (only done when explaining)."""
         note(self.why, call, self.pos.get(call.id, 0), str, reason)
 
-    def place(self, call: Pending) -> tuple[Part, ...] | None:
+    def place(self, call: Pending, borrower: bool = False) -> tuple[Part, ...] | None:
         """Room for the call now: outside any reservation, or inside one if it cannot delay
-        it; never more GPUs than its group may still take (a gang's whole nodes may hold
-        more than it asks for)."""
+        it (for a ``borrower``, not one a guaranteed call waits on); never more GPUs than its
+        group may still take (a gang's whole nodes may hold more than it asks for)."""
         key = (call.group, call.gpus, call.gpu_model, call.min_memory_mib)
         parts = None
         if key not in self.full:  # free GPUs and a group's room only shrink in a round
@@ -144,7 +141,7 @@ class _Round:
                 self.full.add(key)
         if parts is None and self.held:
             for held in self.held:
-                if self.borrowing and held.call_id in self.claimed:
+                if borrower and held.call_id in self.claimed:
                     continue
                 choice = held.admit(call, self.cap, self.snapshot.now)
                 if choice is not None:
@@ -160,9 +157,8 @@ class _Round:
         self.book.add(call.group, taken)
         self.out.append(Decision.of(call.id, parts, borrowed))
         self.done.add(call.id)
-        if self.guarding:  # later reservations of this round count it as running
-            end = math.inf if call.expected_s is None else self.snapshot.now + call.expected_s
-            self.placed.append((parts, end))
+        end = math.inf if call.expected_s is None else self.snapshot.now + call.expected_s
+        self.placed.append((parts, end))
         if self.why is not None:
             self.note(call, starting(parts, " (borrowed)" if borrowed else ""))
 
@@ -206,11 +202,10 @@ class _Round:
             if rel is None or rel[0] != len(self.placed):
                 rel = (len(self.placed), releases(self.snapshot, self.placed))
                 horizon = Horizon(self.snapshot, rel[1]) if fast else None
-            taken = self.reclaimer.reserved
             if horizon is not None:
-                held = horizon.reserve(call, self.cap, taken, limit=room)
+                held = horizon.reserve(call, self.cap, limit=room)
             else:
-                held = reserve(call, self.cap, self.snapshot, rel[1], limit=room, held=taken)
+                held = reserve(call, self.cap, self.snapshot, rel[1], limit=room)
             if held is None:
                 break  # younger calls may not take room it will need (it keeps its turn)
             if held.open(self.cap):
@@ -228,6 +223,8 @@ class _Round:
         reservation, for a gang), if any: a call kept out only by a reservation waits for it
         rather than preempt elsewhere (else each room it freed would draw the reservation
         there next round, and reclaim again)."""
+        if not self.held:
+            return None
         if call.gpus > self.cap.largest_for(call):  # a gang: whole free nodes
             have = sum(len(s.node.gpus) for s in self.cap.whole_free(call))
             for held in self.held:
@@ -310,7 +307,6 @@ class _Round:
     def borrowers(self) -> None:
         """Step 2: lend idle GPUs to the other calls, in fair-share order, up to ceilings."""
         cap, book = self.cap, self.book
-        self.borrowing = True
         for call in itertools.chain(*self.buckets):
             if call.id in self.done:
                 continue
@@ -322,7 +318,7 @@ class _Round:
             if not book.within_ceiling(call):
                 note(self.why, call, self.pos.get(call.id, 0), book.ceiling_reason, call)
                 continue
-            parts = self.place(call)
+            parts = self.place(call, borrower=True)
             if parts is None:
                 pos = self.pos.get(call.id, 0)
                 note(self.why, call, pos, self.waiting, call, pos)

@@ -54,7 +54,6 @@ class Reclaimer:
         cap: Capacity,
         book: Book,
         protect_after_s: float | None = None,
-        reserved: set[int] | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.cap = cap
@@ -63,7 +62,7 @@ class Reclaimer:
         #: protected).
         self.protect_after_s = protect_after_s
         #: Nodes held for reservations: no room is sought there (the caller may add to it).
-        self.reserved: set[int] = set() if reserved is None else reserved
+        self.reserved: set[int] = set()
         self.chosen: set[str] = set()
         self._ready = False
         self._nodes: dict[int, NodeCapacity] = {}

@@ -273,16 +273,12 @@ def test_the_horizon_reserves_what_reserve_does(snap: Snapshot, data: st.DataObj
     assert Horizon.serves(snap.nodes, fast)  # one model per node, inventories known
     rel = releases(snap, [])
     horizon = Horizon(snap, rel)
-    held_general: set[int] = set()
-    held_fast: set[int] = set()
     for call in snap.pending:
         if not call.gpus or call.gpus < general.largest_for(call):
             continue  # not a whole-node call
         limit = data.draw(st.sampled_from([math.inf, 8, 12, 16]))
-        a = reserve(call, general, snap, rel, limit=limit, held=held_general)
-        b = horizon.reserve(call, fast, held_fast, limit=limit)
+        a = reserve(call, general, snap, rel, limit=limit)
+        b = horizon.reserve(call, fast, limit=limit)
         assert (a is None) == (b is None), (call, a, b)
         if a is not None and b is not None:
             assert (a.start, a.spare) == (b.start, b.spare), call
-            held_general.update(a.spare)
-            held_fast.update(b.spare)
