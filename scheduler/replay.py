@@ -585,6 +585,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.preemption_cost_s < 0 or args.grace_s < 0:
         print("--preemption-cost-s and --grace-s cannot be negative", file=sys.stderr)
         return 2
+    if args.starve_after_s is not None and args.starve_after_s < 0:
+        print("--starve-after-s cannot be negative (0 turns the guard off)", file=sys.stderr)
+        return 2
     options = Options(
         args.policy,
         args.nodes,

@@ -266,3 +266,12 @@ def test_an_unknown_status_is_refused_with_the_values_it_may_take(
     assert replay.main([path]) == 2
     err = capsys.readouterr().err
     assert "exploded" in err and "completed, failed, cancelled" in err and "t.csv" in err
+
+
+def test_a_negative_starvation_bound_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "t.csv", "submit_time,duration,num_gpus\n0,10,1\n")
+    assert replay.main([path, "--policy", "fair", "--starve-after-s", "-60"]) == 2
+    assert "--starve-after-s cannot be negative" in capsys.readouterr().err
+    assert replay.main([path, "--policy", "fair", "--starve-after-s", "3600"]) == 0
