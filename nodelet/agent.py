@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -28,7 +27,7 @@ from nodelet.completions import Completions
 from nodelet.config import NodeletConfig
 from nodelet.errors import AuthRejected, GatewayUnavailable, NodeletError, Superseded
 from nodelet.gpus import GpuProvider, choose_provider, describe
-from nodelet.leftovers import sweep
+from nodelet.leftovers import sweep, temporary_work_dir
 from nodelet.limits import device_rule
 from nodelet.pool import WorkerPool
 
@@ -111,7 +110,7 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
         )
     # Before the node registers: kill whatever an earlier nodelet of this node left running.
     await asyncio.to_thread(sweep, config)
-    work_dir = config.work_dir or tempfile.mkdtemp(prefix="bulletin-nodelet-")
+    work_dir = config.work_dir or await asyncio.to_thread(temporary_work_dir)
     if not accounts.single_tenant:
         os.chmod(work_dir, 0o711)  # workers switched to users' accounts pass through it
         blocked = unreachable([work_dir])

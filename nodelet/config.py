@@ -56,7 +56,9 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
         context (some 300-500 MiB) on each of its GPUs.
     """)] = "1"
     work_dir: Annotated[str, doc("""
-        Where attempts keep their files; empty means a fresh temporary directory.
+        Where attempts keep their files; empty means a fresh temporary directory, removed
+        when the nodelet stops (one a killed nodelet left is removed by the next nodelet of
+        the same account to start on the machine).
     """)] = ""
     state_dir: Annotated[str, doc("""
         Where the nodelet keeps what must outlive it: the record of its workers and their

@@ -41,7 +41,9 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import stat
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -93,6 +95,38 @@ def base_name(name: str, state_dir: str) -> str:
     of one machine never sweep each other's)."""
     digest = hashlib.sha256(os.path.normpath(state_dir).encode()).hexdigest()[:12]
     return f"bulletin-node-{_safe(name)[:64]}-{digest}"
+
+
+#: A nodelet without a ``work_dir`` works in ``<tmp>/bulletin-nodelet-<pid>-<start>-*``.
+_TEMP_DIR = re.compile(r"bulletin-nodelet-(\d+)-(\d+)-[A-Za-z0-9_]+")
+
+
+def temporary_work_dir() -> str:
+    """A fresh temporary work directory, named for this nodelet (pid and start time).
+
+    First removes those of nodelets of this account that are gone without removing theirs
+    (killed, crashed): only real directories (not links) this account owns, whose nodelet
+    no longer runs with its recorded start time. Another account's directories, and a link
+    planted under such a name, are left alone."""
+    base, me = tempfile.gettempdir(), os.geteuid()
+    with os.scandir(base) as entries:
+        for entry in entries:
+            match = _TEMP_DIR.fullmatch(entry.name)
+            if match is None:
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            pid, start = int(match[1]), int(match[2])
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != me:
+                continue
+            if procs.start_time(pid) == start:
+                continue  # its nodelet still runs
+            log.info("removing %s, left by a nodelet that is gone", entry.path)
+            shutil.rmtree(entry.path, ignore_errors=True)  # fd-based: follows no link
+    pid = os.getpid()
+    return tempfile.mkdtemp(prefix=f"bulletin-nodelet-{pid}-{procs.start_time(pid) or 0}-")
 
 
 def _safe(name: str) -> str:

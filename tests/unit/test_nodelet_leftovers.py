@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from nodelet.leftovers import (
     kill_recorded,
     open_private_dir,
     sweep,
+    temporary_work_dir,
 )
 
 # Waits for a line, then starts a child, prints its pid, waits.
@@ -277,3 +279,37 @@ def test_a_record_is_a_private_format() -> None:
         "cgroups": ["/x"],
         "workers": [[1, 2]],
     }
+
+
+def test_a_dead_nodelet_s_temporary_work_dir_is_removed_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without a work_dir each nodelet works in a temporary directory named for it; one that is
+    # killed cannot remove its own, so the next start removes it: only that.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = f"bulletin-nodelet-{gone.pid}-{12345}-abc"  # its pid, not its start time: gone
+    me = os.getpid()
+    alive = f"bulletin-nodelet-{me}-{procs.start_time(me)}-xyz"  # a nodelet still running
+    others = f"bulletin-nodelet-{gone.pid}-1-other"  # another account's
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("not the nodelet's")
+    for name in (dead, alive, others):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "attempt").mkdir()
+        (tmp_path / name / "attempt" / "out").write_text("x")
+    (tmp_path / dead / "link").symlink_to(victim)  # a call's link to elsewhere: not followed
+    os.chown(tmp_path / others, 65534, 65534)
+    (tmp_path / f"bulletin-nodelet-{gone.pid}-1-link").symlink_to(victim)  # a planted link
+    made = temporary_work_dir()
+    assert not (tmp_path / dead).exists()
+    assert (tmp_path / alive / "attempt" / "out").exists()
+    assert (tmp_path / others / "attempt" / "out").exists()
+    assert (victim / "keep").read_text() == "not the nodelet's"
+    assert (tmp_path / f"bulletin-nodelet-{gone.pid}-1-link").is_symlink()
+    assert Path(made).parent == tmp_path and Path(made).is_dir()
+    assert Path(made).name.startswith(f"bulletin-nodelet-{me}-{procs.start_time(me)}-")
+    # Made by this process: the next start, from another, keeps it while this one runs.
+    assert temporary_work_dir() != made and Path(made).is_dir()
