@@ -11,8 +11,8 @@ groups (no one borrows); ``reclaim``: three groups hold them all, so the seven o
 (the worst case for ``fair``, which then preempts up to ``max_reclaims`` = 128 times);
 ``starving``: ``balanced`` with every free GPU taken (a call per node) and the clock an hour
 past the last submission, so every whole-node call has waited past fair's starvation bound
-and none fits: the worst case for its guard (turned on here, at one hour), which then
-reserves (``reserved``).
+and none fits, each one reserved for by the previous round (so kept beyond the guard's share
+of the cluster): the worst case for the guard, which then reserves (``reserved``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import statistics
 import time
 
 from scheduler import Gpu, NodeCapacity, Pending, Policy, Quota, Running, Snapshot, plan
-from scheduler.fair import DEFAULT_STARVE_AFTER_S, Fair
 
 NODES, GPUS, RUNNING, PENDING, GROUPS = 1000, 8, 5000, 10000, 10
 
@@ -79,7 +78,8 @@ def snapshot(nvlink: bool, borrowing: bool, seed: int = 1, starving: bool = Fals
     quotas = {f"g{g}": Quota(NODES * GPUS // GROUPS, None) for g in range(GROUPS)}
     usage = {f"g{g}": rng.uniform(0, 1e7) for g in range(GROUPS)}
     now = PENDING + 3600.0 if starving else 0.0
-    return Snapshot(nodes, pending, running, quotas, usage, {}, now=now)
+    kept = frozenset(c.id for c in pending if c.gpus >= GPUS) if starving else frozenset()
+    return Snapshot(nodes, pending, running, quotas, usage, {}, now=now, reserved=kept)
 
 
 def main() -> None:
@@ -95,8 +95,6 @@ def main() -> None:
             name = "starving" if starving else "reclaim" if borrowing else "balanced"
             free = sum(len(n.free_gpus) for n in snap.nodes)
             policies: dict[str, str | Policy] = {"fifo": "fifo", "fair": "fair"}
-            if starving:  # the guard is off by default: this snapshot is its worst case
-                policies["fair"] = Fair(starve_after_s=DEFAULT_STARVE_AFTER_S)
             for label, policy in policies.items():
                 times = []
                 for _ in range(args.runs):

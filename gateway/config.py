@@ -10,6 +10,7 @@ import msgspec
 
 from bulletin_core.settings import AT_LEAST_0, AT_LEAST_1, POSITIVE, check, doc
 from scheduler import POLICIES, Policy, policies
+from scheduler.fair import DEFAULT_STARVE_AFTER_S
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,9 +109,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         fair: a whole-node call (as many GPUs as the largest node that may take it, or more)
         that has waited this many seconds gets a reservation, and is not reclaimed once it
         starts, so it cannot wait for ever behind smaller calls that take every GPU that frees
-        up (docs/scheduling.md); 0, the default: never. 3600 did best on the Philly trace at
-        a realistic load; on an overloaded cluster it starves small calls instead.
-    """)] = 0.0
+        up; starved whole-node calls hold at most the share of the cluster their GPUs make of
+        all GPUs asked by calls that waited this long (docs/scheduling.md); 0: never.
+    """)] = DEFAULT_STARVE_AFTER_S
     rate_limit_per_s: Annotated[float, AT_LEAST_0, doc("""
         Requests a second each user may make, on average, with a user token (a token bucket per
         user, in this replica's memory: N replicas allow up to N times as much); over it the

@@ -12,6 +12,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Sequence
+from collections.abc import Set as AbstractSet
 
 import asyncpg
 
@@ -124,11 +125,17 @@ def one_node_calls(
 
 
 async def plan_round(
-    conn: asyncpg.Connection, config: GatewayConfig, *, explain: bool = False
+    conn: asyncpg.Connection,
+    config: GatewayConfig,
+    *,
+    explain: bool = False,
+    reserved: set[str] | None = None,
 ) -> int:
     """One planning round in one transaction; returns how many calls were placed or
     preempted (non-zero also when the policy asks for another round at once). With
-    ``explain``, also stores where each pending call stands and why."""
+    ``explain``, also stores where each pending call stands and why. ``reserved``: the calls
+    the previous round reserved for, which the leader keeps between rounds (the policy
+    reads them, and this round's replace them)."""
     async with conn.transaction():
         # The live nodes, locked: capacity is read and committed under the same locks.
         nodes = await db.live_nodes(conn, config.node_timeout_s, lock=True)
@@ -146,9 +153,12 @@ async def plan_round(
         # A call runs on one node: one bigger than every live node waits, reserving nothing,
         # until such a node is back (it fitted a registered node when it was submitted).
         queued, too_big = one_node_calls(queued, free)
-        snapshot = _snapshot(free, queued, held, held.now)
+        snapshot = _snapshot(free, queued, held, held.now, reserved or frozenset())
         why: dict[str, tuple[int, str]] | None = {} if explain else None
         result = config.policy().plan(snapshot, why)
+        if reserved is not None:
+            reserved.clear()
+            reserved.update(result.reserved)
         placed, _ = await _assign(conn, config, result)
         preempted = await db.preempt(
             conn, [(p.invocation_id, p.reason) for p in result.preemptions]
@@ -196,7 +206,11 @@ async def place_at_once(
 
 
 def _snapshot(
-    free: list[NodeCapacity], pending: list[Pending], held: db.Holdings, now: float
+    free: list[NodeCapacity],
+    pending: list[Pending],
+    held: db.Holdings,
+    now: float,
+    reserved: AbstractSet[str] = frozenset(),
 ) -> Snapshot:
     """What a policy plans on."""
     return Snapshot(
@@ -207,6 +221,7 @@ def _snapshot(
         usage=held.usage,
         user_usage=held.user_usage,
         now=now,
+        reserved=reserved,
     )
 
 
@@ -328,6 +343,9 @@ async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig, leases
     """Plan whenever woken by a notification, and at least every schedule_interval_s,
     expiring leases on the clock (``leases``: kept across leaderships of this gateway)."""
     last_explain = 0.0
+    # The calls the last round reserved for: the fair guard keeps their reservations. Only
+    # this leadership's rounds: a new leader works them out afresh.
+    reserved: set[str] = set()
     while True:
         async with hub.subscribe(["q"], stoppable=False) as sub:
             if leases.due():
@@ -338,7 +356,7 @@ async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig, leases
             explain = time.monotonic() - last_explain >= EXPLAIN_S
             if explain:
                 last_explain = time.monotonic()
-            placed = await plan_round(conn, config, explain=explain)
+            placed = await plan_round(conn, config, explain=explain, reserved=reserved)
             if placed:
                 log.debug("placed %d calls", placed)
                 continue  # there may be more queued than one round looks at

@@ -3,18 +3,24 @@
 Each round takes the pending calls in fair-share order
 (:func:`~scheduler.fairshare.fair_buckets`):
 
-0. Starvation guard (``starve_after_s``, off by default, one hour where turned on): the
-   *whole-node* calls (as many GPUs as the largest node that may take them, or more) that
-   have waited past the bound, oldest first, each start now if they fit, else reclaim room
-   (if within their guarantee), else get a reservation: the earliest room by the running
-   calls' expected ends (:mod:`scheduler.backfill`) on nodes no older call holds; at the
-   first that can get none, the guard stops, so no call is promised room an older one will
-   take. Every later call, guaranteed or borrowing, may use reserved GPUs only if it ends
-   before the reservation is due. A guaranteed call kept out only by a reservation waits for
-   it instead of reclaiming elsewhere, and borrowers may no longer backfill into that one. A
-   call that waited past the bound is never reclaimed once it starts. Without the guard,
-   borrowers that need less than a node take every GPU that frees up and a whole-node call
-   can wait for days.
+0. Starvation guard (``starve_after_s``, one hour by default): the *whole-node* calls (as
+   many GPUs as the largest node that may take them, or more) that have waited past the
+   bound, oldest first, each start now if they fit, else reclaim room (if within their
+   guarantee), else get a reservation: the earliest room by the running calls' expected ends
+   (:mod:`scheduler.backfill`) on nodes no older call holds; at the first that can get none,
+   the guard stops, so no call is promised room an older one will take. Starved whole-node
+   calls (those it serves, and those running after a wait past the bound) hold at most their
+   share of the cluster: the share their GPUs make of all GPUs asked for or held by calls that
+   waited past the bound. On a cluster that keeps up few other calls wait that long and the
+   guard gives them what they need; on an overloaded one, where every call waits that long,
+   they take the cluster in proportion to what they ask for, not all of it. Beyond the
+   share, a call waits in fair order (and so do younger ones, as above), except one the
+   previous round reserved for (``Snapshot.reserved``): it keeps its reservation. Every later call,
+   guaranteed or borrowing, may use reserved GPUs only if it ends before the reservation is
+   due. A guaranteed call kept out only by a reservation waits for it instead of reclaiming
+   elsewhere, and borrowers may no longer backfill into that one. A call that waited past the
+   bound is never reclaimed once it starts. Without the guard, borrowers that need less than
+   a node take every GPU that frees up and a whole-node call can wait for days.
 1. Guaranteed: calls that keep their group within its guarantee start if they fit; one that
    does not fit reclaims borrowed GPUs from other groups (:mod:`scheduler.reclaim`): the plan
    preempts just enough calls, holds the room back from this round's borrowers, and the call
@@ -52,10 +58,9 @@ from scheduler.model import (
 )
 from scheduler.quotas import Book
 from scheduler.reasons import Why, ahead, note, shortfall, starting
-from scheduler.reclaim import Reclaim, Reclaimer
+from scheduler.reclaim import Reclaim, Reclaimer, protected
 
-#: The starvation guard's bound where it is turned on (``--fair-starve-after-s``): off by
-#: default until it stops starving small calls on an overloaded cluster (docs/benchmarks.md).
+#: A whole-node call that has waited this long gets a reservation (fair's default).
 DEFAULT_STARVE_AFTER_S = 3600.0
 
 
@@ -66,18 +71,17 @@ class Fair:
     ``max_reclaims`` bounds the calls one round reclaims room for (Kueue likewise preempts for
     one head per queue per cycle): a burst of returning demand is worked off over a few rounds
     instead of one long one, and the plan says so (:attr:`scheduler.model.Plan.more`).
-    ``starve_after_s`` is the wait after which a whole-node call gets a reservation (None,
-    the default: never). On the Philly trace at 88 x 8 GPUs a one-hour bound cut the average
-    wait of multi-node calls from 32,420 s to 4,754 s (FIFO: 9,096 s) and of 8-GPU calls from
-    5,005 s to 3,235 s (FIFO: 7,734 s), for 20 % more average queueing (3,267 s; FIFO:
-    3,413 s; docs/benchmarks.md). On an overloaded cluster (64 x 8) it starved the small calls
-    instead (average queueing 487,201 s against 55,386 s without it), so it is off by
-    default."""
+    ``starve_after_s`` is the wait after which a whole-node call gets a reservation (None:
+    never). On the Philly trace at 88 x 8 GPUs the one-hour default cut the average wait of
+    multi-node calls from 32,420 s to 4,749 s (FIFO: 9,096 s) and of 8-GPU calls from 5,005 s
+    to 3,992 s (FIFO: 7,734 s), for 11 % more average queueing (3,001 s against 2,713 s;
+    FIFO: 3,413 s). Overloaded (64 x 8) every size of call waited less than under FIFO on
+    average (docs/benchmarks.md)."""
 
     default_quota: Quota = DEFAULT_QUOTA
     reclaim: bool = True
     max_reclaims: int | None = 128
-    starve_after_s: float | None = None
+    starve_after_s: float | None = DEFAULT_STARVE_AFTER_S
     name: str = "fair"
     uses_quotas: bool = True
 
@@ -162,22 +166,21 @@ class _Round:
         if self.why is not None:
             self.note(call, starting(parts, " (borrowed)" if borrowed else ""))
 
-    def starving(self, after_s: float) -> list[Pending]:
+    def starving(self, after_s: float) -> tuple[list[Pending], int]:
         """The whole-node calls (as many GPUs as the largest node that may take them, or
-        more) that have waited ``after_s`` or longer, oldest first (higher priority first)."""
+        more) that have waited ``after_s`` or longer, oldest first (higher priority first),
+        and the GPUs asked by every call, whole-node or not, that has waited that long."""
         cap, largest, since = self.cap, self.cap.largest, self.snapshot.now - after_s
-        found = []
+        found, waited = [], 0
         for call in self.snapshot.pending:
+            if call.waiting_since > since or call.id in self.done:
+                continue
+            waited += call.gpus
             if call.gpus < largest and call.gpu_model is None and not call.min_memory_mib:
                 continue  # the common case first: an unconstrained call smaller than a node
-            if (
-                call.gpus
-                and call.gpus >= cap.largest_for(call)
-                and call.waiting_since <= since
-                and call.id not in self.done
-            ):
+            if call.gpus and call.gpus >= cap.largest_for(call) > 0:  # (0: no node fits it)
                 found.append(call)
-        return sorted(found, key=_age_key)
+        return sorted(found, key=_age_key), waited
 
     def guard(self, after_s: float) -> None:
         """Step 0: the starving whole-node calls, oldest first, start now, reclaim room
@@ -188,9 +191,17 @@ class _Round:
         rel: tuple[int, dict[int, list[Release]]] | None = None  # (len(placed), releases)
         fast = Horizon.serves(self.snapshot.nodes, self.cap)
         horizon: Horizon | None = None
-        for call in self.starving(after_s):
+        starving, waited = self.starving(after_s)
+        budget = self.guard_budget(after_s, starving, waited)
+        full = False  # the share is spoken for: only calls reserved for last round go on
+        for call in starving:
             if not self.book.within_ceiling(call):
                 continue
+            if call.id not in self.snapshot.reserved:  # (those keep their reservations)
+                full = full or call.gpus > budget
+                if full:
+                    continue  # younger ones wait in line too, as in fair order
+            budget -= call.gpus
             room = self.book.room(call.group)
             parts = self.place(call)
             if parts is not None:
@@ -217,6 +228,24 @@ class _Round:
                 wait = held.start - self.snapshot.now
                 self.note(call, f"waited over {after_s:.0f} s: {shortfall(call, self.cap)}; "
                           f"GPUs reserved for it from in about {wait:.0f} s")  # fmt: skip
+
+    def guard_budget(self, after_s: float, starving: list[Pending], waited: int) -> float:
+        """GPUs the guard may give starved calls this round. Starved whole-node calls (those
+        waiting past the bound, and those running after such a wait) may hold their share of
+        the GPUs that all such calls ask for or hold, as a share of the cluster's GPUs. On an
+        overloaded cluster, where every call waits that long, whole-node calls then take the
+        cluster in proportion to what they ask for, not all of it (the small calls starved);
+        a cluster that keeps up has few others waiting that long, and gives them what they
+        need."""
+        asked = sum(call.gpus for call in starving)
+        if asked >= waited:
+            return math.inf
+        size = {node.node_id: len(node.gpus) for node in self.snapshot.nodes}
+        held = 0  # GPUs of whole-node calls running after a wait past the bound
+        for run in self.snapshot.running:
+            if len(run.gpu_indices) >= size.get(run.node_id, 0) and protected(run, after_s):
+                held += run.gpus
+        return (asked + held) / (waited + held) * sum(size.values()) - held
 
     def held_for(self, call: Pending) -> Reservation | None:
         """The reservation whose idle GPUs would hold ``call`` (with free nodes outside any

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 
@@ -176,6 +177,9 @@ class Snapshot:
     usage: Mapping[str, float] = field(default_factory=dict)
     user_usage: Mapping[tuple[str, str], float] = field(default_factory=dict)
     now: float = 0.0
+    #: Calls the previous round's plan reserved for (its ``Plan.reserved``; the leader keeps
+    #: them between rounds): the fair guard keeps their reservations beyond its share.
+    reserved: AbstractSet[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ import json
 import sys
 import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -164,6 +165,8 @@ class Simulator:
         #: A job queued again since the last round: the queue is put back in submission
         #: order (a requeued call keeps its place, as it does live).
         self.requeued = False
+        #: The calls the last round's plan reserved for (the next round's Snapshot.reserved).
+        self.reserved: AbstractSet[str] = frozenset()
         self.generation = [0] * len(self.jobs)
         self.events: list[tuple[float, int, int, int, int]] = []  # (t, seq, kind, job, gen)
         self.seq = 0
@@ -386,8 +389,11 @@ class Simulator:
             usage=Usage(self.groups, now),
             user_usage=Usage(self.users, now),
             now=now,
+            reserved=self.reserved,
         )
-        return self.policy.plan(snapshot)
+        out = self.policy.plan(snapshot)
+        self.reserved = out.reserved.keys()
+        return out
 
     def apply(self, plan: Plan, now: float) -> None:
         for d in plan:
@@ -437,7 +443,7 @@ class Options:
     preemption_cost_s: float = 0.0
     #: GPU models cycled over the nodes; without them jobs' gpu_type is ignored.
     models: tuple[str, ...] = ()
-    #: The fair policy's starvation guard, seconds (None: the policy's default, off; 0: off).
+    #: The fair policy's starvation guard, seconds (None: the policy's default; 0: off).
     starve_after_s: float | None = None
     #: Write one CSV row per job here (``JOB_COLUMNS``).
     jobs_out: str | None = None
@@ -558,7 +564,7 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="fair: wait after which a whole-node call gets a reservation "
-        "(default: never; 3600 as benchmarked)",
+        "(default 3600; 0: never)",
     )
     return p
 

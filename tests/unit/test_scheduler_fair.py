@@ -253,6 +253,48 @@ def test_only_whole_node_calls_past_the_bound_get_reservations() -> None:
         assert ("reserved for it" in explain(snap, GUARD)["big"][1]) is guarded, call
 
 
+def starved_share_cluster(now: float, others: list[Pending], w_waited: float) -> Snapshot:
+    """starving_cluster with a third node, which "w" holds: a whole-node call that waited
+    ``w_waited`` before it started; ``small`` (2 GPUs) waits on node 1."""
+    small = Pending("small", 2, group="b", submit_time=now - 60, expected_s=9_000.0)
+    snap = starving_cluster(now, [small, *others])
+    w = Running("w", 3, (0, 1, 2, 3), group="c", start_time=now - 50,
+                queued_time=now - 50 - w_waited)  # fmt: skip
+    return Snapshot([*snap.nodes, node(3, [])], snap.pending, [*snap.running, w], snap.quotas,
+                    now=now)  # fmt: skip
+
+
+def test_starved_whole_node_calls_take_the_cluster_in_proportion_to_what_they_ask() -> None:
+    # big (4 GPUs) has waited two hours; w (4 GPUs) ran after a long wait. Starved whole-node
+    # calls may hold their share of the GPUs that calls which waited that long ask for or
+    # hold, of the 12-GPU cluster: next to two 3-GPU calls that is 8/14 (6.9 GPUs), w holds
+    # 4, and big gets no reservation (small starts on node 1, as without the guard). Next to
+    # nothing else, or a 1-GPU call no node can take (neither a whole-node call nor one the
+    # guard stops at), big keeps node 1.
+    now = 10_000.0
+    threes = [Pending(f"other{i}", 3, group="d", submit_time=now - 7200) for i in range(2)]
+    h100 = Pending("other", 1, group="d", submit_time=now - 7300, gpu_model="H100")
+    for others, guarded in [(threes, False), ([], True), ([h100], True)]:
+        snap = starved_share_cluster(now, others, 8000)
+        started = [d.invocation_id for d in plan(snap, GUARD)]
+        assert ("small" in started) is not guarded, others
+        assert ("reserved for it" in explain(snap, GUARD)["big"][1]) is guarded, others
+    # w counts because it starved: one that started as soon as it was queued does not.
+    snap = starved_share_cluster(now, threes, 10)
+    assert "small" not in [d.invocation_id for d in plan(snap, GUARD)]
+
+
+def test_a_call_reserved_for_last_round_keeps_its_reservation_beyond_the_share() -> None:
+    now = 10_000.0
+    threes = [Pending(f"other{i}", 3, group="d", submit_time=now - 7200) for i in range(2)]
+    snap = starved_share_cluster(now, threes, 8000)
+    assert "big" not in plan(snap, GUARD).reserved
+    kept = Snapshot(snap.nodes, snap.pending, snap.running, snap.quotas, now=now,
+                    reserved=frozenset({"big"}))  # fmt: skip
+    out = plan(kept, GUARD)
+    assert "big" in out.reserved and "small" not in [d.invocation_id for d in out]
+
+
 def test_a_call_that_starved_is_not_reclaimed_once_it_runs() -> None:
     # Group a (guarantee 4) wants its GPUs back from b's borrowers: the one that waited
     # two hours before it started is left alone, the one that started at once is preempted.

@@ -174,6 +174,28 @@ def settle(snap: Snapshot, policy: Policy) -> Snapshot:
     raise AssertionError("plans kept changing the cluster")
 
 
+@settings(max_examples=200, deadline=None)
+@given(snapshots())
+def test_starved_calls_take_the_cluster_in_proportion_to_their_demand(snap: Snapshot) -> None:
+    """The whole-node calls running after a wait past the bound, and the calls a plan
+    reserves for, hold at most the share of the cluster's GPUs that such calls (waiting or
+    running) make of all calls that waited past the bound (waiting, or running after it)."""
+    out = plan(snap, Fair(starve_after_s=0.0))
+    if not out.reserved:
+        return
+    size = {n.node_id: len(n.gpus) for n in snap.nodes}
+    cap = Capacity(snap.nodes)
+    waiting = [c for c in snap.pending if c.waiting_since <= snap.now]
+    whole = sum(c.gpus for c in waiting if c.gpus and c.gpus >= cap.largest_for(c))
+    starved = sum(
+        r.gpus for r in snap.running
+        if len(r.gpu_indices) >= size[r.node_id] and protected(r, 0.0)
+    )  # fmt: skip
+    gpus = {c.id: c.gpus for c in snap.pending}
+    share = (whole + starved) / (sum(c.gpus for c in waiting) + starved)
+    assert starved + sum(gpus[c] for c in out.reserved) <= share * sum(size.values()) + 1e-9
+
+
 @settings(max_examples=150, deadline=None)
 @given(snapshots(one_gpu=True), st.sampled_from([None, 0.0]))
 def test_groups_get_their_guarantee_back_when_they_have_work(
