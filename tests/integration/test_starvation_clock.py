@@ -1,15 +1,19 @@
 """The fair policy's starvation guard counts a call's wait from when it last entered the
 queue: the gateway's queries give the scheduler that time (``queued_time``), restarted by
-each path that queues a call again, on a real PostgreSQL."""
+each path that queues a call again, on a real PostgreSQL; and the leader carries the calls a
+round reserved for to the next round."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import asyncpg
 
-from gateway import db
+from bulletin_core import wire
+from gateway import db, scheduling
+from gateway.config import GatewayConfig
 from scheduler.reclaim import protected
 
 NODE = 7
@@ -83,6 +87,70 @@ def test_a_call_queued_again_starts_a_new_wait(database_url: str) -> None:
             pending_now = {p.id: p for p in await db.queued(conn, 16, 100)}
             assert pending_now[str(fresh)].queued_time is None
             assert pending_now[str(fresh)].waiting_since == pending_now[str(fresh)].submit_time
+        finally:
+            await conn.close()
+
+    asyncio.run(check())
+
+
+def _gpus(n: int) -> str:
+    return json.dumps(
+        [{"index": g, "uuid": f"GPU-{g}", "name": "A100", "memory_mb": 40960} for g in range(n)]
+    )
+
+
+def test_the_leader_keeps_last_round_s_reservations_beyond_the_guard_s_share(
+    database_url: str,
+) -> None:
+    """The fair guard lets starved whole-node calls hold only their share of the cluster, but
+    a call the previous round reserved for keeps its reservation: the leader carries the
+    reserved calls from one plan_round to the next (``reserved``)."""
+
+    async def check() -> None:
+        conn = await asyncpg.connect(database_url)
+        try:
+            await conn.execute("INSERT INTO users (id, name) VALUES (1, 'ann')")
+            for node in (1, 2):  # 4 GPUs each, 3 held: node 1's for 10 minutes, 2's for hours
+                await conn.execute(
+                    "INSERT INTO nodes (id, name, gpus, protocol_version, last_heartbeat) "
+                    "VALUES ($1, $2, $3::jsonb, $4, clock_timestamp())",
+                    node, f"n{node}", _gpus(4), wire.PROTOCOL_VERSION,
+                )  # fmt: skip
+                await conn.execute(
+                    "INSERT INTO invocations (id, owner_id, idempotency_key, gpus, max_retries, "
+                    "seq, payload, state, node_id, gpu_indices, epoch, attempts, timeout_s, "
+                    "submitted_at, scheduled_at, lease_expires_at) VALUES ($1::uuid, 1, "
+                    "$1::uuid::text, 3, 0, $2, '\\x00', 'running', $2, '{0,1,2}', 1, 1, $3, "
+                    "clock_timestamp() - interval '1 minute', clock_timestamp(), "
+                    "clock_timestamp() + interval '1 hour')",
+                    uuid.uuid4(), node, 600.0 if node == 1 else 36000.0,
+                )  # fmt: skip
+
+            async def queue(gpus: int, seq: int) -> str:
+                call = uuid.uuid4()
+                await conn.execute(
+                    "INSERT INTO invocations (id, owner_id, idempotency_key, gpus, max_retries, "
+                    "seq, payload, submitted_at) VALUES ($1::uuid, 1, $1::uuid::text, $2, 0, "
+                    "$3, '\\x00', clock_timestamp() - interval '2 hours')",
+                    call, gpus, seq,
+                )  # fmt: skip
+                return str(call)
+
+            big = await queue(4, 10)  # a whole node, waited two hours: reserved (node 1)
+            config = GatewayConfig(database_url=database_url)
+            reserved: set[str] = set()
+            await scheduling.plan_round(conn, config, reserved=reserved)
+            assert reserved == {big}
+            # Three 3-GPU calls that also waited two hours: starved whole-node calls may now
+            # hold 4 / 13 of the 8 GPUs, less than big needs. Planned afresh, big gets no
+            # reservation; after the round that reserved for it, it keeps it.
+            for seq in (11, 12, 13):
+                await queue(3, seq)
+            fresh: set[str] = set()
+            await scheduling.plan_round(conn, config, reserved=fresh)
+            assert fresh == set()
+            await scheduling.plan_round(conn, config, reserved=reserved)
+            assert reserved == {big}
         finally:
             await conn.close()
 
