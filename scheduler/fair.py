@@ -15,12 +15,13 @@ Each round takes the pending calls in fair-share order
    guard gives them what they need; on an overloaded one, where every call waits that long,
    they take the cluster in proportion to what they ask for, not all of it. Beyond the
    share, a call waits in fair order (and so do younger ones, as above), except one the
-   previous round reserved for (``Snapshot.reserved``): it keeps its reservation. Every later call,
-   guaranteed or borrowing, may use reserved GPUs only if it ends before the reservation is
-   due. A guaranteed call kept out only by a reservation waits for it instead of reclaiming
-   elsewhere, and borrowers may no longer backfill into that one. A call that waited past the
-   bound is never reclaimed once it starts. Without the guard, borrowers that need less than
-   a node take every GPU that frees up and a whole-node call can wait for days.
+   previous round reserved for (``Snapshot.reserved``): it keeps its reservation. Every
+   later call, guaranteed or borrowing, may use reserved GPUs only if it ends before the
+   reservation is due. A guaranteed call kept out only by a reservation waits for it
+   instead of reclaiming elsewhere, and borrowers may no longer backfill into that one. A
+   call that waited past the bound is never reclaimed once it starts. Without the guard,
+   borrowers that need less than a node take every GPU that frees up and a whole-node call
+   can wait for days.
 1. Guaranteed: calls that keep their group within its guarantee start if they fit; one that
    does not fit reclaims borrowed GPUs from other groups (:mod:`scheduler.reclaim`): the plan
    preempts just enough calls, holds the room back from this round's borrowers, and the call
@@ -243,7 +244,8 @@ class _Round:
         size = {node.node_id: len(node.gpus) for node in self.snapshot.nodes}
         held = 0  # GPUs of whole-node calls running after a wait past the bound
         for run in self.snapshot.running:
-            if len(run.gpu_indices) >= size.get(run.node_id, 0) and protected(run, after_s):
+            n = size.get(run.node_id)  # (None: a node this round does not see)
+            if n and len(run.gpu_indices) >= n and protected(run, after_s):
                 held += run.gpus
         return (asked + held) / (waited + held) * sum(size.values()) - held
 
