@@ -173,14 +173,16 @@ class _Round:
         and the GPUs asked by every call, whole-node or not, that has waited that long."""
         cap, largest, since = self.cap, self.cap.largest, self.snapshot.now - after_s
         found, waited = [], 0
-        for call in self.snapshot.pending:
-            if call.waiting_since > since or call.id in self.done:
+        for call in self.snapshot.pending:  # (waiting_since inlined: this loop is hot)
+            queued = call.queued_time
+            if (call.submit_time if queued is None else queued) > since:
                 continue
-            waited += call.gpus
-            if call.gpus < largest and call.gpu_model is None and not call.min_memory_mib:
+            gpus = call.gpus
+            waited += gpus
+            if gpus < largest and call.gpu_model is None and not call.min_memory_mib:
                 continue  # the common case first: an unconstrained call smaller than a node
-            if call.gpus and call.gpus >= cap.largest_for(call) > 0:  # (0: no node fits it)
-                found.append(call)
+            if gpus and gpus >= cap.largest_for(call) > 0 and call.id not in self.done:
+                found.append(call)  # (largest_for 0: no node may take it)
         return sorted(found, key=_age_key), waited
 
     def guard(self, after_s: float) -> None:
