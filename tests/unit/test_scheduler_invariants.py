@@ -113,7 +113,7 @@ def test_plans_never_double_book_split_or_bend_the_rules(
         else:  # whole nodes, only for calls bigger than any node that qualifies
             assert got >= call.gpus
             assert all(len(p.gpu_indices) == len(nodes[p.node_id].gpus) for p in d.parts)
-            assert call.gpus > max(len(n.gpus) for n in snap.nodes if not n.draining)
+            assert call.gpus > Capacity(snap.nodes).largest_for(call)
     assert all(n == 1 for n in used.values())
     assert not set(used) & held_gpus
     check_preemptions(snap, out, policy)
