@@ -109,8 +109,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         fair: a whole-node call (as many GPUs as the largest node that may take it, or more)
         that has waited this many seconds gets a reservation, and is not reclaimed once it
         starts, so it cannot wait for ever behind smaller calls that take every GPU that frees
-        up; starved whole-node calls hold at most the share of the cluster their GPUs make of
-        all GPUs asked by calls that waited this long (docs/scheduling.md); 0: never.
+        up; starved whole-node calls hold about the share of the cluster their GPUs make of
+        all GPUs asked for or held by calls that waited this long, so they cannot starve the
+        others either (docs/scheduling.md); 0: never.
     """)] = DEFAULT_STARVE_AFTER_S
     rate_limit_per_s: Annotated[float, AT_LEAST_0, doc("""
         Requests a second each user may make, on average, with a user token (a token bucket per

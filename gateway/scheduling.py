@@ -153,7 +153,7 @@ async def plan_round(
         # A call runs on one node: one bigger than every live node waits, reserving nothing,
         # until such a node is back (it fitted a registered node when it was submitted).
         queued, too_big = one_node_calls(queued, free)
-        snapshot = _snapshot(free, queued, held, held.now, reserved or frozenset())
+        snapshot = _snapshot(free, queued, held, held.now, frozenset(reserved or ()))
         why: dict[str, tuple[int, str]] | None = {} if explain else None
         result = config.policy().plan(snapshot, why)
         if reserved is not None:

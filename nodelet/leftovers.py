@@ -107,8 +107,18 @@ def temporary_work_dir() -> str:
     First removes those of nodelets of this account that are gone without removing theirs
     (killed, crashed): only real directories (not links) this account owns, whose nodelet
     no longer runs with its recorded start time. Another account's directories, and a link
-    planted under such a name, are left alone."""
-    base, me = tempfile.gettempdir(), os.geteuid()
+    planted under such a name, are left alone. Nothing is removed where start times cannot
+    be read (no /proc), nor from a directory other accounts may write to that is not sticky
+    (they could rename this account's directories there). A nodelet in another pid namespace
+    sharing this temporary directory looks gone: give such nodelets a ``work_dir``."""
+    base, me, pid = tempfile.gettempdir(), os.geteuid(), os.getpid()
+    mode = os.stat(base).st_mode
+    if procs.start_time(pid) is not None and (mode & stat.S_ISVTX or not mode & stat.S_IWOTH):
+        _remove_dead_dirs(base, me)
+    return tempfile.mkdtemp(prefix=f"bulletin-nodelet-{pid}-{procs.start_time(pid) or 0}-")
+
+
+def _remove_dead_dirs(base: str, me: int) -> None:
     with os.scandir(base) as entries:
         for entry in entries:
             match = _TEMP_DIR.fullmatch(entry.name)
@@ -125,8 +135,6 @@ def temporary_work_dir() -> str:
                 continue  # its nodelet still runs
             log.info("removing %s, left by a nodelet that is gone", entry.path)
             shutil.rmtree(entry.path, ignore_errors=True)  # fd-based: follows no link
-    pid = os.getpid()
-    return tempfile.mkdtemp(prefix=f"bulletin-nodelet-{pid}-{procs.start_time(pid) or 0}-")
 
 
 def _safe(name: str) -> str:

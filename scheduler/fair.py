@@ -9,12 +9,13 @@ Each round takes the pending calls in fair-share order
    guarantee), else get a reservation: the earliest room by the running calls' expected ends
    (:mod:`scheduler.backfill`) on nodes no older call holds; at the first that can get none,
    the guard stops, so no call is promised room an older one will take. Starved whole-node
-   calls (those it serves, and those running after a wait past the bound) hold at most their
+   calls (those it serves, and those running after a wait past the bound) hold about their
    share of the cluster: the share their GPUs make of all GPUs asked for or held by calls that
    waited past the bound. On a cluster that keeps up few other calls wait that long and the
    guard gives them what they need; on an overloaded one, where every call waits that long,
-   they take the cluster in proportion to what they ask for, not all of it. Beyond the
-   share, a call waits in fair order (and so do younger ones, as above), except one the
+   they take the cluster in proportion to what they ask for, not all of it. Once the share
+   is spent (the last call let in may overrun it, else a call bigger than its share would
+   never get in), a call waits in fair order (and so do younger ones, as above), except one the
    previous round reserved for (``Snapshot.reserved``): it keeps its reservation. Every
    later call, guaranteed or borrowing, may use reserved GPUs only if it ends before the
    reservation is due. A guaranteed call kept out only by a reservation waits for it
@@ -74,8 +75,8 @@ class Fair:
     instead of one long one, and the plan says so (:attr:`scheduler.model.Plan.more`).
     ``starve_after_s`` is the wait after which a whole-node call gets a reservation (None:
     never). On the Philly trace at 88 x 8 GPUs the one-hour default cut the average wait of
-    multi-node calls from 32,420 s to 4,749 s (FIFO: 9,096 s) and of 8-GPU calls from 5,005 s
-    to 3,992 s (FIFO: 7,734 s), for 11 % more average queueing (3,001 s against 2,713 s;
+    multi-node calls from 32,420 s to 5,077 s (FIFO: 9,096 s) and of 8-GPU calls from 5,005 s
+    to 3,862 s (FIFO: 7,734 s), for 13 % more average queueing (3,069 s against 2,713 s;
     FIFO: 3,413 s). Overloaded (64 x 8) every size of call waited less than under FIFO on
     average (docs/benchmarks.md)."""
 
@@ -201,8 +202,8 @@ class _Round:
             if not self.book.within_ceiling(call):
                 continue
             if call.id not in self.snapshot.reserved:  # (those keep their reservations)
-                full = full or call.gpus > budget
-                if full:
+                full = full or budget <= 0  # (the last one in may overrun it: a call bigger
+                if full:  # than the share would never get in)
                     continue  # younger ones wait in line too, as in fair order
             budget -= call.gpus
             room = self.book.room(call.group)
@@ -242,7 +243,7 @@ class _Round:
         need."""
         asked = sum(call.gpus for call in starving)
         if asked >= waited:
-            return math.inf
+            return math.inf  # nobody else waited that long: nobody to keep room for
         size = {node.node_id: len(node.gpus) for node in self.snapshot.nodes}
         held = 0  # GPUs of whole-node calls running after a wait past the bound
         for run in self.snapshot.running:

@@ -110,7 +110,10 @@ def test_the_leader_keeps_last_round_s_reservations_beyond_the_guard_s_share(
         conn = await asyncpg.connect(database_url)
         try:
             await conn.execute("INSERT INTO users (id, name) VALUES (1, 'ann')")
-            for node in (1, 2):  # 4 GPUs each, 3 held: node 1's for 10 minutes, 2's for hours
+            # 4 GPUs each. Node 1: a whole-node call that started after a two-hour wait (a
+            # starved one), for 10 minutes. Node 2: three GPUs held for hours.
+            for node, held, waited, limit in ((1, [0, 1, 2, 3], 7200, 600.0),
+                                              (2, [0, 1, 2], 60, 36000.0)):  # fmt: skip
                 await conn.execute(
                     "INSERT INTO nodes (id, name, gpus, protocol_version, last_heartbeat) "
                     "VALUES ($1, $2, $3::jsonb, $4, clock_timestamp())",
@@ -120,10 +123,10 @@ def test_the_leader_keeps_last_round_s_reservations_beyond_the_guard_s_share(
                     "INSERT INTO invocations (id, owner_id, idempotency_key, gpus, max_retries, "
                     "seq, payload, state, node_id, gpu_indices, epoch, attempts, timeout_s, "
                     "submitted_at, scheduled_at, lease_expires_at) VALUES ($1::uuid, 1, "
-                    "$1::uuid::text, 3, 0, $2, '\\x00', 'running', $2, '{0,1,2}', 1, 1, $3, "
-                    "clock_timestamp() - interval '1 minute', clock_timestamp(), "
-                    "clock_timestamp() + interval '1 hour')",
-                    uuid.uuid4(), node, 600.0 if node == 1 else 36000.0,
+                    "$1::uuid::text, $4, 0, $2, '\\x00', 'running', $2, $3, 1, 1, $5, "
+                    "clock_timestamp() - make_interval(secs => $6), clock_timestamp() - "
+                    "interval '1 minute', clock_timestamp() + interval '1 hour')",
+                    uuid.uuid4(), node, held, len(held), limit, float(waited),
                 )  # fmt: skip
 
             async def queue(gpus: int, seq: int) -> str:
@@ -141,9 +144,10 @@ def test_the_leader_keeps_last_round_s_reservations_beyond_the_guard_s_share(
             reserved: set[str] = set()
             await scheduling.plan_round(conn, config, reserved=reserved)
             assert reserved == {big}
-            # Three 3-GPU calls that also waited two hours: starved whole-node calls may now
-            # hold 4 / 13 of the 8 GPUs, less than big needs. Planned afresh, big gets no
-            # reservation; after the round that reserved for it, it keeps it.
+            # Three 3-GPU calls that also waited two hours: starved whole-node calls (big, and
+            # node 1's) may now hold 8 / 17 of the 8 GPUs, less than node 1's call holds.
+            # Planned afresh, big gets no reservation; after the round that reserved for it,
+            # it keeps it.
             for seq in (11, 12, 13):
                 await queue(3, seq)
             fresh: set[str] = set()

@@ -313,3 +313,21 @@ def test_a_dead_nodelet_s_temporary_work_dir_is_removed_and_nothing_else(
     assert Path(made).name.startswith(f"bulletin-nodelet-{me}-{procs.start_time(me)}-")
     # Made by this process: the next start, from another, keeps it while this one runs.
     assert temporary_work_dir() != made and Path(made).is_dir()
+
+
+def test_no_temporary_dir_is_removed_where_others_could_rename_ours_into_the_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A directory every account may write to, without the sticky bit: another account could
+    # rename one of this account's directories to a dead nodelet's name. Nothing is removed.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = tmp_path / f"bulletin-nodelet-{gone.pid}-12345-abc"
+    dead.mkdir()
+    tmp_path.chmod(0o777)
+    temporary_work_dir()
+    assert dead.is_dir()
+    tmp_path.chmod(0o1777)  # sticky, as /tmp: only owners may rename their entries
+    temporary_work_dir()
+    assert not dead.exists()

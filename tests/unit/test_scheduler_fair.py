@@ -267,12 +267,12 @@ def starved_share_cluster(now: float, others: list[Pending], w_waited: float) ->
 def test_starved_whole_node_calls_take_the_cluster_in_proportion_to_what_they_ask() -> None:
     # big (4 GPUs) has waited two hours; w (4 GPUs) ran after a long wait. Starved whole-node
     # calls may hold their share of the GPUs that calls which waited that long ask for or
-    # hold, of the 12-GPU cluster: next to two 3-GPU calls that is 8/14 (6.9 GPUs), w holds
-    # 4, and big gets no reservation (small starts on node 1, as without the guard). Next to
-    # nothing else, or a 1-GPU call no node can take (neither a whole-node call nor one the
-    # guard stops at), big keeps node 1.
+    # hold, of the 12-GPU cluster: next to six 3-GPU calls that is 8/26 (3.7 GPUs), less than
+    # w holds, and big gets no reservation (small starts on node 1, as without the guard).
+    # Next to nothing else, or a 1-GPU call no node can take (neither a whole-node call nor
+    # one the guard stops at), big keeps node 1.
     now = 10_000.0
-    threes = [Pending(f"other{i}", 3, group="d", submit_time=now - 7200) for i in range(2)]
+    threes = [Pending(f"other{i}", 3, group="d", submit_time=now - 7200) for i in range(6)]
     h100 = Pending("other", 1, group="d", submit_time=now - 7300, gpu_model="H100")
     for others, guarded in [(threes, False), ([], True), ([h100], True)]:
         snap = starved_share_cluster(now, others, 8000)
@@ -286,13 +286,27 @@ def test_starved_whole_node_calls_take_the_cluster_in_proportion_to_what_they_as
 
 def test_a_call_reserved_for_last_round_keeps_its_reservation_beyond_the_share() -> None:
     now = 10_000.0
-    threes = [Pending(f"other{i}", 3, group="d", submit_time=now - 7200) for i in range(2)]
+    threes = [Pending(f"other{i}", 3, group="d", submit_time=now - 7200) for i in range(6)]
     snap = starved_share_cluster(now, threes, 8000)
     assert "big" not in plan(snap, GUARD).reserved
     kept = Snapshot(snap.nodes, snap.pending, snap.running, snap.quotas, now=now,
                     reserved=frozenset({"big"}))  # fmt: skip
     out = plan(kept, GUARD)
     assert "big" in out.reserved and "small" not in [d.invocation_id for d in out]
+
+
+def test_a_call_bigger_than_its_share_still_gets_its_turn() -> None:
+    # Two busy 8-GPU nodes; a 16-GPU gang and a 1-GPU call have both waited two hours. The
+    # gang's share is 16/17 of the cluster, less than it needs: it is let in all the same
+    # (the share is not yet spent), else it would wait for as long as anyone else did.
+    now = 10_000.0
+    running = [run(f"r{i}", i, tuple(range(8)), "b", start=0, expected_s=now + 100.0 * i)
+               for i in (1, 2)]  # fmt: skip
+    pending = [Pending("gang", 16, group="c", submit_time=now - 7200),
+               Pending("one", 1, group="b", submit_time=now - 7200)]  # fmt: skip
+    snap = Snapshot([node(1, [], size=8), node(2, [], size=8)], pending, running,
+                    quotas={"b": Quota(0), "c": Quota(0)}, now=now)  # fmt: skip
+    assert plan(snap, GUARD).reserved == {"gang": now + 200.0}
 
 
 def test_a_call_that_starved_is_not_reclaimed_once_it_runs() -> None:

@@ -179,7 +179,9 @@ def settle(snap: Snapshot, policy: Policy) -> Snapshot:
 def test_starved_calls_take_the_cluster_in_proportion_to_their_demand(snap: Snapshot) -> None:
     """The whole-node calls running after a wait past the bound, and the calls a plan
     reserves for, hold at most the share of the cluster's GPUs that such calls (waiting or
-    running) make of all calls that waited past the bound (waiting, or running after it)."""
+    running) make of all calls that waited past the bound (waiting, or running after it),
+    overrun by one call at most (the last let in); no share binds when no other call
+    waited that long."""
     out = plan(snap, Fair(starve_after_s=0.0))
     if not out.reserved:
         return
@@ -192,8 +194,11 @@ def test_starved_calls_take_the_cluster_in_proportion_to_their_demand(snap: Snap
         if len(r.gpu_indices) >= size[r.node_id] and protected(r, 0.0)
     )  # fmt: skip
     gpus = {c.id: c.gpus for c in snap.pending}
+    if whole >= sum(c.gpus for c in waiting):
+        return  # nobody else waited past the bound
     share = (whole + starved) / (sum(c.gpus for c in waiting) + starved)
-    assert starved + sum(gpus[c] for c in out.reserved) <= share * sum(size.values()) + 1e-9
+    reserved = [gpus[c] for c in out.reserved]
+    assert starved + sum(reserved) - max(reserved) < share * sum(size.values()) + 1e-9
 
 
 @settings(max_examples=150, deadline=None)
