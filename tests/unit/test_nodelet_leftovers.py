@@ -281,18 +281,24 @@ def test_a_record_is_a_private_format() -> None:
     }
 
 
+def gone_pid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Temporary directories made in ``tmp_path``; the pid of a process that has exited."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    return gone.pid
+
+
 def test_a_dead_nodelet_s_temporary_work_dir_is_removed_and_nothing_else(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Without a work_dir each nodelet works in a temporary directory named for it; one that is
     # killed cannot remove its own, so the next start removes it: only that.
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    dead = f"bulletin-nodelet-{gone.pid}-{12345}-abc"  # its pid, not its start time: gone
+    pid = gone_pid(tmp_path, monkeypatch)
+    dead = f"bulletin-nodelet-{pid}-{12345}-abc"  # its pid, not its start time: gone
     me = os.getpid()
     alive = f"bulletin-nodelet-{me}-{procs.start_time(me)}-xyz"  # a nodelet still running
-    others = f"bulletin-nodelet-{gone.pid}-1-other"  # another account's
+    others = f"bulletin-nodelet-{pid}-1-other"  # another account's
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "keep").write_text("not the nodelet's")
@@ -302,13 +308,13 @@ def test_a_dead_nodelet_s_temporary_work_dir_is_removed_and_nothing_else(
         (tmp_path / name / "attempt" / "out").write_text("x")
     (tmp_path / dead / "link").symlink_to(victim)  # a call's link to elsewhere: not followed
     os.chown(tmp_path / others, 65534, 65534)
-    (tmp_path / f"bulletin-nodelet-{gone.pid}-1-link").symlink_to(victim)  # a planted link
+    (tmp_path / f"bulletin-nodelet-{pid}-1-link").symlink_to(victim)  # a planted link
     made = temporary_work_dir()
     assert not (tmp_path / dead).exists()
     assert (tmp_path / alive / "attempt" / "out").exists()
     assert (tmp_path / others / "attempt" / "out").exists()
     assert (victim / "keep").read_text() == "not the nodelet's"
-    assert (tmp_path / f"bulletin-nodelet-{gone.pid}-1-link").is_symlink()
+    assert (tmp_path / f"bulletin-nodelet-{pid}-1-link").is_symlink()
     assert Path(made).parent == tmp_path and Path(made).is_dir()
     assert Path(made).name.startswith(f"bulletin-nodelet-{me}-{procs.start_time(me)}-")
     # Made by this process: the next start, from another, keeps it while this one runs.
@@ -320,10 +326,7 @@ def test_no_temporary_dir_is_removed_where_others_could_rename_ours_into_the_nam
 ) -> None:
     # A directory every account may write to, without the sticky bit: another account could
     # rename one of this account's directories to a dead nodelet's name. Nothing is removed.
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    dead = tmp_path / f"bulletin-nodelet-{gone.pid}-12345-abc"
+    dead = tmp_path / f"bulletin-nodelet-{gone_pid(tmp_path, monkeypatch)}-12345-abc"
     dead.mkdir()
     tmp_path.chmod(0o777)
     temporary_work_dir()
