@@ -111,11 +111,11 @@ def temporary_work_dir() -> str:
     be read (no /proc), nor from a directory other accounts may write to that is not sticky
     (they could rename this account's directories there). A nodelet in another pid namespace
     sharing this temporary directory looks gone: give such nodelets a ``work_dir``."""
-    base, me, pid = tempfile.gettempdir(), os.geteuid(), os.getpid()
-    mode = os.stat(base).st_mode
-    if procs.start_time(pid) is not None and (mode & stat.S_ISVTX or not mode & stat.S_IWOTH):
-        _remove_dead_dirs(base, me)
-    return tempfile.mkdtemp(prefix=f"bulletin-nodelet-{pid}-{procs.start_time(pid) or 0}-")
+    base, pid = tempfile.gettempdir(), os.getpid()
+    start, mode = procs.start_time(pid), os.stat(base).st_mode
+    if start is not None and (mode & stat.S_ISVTX or not mode & stat.S_IWOTH):
+        _remove_dead_dirs(base, os.geteuid())
+    return tempfile.mkdtemp(prefix=f"bulletin-nodelet-{pid}-{start or 0}-")
 
 
 def _remove_dead_dirs(base: str, me: int) -> None:
