@@ -174,8 +174,24 @@ def settle(snap: Snapshot, policy: Policy) -> Snapshot:
     raise AssertionError("plans kept changing the cluster")
 
 
+@st.composite
+def starving_snapshots(draw: st.DrawFn) -> Snapshot:
+    """Busy 4-GPU nodes (ends known, some held by whole-node calls) and a queue of whole-node
+    and smaller calls that have all waited: where the guard's share binds."""
+    nodes, running = [], []
+    for i in range(draw(st.integers(2, 8))):
+        nodes.append(NodeCapacity(i, [], 0, tuple(Gpu(g, "A100", 40960) for g in range(4))))
+        busy = draw(st.sampled_from([(0, 1, 2, 3), (0, 1, 2), (0, 1)]))
+        running.append(Running(f"r{i}", i, busy, group="a", start_time=0.0,
+                               expected_s=draw(st.floats(10, 1000)), queued_time=0.0))  # fmt: skip
+    sizes = draw(st.lists(st.sampled_from([4, 4, 8, 1, 2, 3]), min_size=1, max_size=16))
+    pending = [Pending(f"p{j}", n, group=draw(st.sampled_from(GROUPS)), submit_time=float(j))
+               for j, n in enumerate(sizes)]  # fmt: skip
+    return Snapshot(nodes, pending, running, {g: Quota(0) for g in GROUPS}, now=10_000.0)
+
+
 @settings(max_examples=200, deadline=None)
-@given(snapshots())
+@given(st.one_of(snapshots(), starving_snapshots()))
 def test_starved_calls_take_the_cluster_in_proportion_to_their_demand(snap: Snapshot) -> None:
     """The whole-node calls running after a wait past the bound, and the calls a plan
     reserves for, hold at most the share of the cluster's GPUs that such calls (waiting or
