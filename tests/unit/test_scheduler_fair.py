@@ -380,3 +380,19 @@ def test_never_fits_a_gang_whose_whole_nodes_pass_its_ceiling() -> None:
     # An 8 and a 4 hold it in 12, even while the 4-GPU node is busy: it waits, never refused.
     assert never_fits(Pending("g", 12, group="a"), gang_cluster(True), quotas) is None
     assert never_fits(Pending("g", 13, group="a"), gang_cluster(True), quotas) is not None
+
+
+def test_a_flood_of_whole_node_calls_gets_no_reservation_past_its_group_s_ceiling() -> None:
+    # Group x may hold 4 GPUs and holds them; it floods the queue with whole-node calls that
+    # all waited two hours. They get no reservation (nor enlarge what y's call may take):
+    # y's call, younger, gets node 1's room.
+    now = 10_000.0
+    running = [run("x0", 1, (0, 1), "x", start=0, expected_s=now + 100.0),
+               run("x1", 2, (0, 1), "x", start=0, expected_s=now + 100.0)]  # fmt: skip
+    flood = [Pending(f"f{i}", 4, group="x", submit_time=now - 9000 + i) for i in range(20)]
+    mine = Pending("y1", 4, group="y", submit_time=now - 7200)
+    snap = Snapshot([node(1, [2, 3]), node(2, [2, 3])], [*flood, mine], running,
+                    quotas={"x": Quota(0, 4), "y": Quota(0)}, now=now)  # fmt: skip
+    out = plan(snap, GUARD)
+    assert set(out.reserved) == {"y1"}
+    assert "quota ceiling" in explain(snap, GUARD)["f0"][1]
