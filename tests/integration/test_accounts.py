@@ -66,22 +66,29 @@ def hold(seconds: float, secret: str) -> str:
 
 
 def go_after(owner: str) -> dict[str, str]:
-    """Bob's call: find the other account's processes and try to read, trace or kill them."""
+    """Bob's call: find the other account's processes and try to read, trace or kill them.
+
+    It looks for a while: the other call counts as running once its worker has it, a moment
+    before that worker has switched to its owner's account."""
     import os
     import pwd
     import signal
+    import time
 
     uid = pwd.getpwnam(owner).pw_uid
     tried: dict[str, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{entry}").st_uid != uid:
+    deadline = time.monotonic() + 10
+    pids: list[int] = []
+    while not pids and time.monotonic() < deadline:
+        for entry in os.listdir("/proc"):
+            try:
+                if entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid:
+                    pids.append(int(entry))
+            except OSError:
                 continue
-        except OSError:
-            continue
-        pid = int(entry)
+        time.sleep(0.05)
+    for pid in pids:
+        entry = str(pid)
         for what, attempt in (
             ("environ", lambda pid=pid: open(f"/proc/{pid}/environ", "rb").read()),  # noqa: SIM115
             ("mem", lambda pid=pid: open(f"/proc/{pid}/mem", "rb").read(1)),  # noqa: SIM115
