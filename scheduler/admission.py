@@ -2,7 +2,9 @@
 
 Looks at every node, draining ones included (draining is temporary), and at the group's quota
 ceiling: a call bigger than any node runs on whole nodes and holds all their GPUs, so it can
-never run if the fewest whole nodes that hold it have more GPUs than its group may hold.
+never run if the fewest whole nodes that hold it have more GPUs than its group may hold. With
+quotas per model, a call that fits one node only on models its group may not hold that many
+of can never run either.
 A cluster with no nodes rejects nothing: nodes may still register.
 """
 
@@ -12,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from scheduler import placement
 from scheduler.model import DEFAULT_QUOTA, NodeCapacity, Pending, Quota
+from scheduler.quotas import Book
 
 
 def never_fits(
@@ -35,6 +38,17 @@ def never_fits(
     largest = max(placement.qualifying(n, call) for n in nodes)  # draining is temporary
     if largest == 0:
         return f"no node has {_what(call)}; models here: {_models(nodes)}"
+    if quota.models:  # the models its group may hold as many of as it asks for
+        kept = Book((), {call.group: quota}, default, nodes).restrict(call)
+        mine = 0 if kept is None else max(placement.qualifying(n, kept) for n in nodes)
+        if mine < min(call.gpus, largest):
+            limits = ", ".join(f"{q.ceiling:g} {m}" for m, q in quota.models)
+            return (
+                f"needs {call.gpus} {_what(call)} on one node, and the nodes of the models "
+                f"group {call.group or '(none)'} may hold that many of have at most {mine}: "
+                f"its quota per model lets it hold at most {limits}; ask an admin to raise "
+                "it, or ask for fewer GPUs"
+            )
     if call.gpus <= largest:
         return None
     sizes = sorted((len(n.gpus) for n in nodes if placement.whole_node_ok(n, call)), reverse=True)

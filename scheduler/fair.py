@@ -35,7 +35,9 @@ How long a call has waited counts from when it last entered the queue
 wait, so reclaim's victims do not take the room straight back.
 
 Groups without a configured quota get ``default_quota`` (nothing guaranteed, no ceiling), so
-with no quotas at all the policy is fair share over first-fit backfill.
+with no quotas at all the policy is fair share over first-fit backfill. A group's quotas per
+GPU model (:mod:`scheduler.quotas`) keep each call to the models its group may still take
+(within their guarantees, in step 1), and mark GPUs above a model's guarantee borrowed.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class _Round:
         self.snapshot = snapshot
         self.why = why
         self.cap = Capacity(snapshot.nodes)
-        self.book = Book(snapshot.running, snapshot.quotas, policy.default_quota)
+        self.book = Book(snapshot.running, snapshot.quotas, policy.default_quota, snapshot.nodes)
         self.buckets = fair_buckets(
             snapshot.pending, snapshot.usage, snapshot.user_usage, snapshot.quotas,
             policy.default_quota,
@@ -135,14 +137,23 @@ class _Round:
         """Record a reason already worded (only done when explaining)."""
         note(self.why, call, self.pos.get(call.id, 0), str, reason)
 
-    def place(self, call: Pending, borrower: bool = False) -> tuple[Part, ...] | None:
+    def place(
+        self, call: Pending, borrower: bool = False, nominal: bool = False
+    ) -> tuple[Part, ...] | None:
         """Room for the call now: outside any reservation, or inside one if it cannot delay
         it (for a ``borrower``, not one a guaranteed call waits on); never more GPUs than its
-        group may still take (a gang's whole nodes may hold more than it asks for)."""
+        group may still take (a gang's whole nodes may hold more than it asks for), nor more
+        of a model than its quota for that model allows (with ``nominal``: than it
+        guarantees)."""
+        kept = self.book.restrict(call, nominal)
+        if kept is None:
+            return None
+        room = self.book.limit(call, kept)
+        call = kept
         key = (call.group, call.gpus, call.gpu_model, call.min_memory_mib)
         parts = None
         if key not in self.full:  # free GPUs and a group's room only shrink in a round
-            parts = self.cap.place(call, self.book.room(call.group))
+            parts = self.cap.place(call, room)
             if parts is None:
                 self.full.add(key)
         if parts is None and self.held:
@@ -157,10 +168,8 @@ class _Round:
         return parts
 
     def start(self, call: Pending, parts: tuple[Part, ...]) -> None:
-        taken = sum(len(p.gpu_indices) for p in parts)
-        quota = self.book.quota(call.group)
-        borrowed = taken > 0 and self.book.used[call.group] + taken > quota.guaranteed
-        self.book.add(call.group, taken)
+        borrowed = self.book.borrowed(call.group, parts)
+        self.book.add(call.group, parts)
         self.out.append(Decision.of(call.id, parts, borrowed))
         self.done.add(call.id)
         end = math.inf if call.expected_s is None else self.snapshot.now + call.expected_s
@@ -199,28 +208,29 @@ class _Round:
         budget = self.guard_budget(after_s, starving, waited)
         full = False  # the share is spoken for: only calls reserved for last round go on
         for call in starving:
-            if not self.book.within_ceiling(call):
+            kept = self.book.restrict(call)
+            if kept is None or not self.book.within_ceiling(call):
                 continue
             if call.id not in self.snapshot.reserved:  # (those keep their reservations)
                 full = full or budget <= 0  # (the last one in may overrun it: a call bigger
                 if full:  # than the share would never get in)
                     continue  # younger ones wait in line too, as in fair order
             budget -= call.gpus
-            room = self.book.room(call.group)
+            room = self.book.limit(call, kept)
             parts = self.place(call)
             if parts is not None:
                 self.start(call, parts)
                 continue
-            if self.book.nominal(call) and self.held_for(call) is None and self.try_reclaim(call):
+            if self.book.nominal(call) and self.held_for(kept) is None and self.try_reclaim(call):
                 self.done.add(call.id)
                 continue
             if rel is None or rel[0] != len(self.placed):
                 rel = (len(self.placed), releases(self.snapshot, self.placed))
                 horizon = Horizon(self.snapshot, rel[1]) if fast else None
             if horizon is not None:
-                held = horizon.reserve(call, self.cap, limit=room)
+                held = horizon.reserve(kept, self.cap, limit=room)
             else:
-                held = reserve(call, self.cap, self.snapshot, rel[1], limit=room)
+                held = reserve(kept, self.cap, self.snapshot, rel[1], limit=room)
             if held is None:
                 break  # younger calls may not take room it will need (it keeps its turn)
             if held.open(self.cap):
@@ -293,13 +303,16 @@ class _Round:
             note(self.why, call, self.pos.get(call.id, 0), _later, call, self.cap)
             return True
         shape = (group, call.gpus, call.gpu_model, call.min_memory_mib)
+        kept = book.restrict(call, nominal=True)  # (only on models it is guaranteed)
         can = self.policy.reclaim and shape not in self.stuck and book.any_borrowing()
-        found = self.reclaimer.reclaim(call, book.room(group)) if can else None
+        found = None
+        if can and kept is not None:
+            found = self.reclaimer.reclaim(kept, book.limit(call, kept))
         if found is None:
             self.stuck.add(shape)
             return False
         self.reclaims += bool(found.victims)
-        book.add(group, found.gpus)  # promised: that much of its quota is spoken for
+        book.add(group, self.promised(kept or call, found))  # that much is spoken for
         reason = (
             f"reclaimed for group {group} (within its guarantee of "
             f"{book.quota(group).guaranteed} GPUs) by call {call.id}"
@@ -307,6 +320,17 @@ class _Round:
         self.out.preemptions.extend(Preemption(v.id, reason) for v in found.victims)
         note(self.why, call, self.pos.get(call.id, 0), _reclaiming, found)
         return True
+
+    def promised(self, call: Pending, found: Reclaim) -> tuple[Part, ...]:
+        """The GPUs reclaim set aside for ``call``: whole nodes for a gang, else as many of the
+        node's GPUs it may use as it asks for (which ones is settled when it starts; they
+        count against its group, and against the quota of their model)."""
+        nodes = self.reclaimer.nodes
+        if found.gpus != call.gpus or len(found.node_ids) > 1:
+            return tuple(Part(i, tuple(g.index for g in nodes[i].gpus)) for i in found.node_ids)
+        node = nodes[found.node_ids[0]]
+        mine = [g.index for g in node.gpus if placement.gpu_ok(g, call)][: call.gpus]
+        return (Part(node.node_id, tuple(mine) if mine else tuple(range(call.gpus))),)
 
     def guaranteed(self) -> None:
         """Step 1: place, or reclaim room for, the calls within their group's guarantee."""
@@ -319,18 +343,21 @@ class _Round:
                     break  # nothing else of this group is within its guarantee
                 if call.id in self.done or not book.nominal(call):
                     continue
+                kept = book.restrict(call, nominal=True)
+                if kept is None:
+                    continue  # beyond its guarantee of each model it may use: it borrows
                 shape = (group, call.gpus, call.gpu_model, call.min_memory_mib)
                 if not self.held and shape in self.stuck and shape in self.full:
                     # No room, nothing to reclaim, no reservation to backfill: as the last.
                     self.done.add(call.id)
                     note(self.why, call, self.pos.get(call.id, 0), _unreclaimable, call, self.cap)
                     continue
-                parts = self.place(call)
+                parts = self.place(call, nominal=True)
                 if parts is not None:
                     self.start(call, parts)
                     continue
                 self.done.add(call.id)
-                held = self.held_for(call) if shape not in self.stuck else None
+                held = self.held_for(kept) if shape not in self.stuck else None
                 if held is not None:
                     self.claimed.add(held.call_id)
                     note(self.why, call, self.pos.get(call.id, 0), _reserved, call, self.cap,
@@ -351,6 +378,9 @@ class _Round:
                 continue
             if not book.within_ceiling(call):
                 note(self.why, call, self.pos.get(call.id, 0), book.ceiling_reason, call)
+                continue
+            if book.restrict(call) is None:
+                note(self.why, call, self.pos.get(call.id, 0), book.model_ceiling_reason, call)
                 continue
             parts = self.place(call, borrower=True)
             if parts is None:

@@ -124,6 +124,9 @@ class Running:
     #: When it last entered the queue before this run (None: unknown); ``start_time`` minus
     #: this is how long it waited for this run.
     queued_time: float | None = None
+    #: The model names of its GPUs, for quotas per model, when its node may be missing from
+    #: the snapshot (live: read with the lease); empty: the snapshot's nodes say.
+    gpu_models: tuple[str, ...] = ()
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -153,6 +156,11 @@ class Quota:
     guaranteed: int = 0
     #: None: may borrow every idle GPU.
     borrow_limit: int | None = None
+    #: Quotas for the group's GPUs of some models (Kueue's resource flavours), as (model,
+    #: quota) pairs: a GPU counts against the longest listed model that is part of its model
+    #: name (case-insensitive, as ``gpu_model`` matches), if any; its GPUs of other models
+    #: only against this quota. A model's quota has no ``models`` of its own.
+    models: tuple[tuple[str, Quota], ...] = ()
 
     @property
     def ceiling(self) -> float:

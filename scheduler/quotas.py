@@ -5,37 +5,95 @@ borrows idle GPUs up to its ceiling (guarantee + borrowing limit), and borrowed 
 reclaimed. A call is *nominal* if its group, holding it, stays within its guarantee; otherwise
 it borrows. Groups without a configured quota get ``DEFAULT_QUOTA``: nothing guaranteed, may
 borrow every idle GPU. Calls already told to stop do not count: their GPUs are on the way back.
+
+**Quotas per model** (:attr:`~scheduler.model.Quota.models`, Kueue's resource flavours): a
+group's GPUs of a listed model count against that model's quota as well as the group's. The
+group holds at most the model's ceiling of them (a call is kept to the models it may still
+take, :meth:`Book.restrict`), and those above the model's guarantee are borrowed, so another
+group may reclaim them. A GPU belongs to the longest listed model that is part of its model
+name (case-insensitive); GPUs of unlisted models, and of nodes whose inventory is unknown,
+count against the group's quota only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 
-from scheduler.model import DEFAULT_QUOTA, Pending, Quota, Running
+from scheduler import placement
+from scheduler.model import DEFAULT_QUOTA, NodeCapacity, Part, Pending, Quota, Running
+
+#: What reclaim has taken back so far from groups (by name) and from groups' models (by
+#: (group, model)): see :meth:`Book.count_release`.
+Released = MutableMapping[str | tuple[str, str], int]
+
+
+@functools.lru_cache(maxsize=4096)
+def model_of(models: tuple[tuple[str, Quota], ...], name: str) -> str | None:
+    """The listed model a GPU named ``name`` counts against: the longest one that is part of
+    its name, case-insensitive (ties: the first listed); None if none is."""
+    folded = name.casefold()
+    best = None
+    for model, _ in models:
+        if model and model.casefold() in folded and (best is None or len(model) > len(best)):
+            best = model
+    return best
+
+
+def case_clash(models: Iterable[str]) -> str | None:
+    """Why a group's listed models clash: two that differ only in case (a GPU would count
+    against either); None if none do."""
+    seen: dict[str, str] = {}
+    for model in models:
+        other = seen.setdefault(model.casefold(), model)
+        if other != model:
+            return (
+                f"the quota names the models {other!r} and {model!r}, which differ only in "
+                "case (models match case-insensitively): name each model once"
+            )
+    return None
 
 
 class Book:
-    """GPUs held per group during one round."""
+    """GPUs held per group (and per group and listed model) during one round. ``nodes``: the
+    round's nodes, whose inventories say which model each GPU is (only read when some quota
+    lists models)."""
 
     def __init__(
         self,
         running: Sequence[Running],
         quotas: Mapping[str, Quota],
         default: Quota = DEFAULT_QUOTA,
+        nodes: Sequence[NodeCapacity] = (),
     ) -> None:
         self.quotas = quotas
         self.default = default
         self.used: dict[str, int] = defaultdict(int)
+        #: GPUs held per (group, listed model), for groups with quotas per model.
+        self.model_used: dict[tuple[str, str], int] = defaultdict(int)
+        self.per_model = bool(default.models) or any(q.models for q in quotas.values())
+        self._names: dict[int, dict[int, str]] = {}
+        #: The GPU model names of the nodes (casefolded), the alternatives a call is kept to.
+        self.names: tuple[str, ...] = ()
+        if self.per_model:
+            self._names = {n.node_id: {g.index: g.model for g in n.gpus} for n in nodes}
+            self.names = tuple(sorted({g.model.casefold() for n in nodes for g in n.gpus}))
         for run in running:
-            if not run.preempting:
+            if run.preempting:
+                continue
+            if self.per_model:
+                self.add_run(run)
+            else:
                 self.used[run.group] += run.gpus
 
     def quota(self, group: str) -> Quota:
         return self.quotas.get(group, self.default)
 
     def nominal(self, call: Pending) -> bool:
-        """Whether the call fits inside its group's guarantee."""
+        """Whether the call fits inside its group's guarantee (its models' guarantees are
+        :meth:`restrict`'s to keep)."""
         return self.used[call.group] + call.gpus <= self.quota(call.group).guaranteed
 
     def within_ceiling(self, call: Pending) -> bool:
@@ -52,10 +110,137 @@ class Book:
         return self.used[group] > self.quota(group).guaranteed
 
     def any_borrowing(self) -> bool:
-        return any(self.borrowing(g) for g in list(self.used))
+        if any(self.borrowing(g) for g in list(self.used)):
+            return True
+        return any(
+            used > self._model_quota(group, model).guaranteed
+            for (group, model), used in list(self.model_used.items())
+        )
 
-    def add(self, group: str, gpus: int) -> None:
-        self.used[group] += gpus
+    def add(self, group: str, parts: Iterable[Part], sign: int = 1) -> None:
+        """Charge the group the GPUs of ``parts`` (``sign`` -1: give them back)."""
+        quota = self.quota(group) if self.per_model else None
+        for part in parts:
+            self.used[group] += sign * len(part.gpu_indices)
+            if quota is None or not quota.models:
+                continue
+            names = self._names.get(part.node_id, {})
+            for index in part.gpu_indices:
+                model = model_of(quota.models, names.get(index, ""))
+                if model is not None:
+                    self.model_used[(group, model)] += sign
+
+    def add_run(self, run: Running, sign: int = 1) -> None:
+        """Charge (``sign`` -1: give back) a running call's GPUs to its group."""
+        self.used[run.group] += sign * run.gpus
+        for model, n in self._run_counts(run).items():
+            self.model_used[(run.group, model)] += sign * n
+
+    def _run_counts(self, run: Running) -> dict[str, int]:
+        """A running call's GPUs per listed model of its group."""
+        if not self.per_model or not self.quota(run.group).models:
+            return {}
+        if not run.gpu_models:
+            return self._counts(run.group, run.parts)
+        counts: dict[str, int] = defaultdict(int)
+        for name in run.gpu_models:
+            model = model_of(self.quota(run.group).models, name)
+            if model is not None:
+                counts[model] += 1
+        return counts
+
+    def _model_quota(self, group: str, model: str) -> Quota:
+        return dict(self.quota(group).models)[model]
+
+    def _counts(self, group: str, parts: Iterable[Part]) -> dict[str, int]:
+        """The GPUs of ``parts`` per listed model of the group."""
+        models = self.quota(group).models
+        counts: dict[str, int] = defaultdict(int)
+        for part in parts:
+            names = self._names.get(part.node_id, {})
+            for index in part.gpu_indices:
+                model = model_of(models, names.get(index, ""))
+                if model is not None:
+                    counts[model] += 1
+        return counts
+
+    def borrowed(self, group: str, parts: Sequence[Part]) -> bool:
+        """Whether the group, taking ``parts``, would hold more than its guarantee, or more
+        than a listed model's guarantee of that model's GPUs."""
+        taken = sum(len(p.gpu_indices) for p in parts)
+        if taken and self.used[group] + taken > self.quota(group).guaranteed:
+            return True
+        if not self.per_model or not self.quota(group).models:
+            return False
+        return any(
+            self.model_used[(group, model)] + n > self._model_quota(group, model).guaranteed
+            for model, n in self._counts(group, parts).items()
+        )
+
+    def restrict(self, call: Pending, nominal: bool = False) -> Pending | None:
+        """The call, kept to the GPU models its group may still take all of its GPUs of: the
+        models within their ceilings (with ``nominal``: within their guarantees) and the
+        unlisted ones. The call itself when nothing is kept from it; None when every model it
+        may use is."""
+        quota = self.quota(call.group)
+        if not quota.models or not call.gpus:
+            return call
+        allowed: list[str] = []
+        barred: list[str] = []
+        for name in self.names:
+            if not name or not placement.model_ok(name, call.gpu_model):
+                continue
+            model = model_of(quota.models, name)
+            ok = model is None or self._model_left(call.group, model, nominal) >= call.gpus
+            (allowed if ok else barred).append(name)
+        if not barred:
+            return call
+        # (a name inside a barred one would let the call onto the barred model too)
+        allowed = [a for a in allowed if not any(a in b for b in barred)]
+        if not allowed:
+            return None
+        return dataclasses.replace(call, gpu_model="|".join(allowed))
+
+    def _model_left(self, group: str, model: str, nominal: bool) -> float:
+        quota = self._model_quota(group, model)
+        return (quota.guaranteed if nominal else quota.ceiling) - self.model_used[(group, model)]
+
+    def limit(self, call: Pending, kept: Pending) -> float:
+        """The most GPUs ``kept`` (``call`` as :meth:`restrict` left it) may take: the group's
+        room, and, for a gang on whole nodes that may take more than it asks, the room left on
+        each listed model it may use."""
+        room = self.room(call.group)
+        if kept is call or not self.quota(call.group).models:
+            return room
+        quota = self.quota(call.group)
+        for name in self.names:
+            if not placement.model_ok(name, kept.gpu_model):
+                continue
+            model = model_of(quota.models, name)
+            if model is not None:
+                room = min(room, self._model_left(call.group, model, nominal=False))
+        return room
+
+    def reclaimable(self, run: Running, released: Mapping[str | tuple[str, str], int]) -> bool:
+        """Whether reclaim may take ``run`` back, ``released`` being taken already: its group
+        still holds more than its guarantee, or more than a listed model's guarantee of a
+        model the run holds."""
+        group = run.group
+        if self.used[group] - released.get(group, 0) > self.quota(group).guaranteed:
+            return True
+        if not self.per_model or not self.quota(group).models:
+            return False
+        return any(
+            self.model_used[(group, model)] - released.get((group, model), 0)
+            > self._model_quota(group, model).guaranteed
+            for model in self._run_counts(run)
+        )
+
+    def count_release(self, released: Released, run: Running) -> None:
+        """Add ``run``'s GPUs to what reclaim has taken back (see :meth:`reclaimable`)."""
+        released[run.group] = released.get(run.group, 0) + run.gpus
+        for model, n in self._run_counts(run).items():
+            released[(run.group, model)] = released.get((run.group, model), 0) + n
 
     def ceiling_reason(self, call: Pending, taking: int | None = None) -> str:
         """Why the call would pass its group's ceiling; ``taking``: the GPUs its whole nodes
@@ -66,4 +251,18 @@ class Book:
             f"group {call.group or '(none)'} is at its quota ceiling: it holds "
             f"{self.used[call.group]} of at most {quota.ceiling:g} GPUs "
             f"(guarantee {quota.guaranteed} + borrowing limit {quota.borrow_limit}){nodes}"
+        )
+
+    def model_ceiling_reason(self, call: Pending) -> str:
+        """Why no model the call may use is left to it: each listed one is at its ceiling."""
+        quota = self.quota(call.group)
+        held = []
+        for model, limit in quota.models:
+            if any(model_of(quota.models, n) == model for n in self.names
+                   if placement.model_ok(n, call.gpu_model)):  # fmt: skip
+                used = self.model_used[(call.group, model)]
+                held.append(f"{used} of at most {limit.ceiling:g} {model}")
+        return (
+            f"group {call.group or '(none)'} is at its quota for the GPU models the call may "
+            f"use: it holds {', '.join(held) or 'them all'}; it needs {call.gpus} more"
         )

@@ -2,16 +2,18 @@
 
 A running call is a candidate if it is preemptible, not already stopping, not protected (it
 waited past the starvation bound before it started: see :mod:`scheduler.fair`), of another
-group, and its group holds more than its guarantee when it is picked (so reclaim never eats
-into anyone's guarantee). Nodes reserved for a starving call are left alone. Candidates are
-taken youngest first (those flagged borrowed before the rest), and only as many as make the
-call fit: for a single-node call, walking the candidates in that order, the first node whose
-free GPUs plus its candidates so far hold the call wins, with those candidates as victims. A
-multi-node gang clears the whole nodes needing the fewest victims, leaving out nodes that would
-take its group past its ceiling (a gang holds every GPU of its nodes). GPUs of calls already
-stopping count as free, so a round never preempts twice for the same need. The chosen nodes are
-withdrawn from the round's index, so borrowers cannot take the room back before the reclaiming
-call starts; later reclaims may still use what is left there beyond the GPUs promised.
+group, and its group holds more than its guarantee when it is picked, or more than its
+guarantee of a GPU model the run holds (quotas per model: :mod:`scheduler.quotas`), so reclaim
+never eats into anyone's guarantee. Nodes reserved for a starving call are left alone.
+Candidates are taken youngest first (those flagged borrowed before the rest), and only as many
+as make the call fit: for a single-node call, walking the candidates in that order, the first
+node whose free GPUs plus its candidates so far hold the call wins, with those candidates as
+victims. A multi-node gang clears the whole nodes needing the fewest victims, leaving out nodes
+that would take its group past its ceiling (a gang holds every GPU of its nodes). GPUs of calls
+already stopping count as free, so a round never preempts twice for the same need. The chosen
+nodes are withdrawn from the round's index, so borrowers cannot take the room back before the
+reclaiming call starts; later reclaims may still use what is left there beyond the GPUs
+promised.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from dataclasses import dataclass, field
 from scheduler import placement
 from scheduler.capacity import Capacity
 from scheduler.model import NodeCapacity, Pending, Running, Snapshot
-from scheduler.quotas import Book
+from scheduler.quotas import Book, Released
+
+_NONE: dict[str | tuple[str, str], int] = {}  # (nothing released yet)
 
 
 @dataclass(slots=True)
@@ -42,7 +46,7 @@ class _Room:
     node: NodeCapacity
     have: int
     victims: list[Running] = field(default_factory=list)
-    released: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    released: Released = field(default_factory=dict)
 
 
 class Reclaimer:
@@ -65,7 +69,7 @@ class Reclaimer:
         self.reserved: set[int] = set()
         self.chosen: set[str] = set()
         self._ready = False
-        self._nodes: dict[int, NodeCapacity] = {}
+        self.nodes: dict[int, NodeCapacity] = {}
         self._by_node: dict[int, list[Running]] = defaultdict(list)
         self._stopping: dict[int, list[tuple[int, ...]]] = defaultdict(list)
         self._queue: list[Running] = []
@@ -84,7 +88,7 @@ class Reclaimer:
     def _prepare(self) -> None:
         """Index the running calls, once per round and only if some call needs reclaim."""
         self._ready = True
-        self._nodes = {n.node_id: n for n in self.snapshot.nodes}
+        self.nodes = {n.node_id: n for n in self.snapshot.nodes}
         for run in self.snapshot.running:
             for part in run.parts:
                 if run.preempting:
@@ -114,7 +118,7 @@ class Reclaimer:
         if call.gpus > self.cap.largest_for(call):
             found = self._whole_nodes(call, limit)
             if found is not None:
-                found.gpus = sum(len(self._nodes[i].gpus) for i in found.node_ids)
+                found.gpus = sum(len(self.nodes[i].gpus) for i in found.node_ids)
         else:
             found = self._one_node(call)
             if found is not None:
@@ -122,7 +126,7 @@ class Reclaimer:
         if found is None:
             return None
         for victim in found.victims:
-            self.book.add(victim.group, -victim.gpus)
+            self.book.add_run(victim, -1)
             self.chosen.add(victim.id)
             for part in victim.parts:
                 self._stopping[part.node_id].append(part.gpu_indices)
@@ -137,7 +141,7 @@ class Reclaimer:
     def _node(self, node_id: int, call: Pending, whole: bool) -> NodeCapacity | None:
         """The node, if it may hold (part of) the call: live and big enough; for a whole node,
         nothing on it promised to another call."""
-        node = self._nodes.get(node_id)
+        node = self.nodes.get(node_id)
         if node is None or node.draining or node_id in self.reserved:
             return None
         if whole and self._promised.get(node_id):
@@ -159,9 +163,10 @@ class Reclaimer:
             )
         )
 
-    def _pickable(self, run: Running, released: int) -> bool:
-        """Whether the run's group still borrows after ``released`` GPUs are taken back."""
-        return self.book.used[run.group] - released > self.book.quota(run.group).guaranteed
+    def _pickable(self, run: Running, released: Released) -> bool:
+        """Whether the run's group still borrows after ``released`` is taken back (in all,
+        or of a model the run holds, for quotas per model)."""
+        return self.book.reclaimable(run, released)
 
     def _one_node(self, call: Pending) -> Reclaim | None:
         for node_id in list(self._returning):  # enough already on the way back?
@@ -199,7 +204,7 @@ class Reclaimer:
             for part in run.parts:
                 room = self._rooms.get(part.node_id)
                 if room is None:
-                    node = self._nodes.get(part.node_id)
+                    node = self.nodes.get(part.node_id)
                     if node is None or node.draining or part.node_id in self.reserved:
                         continue
                     room = self._rooms[part.node_id] = _Room(node, 0)
@@ -225,15 +230,15 @@ class Reclaimer:
         base = self._have(node, call)
         if base + room.have < call.gpus or not placement.node_fits_ever(node, call):
             return None
-        released: dict[str, int] = defaultdict(int)
+        released: Released = {}
         victims, got = [], base
         for run in room.victims:
             if got >= call.gpus:
                 break
-            if run.id in self.chosen or not self._pickable(run, released[run.group]):
+            if run.id in self.chosen or not self._pickable(run, released):
                 continue
             victims.append(run)
-            released[run.group] += run.gpus
+            self.book.count_release(released, run)
             got += self._gpus_on(run, node.node_id)
         if got < call.gpus:
             room.victims = [r for r in room.victims if self._live(r)]
@@ -267,10 +272,10 @@ class Reclaimer:
                         None if node is None else _Room(node, self._have(node, call))
                     )
                 room = rooms[part.node_id]
-                if room is None or not self._pickable(run, room.released[run.group]):
+                if room is None or not self._pickable(run, room.released):
                     continue
                 room.victims.append(run)
-                room.released[run.group] += run.gpus
+                self.book.count_release(room.released, run)
                 room.have += len(placement.usable(room.node, part.gpu_indices, call))
                 if room.have >= call.gpus:
                     return Reclaim([part.node_id], room.victims)
@@ -278,7 +283,7 @@ class Reclaimer:
 
     def _live(self, run: Running) -> bool:
         """Could still be picked this round (not chosen, its group still borrows)."""
-        return run.id not in self.chosen and self._pickable(run, 0)
+        return run.id not in self.chosen and self._pickable(run, _NONE)
 
     def _whole_nodes(self, call: Pending, limit: float) -> Reclaim | None:
         """Whole nodes to clear for a gang, those with the fewest calls on them first, adding
@@ -290,7 +295,7 @@ class Reclaimer:
                 if each.gpus and all(self._victim_ok(r) for r in runs):
                     self._clearable.append((len(runs), order, each, runs))
             self._clearable.sort(key=lambda o: o[:2])
-        released: dict[str, int] = defaultdict(int)
+        released: Released = {}
         found = Reclaim([])
         total = 0
         for _, _, option, runs in self._clearable:
@@ -299,11 +304,11 @@ class Reclaimer:
                 continue
             if total + len(node.gpus) > limit:
                 continue  # the gang would take its group past its ceiling
-            after = defaultdict(int, released)
+            after = dict(released)
             for run in runs:
-                if run.group == call.group or not self._pickable(run, after[run.group]):
+                if run.group == call.group or not self._pickable(run, after):
                     break  # clearing this node would eat into a guarantee
-                after[run.group] += run.gpus
+                self.book.count_release(after, run)
             else:
                 released = after
                 found.node_ids.append(node.node_id)

@@ -18,6 +18,11 @@ borrow every idle GPU::
 
     {"vc1": {"guaranteed": 64, "borrow_limit": 128}, "vc2": {"guaranteed": 32}}
 
+A group may also have quotas per GPU model (:attr:`~scheduler.model.Quota.models`), in the
+same form::
+
+    {"vc1": {"guaranteed": 64, "models": {"V100M32": {"guaranteed": 16, "borrow_limit": 0}}}}
+
 Without a quota file, :func:`derive_quotas` guarantees each group GPUs in proportion to its
 share of the trace's GPU-time (largest remainders, so they add up to the cluster) and no
 borrowing limit.
@@ -220,15 +225,22 @@ def read_quotas(path: str | Path) -> dict[str, Quota]:
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict):
             raise ValueError("expected one object of groups")
-        return {
-            str(group): Quota(int(q["guaranteed"]), _limit(q.get("borrow_limit")))
-            for group, q in data.items()
-        }
+        return {str(group): _quota(q, per_model=True) for group, q in data.items()}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise TraceError(
             f'cannot read quota file {path}: {exc}; expected {{"group": {{"guaranteed": 8, '
-            '"borrow_limit": 64}}'
+            '"borrow_limit": 64, "models": {"A100": {"guaranteed": 4, "borrow_limit": 0}}}}'
         ) from exc
+
+
+def _quota(q: object, per_model: bool) -> Quota:
+    if not isinstance(q, dict):
+        raise TypeError(f"a quota is an object, not {q!r}")
+    models = q.get("models") or {}
+    if not isinstance(models, dict) or (models and not per_model):
+        raise TypeError(f'"models" maps a GPU model to its quota; got {models!r}')
+    pairs = tuple((str(m), _quota(mq, per_model=False)) for m, mq in sorted(models.items()))
+    return Quota(int(q["guaranteed"]), _limit(q.get("borrow_limit")), pairs)
 
 
 def _limit(value: object) -> int | None:

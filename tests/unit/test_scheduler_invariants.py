@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from scheduler import (
     Gpu,
     NodeCapacity,
+    Part,
     Pending,
     Plan,
     Policy,
@@ -68,12 +70,42 @@ def snapshots(draw: st.DrawFn, one_gpu: bool = False) -> Snapshot:
         for j in range(draw(st.integers(0, 25)))
     ]  # fmt: skip
     quotas = {
-        g: Quota(draw(st.integers(0, 8)), draw(st.none() | st.integers(0, 16))) for g in GROUPS
+        g: Quota(draw(st.integers(0, 8)), draw(st.none() | st.integers(0, 16)), draw(models()))
+        for g in GROUPS
     }
     if one_gpu:  # guarantees the cluster can honour
         total = sum(len(n.gpus) for n in nodes)
         quotas = {g: Quota(total // len(GROUPS)) for g in GROUPS}
     return Snapshot(nodes, pending, running, quotas, now=50.0)
+
+
+def models() -> st.SearchStrategy[tuple[tuple[str, Quota], ...]]:
+    """Quotas per model, mostly none."""
+    quota = st.builds(Quota, st.integers(0, 8), st.none() | st.integers(0, 8))
+    one = st.tuples(st.sampled_from(["H100", "A100"]), quota)
+    return st.just(()) | st.lists(one, max_size=2, unique_by=lambda m: m[0]).map(tuple)
+
+
+def held_of_model(snap: Snapshot) -> dict[tuple[str, str], int]:
+    """GPUs each group holds of each model its quota lists (calls not already stopping)."""
+    out: dict[tuple[str, str], int] = defaultdict(int)
+    for r in snap.running:
+        if not r.preempting:
+            count_models(snap, r.group, r.parts, out, 1)
+    return out
+
+
+def count_models(
+    snap: Snapshot, group: str, parts: Iterable[Part], out: dict[tuple[str, str], int], sign: int
+) -> None:
+    models = dict(snap.quotas[group].models) if group in snap.quotas else {}
+    names = {(n.node_id, g.index): g.model for n in snap.nodes for g in n.gpus}
+    for part in parts:
+        for index in part.gpu_indices:
+            model = names.get((part.node_id, index), "")
+            for listed in models:  # (at most one of H100 and A100 names a GPU)
+                if listed.casefold() in model.casefold():
+                    out[(group, listed)] += sign
 
 
 def held(snap: Snapshot) -> dict[str, int]:
@@ -139,6 +171,16 @@ def check_preemptions(snap: Snapshot, out: Plan, policy: str | Policy) -> None:
             len(p.gpu_indices) for p in d.parts
         )
     if resolve(policy).uses_quotas:
+        of_model = held_of_model(snap)
+        model_before = dict(of_model)
+        for v in victims:
+            count_models(snap, running[v].group, running[v].parts, of_model, -1)
+        groups = {c.id: c.group for c in snap.pending}
+        for d in out:
+            count_models(snap, groups[d.invocation_id], d.parts, of_model, 1)
+        for (g, model), n in of_model.items():  # nor a ceiling per model
+            quota = dict(snap.quotas[g].models)[model]
+            assert n <= max(quota.ceiling, model_before.get((g, model), 0)), (g, model)
         for g, n in after.items():
             quota = snap.quotas[g]
             assert n <= max(quota.ceiling, before.get(g, 0))  # placing never passes a ceiling

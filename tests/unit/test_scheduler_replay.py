@@ -98,6 +98,31 @@ def test_quota_files_and_derived_quotas(tmp_path: Path) -> None:
         traces.read_quotas(write(tmp_path, "bad.json", '{"a": {"borrow": 1}}'))
     jobs = [Job("1", 0, 100, 1, group="a"), Job("2", 0, 100, 2, group="b")]
     assert traces.derive_quotas(jobs, 10) == {"a": Quota(3), "b": Quota(7)}
+    path = write(tmp_path, "m.json", '{"a": {"guaranteed": 8, "models": {"V100": '
+                 '{"guaranteed": 0, "borrow_limit": 4}}}}')  # fmt: skip
+    assert traces.read_quotas(path) == {"a": Quota(8, None, (("V100", Quota(0, 4)),))}
+    with pytest.raises(TraceError, match="models"):  # a model's quota has no models
+        traces.read_quotas(write(tmp_path, "deep.json", '{"a": {"guaranteed": 8, "models": '
+                                 '{"V100": {"guaranteed": 0, "models": {"X": {}}}}}}'))  # fmt: skip
+
+
+def test_a_quota_per_model_keeps_a_group_off_a_model_in_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One A100 and one V100 node of 4 GPUs; group a may hold no V100: its 4-GPU jobs run
+    # one at a time on the A100 node, while group b's use both.
+    trace = write(tmp_path, "t.csv", "submit_time,duration,num_gpus,group\n"
+                  + "".join(f"0,100,4,{g}\n" for g in "aaaa"))  # fmt: skip
+    quotas = write(tmp_path, "q.json", '{"a": {"guaranteed": 0, "models": {"V100": '
+                   '{"guaranteed": 0, "borrow_limit": 0}}}}')  # fmt: skip
+    starts = []
+    for extra in (["--quota-file", quotas], []):
+        out = tmp_path / "jobs.csv"
+        assert replay.main([trace, "--nodes", "2", "--gpus-per-node", "4", "--node-models",
+                            "A100,V100", "--policy", "fair", "--jobs-out", str(out), *extra]) == 0
+        capsys.readouterr()
+        starts.append(sorted(float(j["start"]) for j in csv.DictReader(out.open())))
+    assert starts == [[0, 100, 200, 300], [0, 0, 100, 100]]
 
 
 def test_jobs_that_never_fit_are_rejected_and_counted() -> None:

@@ -1,0 +1,135 @@
+"""Quotas per GPU model (Kueue's resource flavours): ceilings, guarantees and reclaim per
+model, on static snapshots; submit-time checks."""
+
+from __future__ import annotations
+
+from scheduler import Gpu, NodeCapacity, Pending, Quota, Running, Snapshot, explain, never_fits
+from scheduler import plan as plan_round
+from scheduler.fair import Fair
+from scheduler.quotas import model_of
+
+FAIR = Fair(starve_after_s=None)
+
+
+def plan(snap: Snapshot):  # type: ignore[no-untyped-def]
+    return plan_round(snap, FAIR)
+
+
+def node(i: int, free: list[int], model: str, size: int = 4) -> NodeCapacity:
+    return NodeCapacity(
+        i, free, 0, tuple(Gpu(g, f"NVIDIA {model}-SXM4", 81920) for g in range(size))
+    )
+
+
+def run(rid: str, node_id: int, gpus: tuple[int, ...], group: str, start: float = 0.0,
+        borrowed: bool = True) -> Running:  # fmt: skip
+    return Running(rid, node_id, gpus, group=group, start_time=start, borrowed=borrowed)
+
+
+def a100_only(guaranteed: int, borrow_limit: int | None) -> tuple[tuple[str, Quota], ...]:
+    return (("A100", Quota(guaranteed, borrow_limit)),)
+
+
+def test_a_group_holds_no_more_of_a_model_than_its_quota_for_it() -> None:
+    quotas = {"vision": Quota(0, None, a100_only(0, 2))}
+    snap = Snapshot(
+        [node(1, [0, 1, 2, 3], "A100"), node(2, [0, 1, 2, 3], "H100")],
+        [Pending(f"a{i}", 1, group="vision", gpu_model="A100") for i in range(3)]
+        + [Pending("any", 2, group="vision")],
+        quotas=quotas,
+    )
+    out = plan(snap)
+    where = {d.invocation_id: d.node_id for d in out}
+    assert where == {"a0": 1, "a1": 1, "any": 2}  # the third A100 call waits
+    reason = explain(snap, FAIR)["a2"][1]
+    assert "quota for the GPU models" in reason and "2 of at most 2 A100" in reason
+    # Another group without a quota for A100 is not held back.
+    other = Snapshot(snap.nodes, [Pending("n", 4, group="nlp", gpu_model="A100")], quotas=quotas)
+    assert [d.invocation_id for d in plan(other)] == ["n"]
+
+
+def test_gpus_past_a_model_s_guarantee_are_borrowed_and_nominal_calls_go_where_guaranteed() -> None:
+    # vision is guaranteed 4 GPUs in all, none of them A100s; A100s are the plentiful model,
+    # so a call any model will do for would go there, but within its guarantee it goes to
+    # the H100s, and an A100 call is borrowed however little the group holds.
+    quotas = {"vision": Quota(4, None, a100_only(0, None))}
+    nodes = [node(1, [0, 1, 2, 3], "A100"), node(2, [0, 1, 2, 3], "A100"),
+             node(3, [0, 1, 2, 3], "H100")]  # fmt: skip
+    snap = Snapshot(
+        nodes,
+        [Pending("any", 2, group="vision"), Pending("a100", 1, group="vision", gpu_model="A100")],
+        quotas=quotas,
+    )
+    out = {d.invocation_id: d for d in plan(snap)}
+    assert (out["any"].node_id, out["any"].borrowed) == (3, False)
+    assert out["a100"].node_id in (1, 2) and out["a100"].borrowed
+    # Without the quota per model the same call goes to the plentiful A100s.
+    plain = Snapshot(nodes, snap.pending, quotas={"vision": Quota(4, None)})
+    assert {d.invocation_id: d.node_id for d in plan(plain)}["any"] in (1, 2)
+
+
+def test_a_group_reclaims_its_guaranteed_model_from_a_group_borrowing_it() -> None:
+    # nlp holds every A100, within its guarantee of 8 GPUs in all but past its A100 guarantee
+    # of 0: vision, guaranteed 4 A100s, takes two back, from nlp's youngest A100 calls.
+    quotas = {
+        "nlp": Quota(8, None, a100_only(0, None)),
+        "vision": Quota(4, None, a100_only(4, 0)),
+    }
+    running = [run("old", 1, (0, 1), "nlp", start=1), run("young", 1, (2, 3), "nlp", start=5),
+               run("h100", 2, (0, 1, 2, 3), "nlp", start=9, borrowed=False)]  # fmt: skip
+    snap = Snapshot(
+        [node(1, [], "A100"), node(2, [], "H100")],
+        [Pending("v", 2, group="vision", gpu_model="A100")],
+        running,
+        quotas=quotas,
+        now=100,
+    )
+    out = plan(snap)
+    assert [p.invocation_id for p in out.preemptions] == ["young"]
+    # Without its quota per model nlp is within its guarantee, and nothing is reclaimed.
+    quotas["nlp"] = Quota(8, None)
+    alone = Snapshot(snap.nodes, snap.pending, running, quotas=quotas, now=100)
+    assert plan(alone).preemptions == []
+
+
+def test_reclaim_never_takes_a_group_below_its_guarantee_of_a_model() -> None:
+    # nlp holds 4 A100s and is guaranteed 2 of them: only two come back, though vision wants 4.
+    quotas = {
+        "nlp": Quota(8, None, a100_only(2, None)),
+        "vision": Quota(4, None, a100_only(4, 0)),
+    }
+    running = [run(f"n{i}", 1, (i,), "nlp", start=i) for i in range(4)]
+    snap = Snapshot(
+        [node(1, [], "A100"), node(2, [0, 1, 2, 3], "A100")],
+        [Pending("v", 4, group="vision", gpu_model="A100")],
+        running,
+        quotas=quotas,
+        now=100,
+    )
+    assert plan(snap).preemptions == []  # node 2 is free: it simply starts there
+    busy = Snapshot([node(1, [], "A100")], snap.pending, running, quotas=quotas, now=100)
+    assert plan(busy).preemptions == []  # 2 are all nlp can give back: not enough for 4
+    small = Snapshot(busy.nodes, [Pending("v", 2, group="vision", gpu_model="A100")], running,
+                     quotas=quotas, now=100)  # fmt: skip
+    assert [p.invocation_id for p in plan(small).preemptions] == ["n3", "n2"]
+
+
+def test_a_gpu_counts_against_the_longest_model_that_names_it() -> None:
+    models = (("A100", Quota(1)), ("A100-SXM4-80GB", Quota(2)), ("H100", Quota(3)))
+    assert model_of(models, "NVIDIA A100-SXM4-80GB") == "A100-SXM4-80GB"
+    assert model_of(models, "NVIDIA A100-PCIE-40GB") == "A100"
+    assert model_of(models, "nvidia h100 80gb hbm3") == "H100"
+    assert model_of(models, "Tesla V100-SXM2-32GB") is None
+
+
+def test_a_call_that_only_one_model_at_its_ceiling_could_hold_is_refused_at_submission() -> None:
+    quotas = {"vision": Quota(0, None, a100_only(0, 2))}
+    nodes = [node(1, [], "A100", size=8), node(2, [], "H100", size=2)]
+    reason = never_fits(Pending("x", 4, group="vision", gpu_model="A100"), nodes, quotas)
+    assert reason is not None
+    assert "at most 2 A100" in reason and "quota" in reason
+    # Any model: only the A100 node has 4 GPUs, and the group may hold only 2 of them.
+    reason = never_fits(Pending("y", 4, group="vision"), nodes, quotas)
+    assert reason is not None and "at most 2" in reason
+    assert never_fits(Pending("z", 2, group="vision"), nodes, quotas) is None
+    assert never_fits(Pending("w", 4, group="nlp", gpu_model="A100"), nodes, quotas) is None
