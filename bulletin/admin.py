@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import os
@@ -19,11 +20,13 @@ import re
 import time
 import urllib.parse
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import asyncpg
 
 from bulletin_core import wire
 from gateway import auth, db
+from scheduler.quotas import case_clash
 
 
 @contextlib.asynccontextmanager
@@ -186,21 +189,53 @@ async def set_group(
 
 
 async def change_group(
-    database_url: str, name: str, *, guaranteed: int | None, borrow_limit: int | None
+    database_url: str,
+    name: str,
+    *,
+    guaranteed: int | None,
+    borrow_limit: int | None,
+    model: str | None = None,
+    drop_model: bool = False,
 ) -> db.GroupRow:
     """Create group NAME or change the parts of its quota given (None: keep; a new group
-    has 0 guaranteed and no borrowing limit; ``NO_LIMIT``: lift the limit)."""
+    has 0 guaranteed and no borrowing limit; ``NO_LIMIT``: lift the limit). With ``model``,
+    the parts given are those of its quota for that GPU model (made as for a new group),
+    or, with ``drop_model``, that quota is removed."""
     async with connection(database_url) as conn, conn.transaction():
-        old = {g.name: g for g in await db.groups(conn)}.get(name)
-        keep_guarantee = old.guaranteed_gpus if old else 0
-        keep_limit = old.borrow_limit_gpus if old else None
-        limit = keep_limit if borrow_limit is None else borrow_limit
+        old = next(iter(await db.groups(conn, name)), None)
+        models = list(old.models) if old else []
+        if model is not None:
+            mine = next((m for m in models if m.model == model), None)
+            clash = case_clash([m.model for m in models if m is not mine] + [model])
+            if clash and not drop_model:
+                raise AdminError(clash)
+            models = [m for m in models if m is not mine]
+            if not drop_model:
+                models.append(_changed(mine or db.ModelQuotaRow(model, 0, None),
+                                       guaranteed, borrow_limit))  # fmt: skip
+            whole = old or db.GroupRow(name, 0, None)
+        else:
+            whole = _changed(old or db.GroupRow(name, 0, None), guaranteed, borrow_limit)
         return await db.set_group(
             conn,
             name,
-            keep_guarantee if guaranteed is None else guaranteed,
-            None if limit == NO_LIMIT else limit,
+            whole.guaranteed_gpus,
+            whole.borrow_limit_gpus,
+            sorted(models, key=lambda m: m.model),
         )
+
+
+_Q = TypeVar("_Q", db.GroupRow, db.ModelQuotaRow)
+
+
+def _changed(quota: _Q, guaranteed: int | None, borrow_limit: int | None) -> _Q:
+    """``quota`` with the parts given changed (``NO_LIMIT``: no borrowing limit)."""
+    limit = quota.borrow_limit_gpus if borrow_limit is None else borrow_limit
+    return dataclasses.replace(
+        quota,
+        guaranteed_gpus=quota.guaranteed_gpus if guaranteed is None else guaranteed,
+        borrow_limit_gpus=None if limit == NO_LIMIT else limit,
+    )
 
 
 async def require_group(conn: asyncpg.Connection, group: str) -> None:

@@ -15,6 +15,7 @@ from bulletin import admin
 from bulletin.commands import MOST_GPUS, database_option
 from bulletin_core import wire
 from gateway import db
+from scheduler.quotas import case_clash
 
 #: The label of the tokens it mints, shown by 'bulletin token list'.
 TOKEN_LABEL = "bulletin apply"
@@ -22,12 +23,34 @@ TOKEN_LABEL = "bulletin apply"
 Gpus = Annotated[int, msgspec.Meta(ge=0, le=MOST_GPUS)]
 
 
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A group's quota for one GPU model, as ``bulletin group set --model`` takes it."""
+
+    guaranteed: Gpus = 0
+    #: None (or left out): no limit.
+    borrow_limit: Gpus | None = None
+
+
 class GroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A group's whole quota, as ``bulletin group set`` takes it."""
+    """A group's whole quota, as ``bulletin group set`` takes it, and its quotas per model."""
 
     guaranteed: Gpus = 0
     #: None (or left out): the group may borrow every idle GPU.
     borrow_limit: Gpus | None = None
+    models: Annotated[
+        dict[wire.QuotaModel, ModelSpec], msgspec.Meta(max_length=wire.MAX_QUOTA_MODELS)
+    ] = {}
+
+    def __post_init__(self) -> None:
+        clash = case_clash(self.models)
+        if clash:
+            raise ValueError(clash)
+
+    def rows(self) -> list[db.ModelQuotaRow]:
+        return [
+            db.ModelQuotaRow(model, spec.guaranteed, spec.borrow_limit)
+            for model, spec in sorted(self.models.items())
+        ]
 
 
 class UserSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -96,21 +119,25 @@ def _named(data: bytes) -> str | None:
     return None
 
 
-def _quota(guaranteed: int, borrow_limit: int | None) -> str:
+def _quota(guaranteed: int, borrow_limit: int | None, models: list[db.ModelQuotaRow]) -> str:
     limit = "no borrow limit" if borrow_limit is None else f"borrow limit {borrow_limit}"
-    return f"guaranteed {guaranteed}, {limit}"
+    said = f"guaranteed {guaranteed}, {limit}"
+    for m in models:
+        said += f"; {m.model}: {_quota(m.guaranteed_gpus, m.borrow_limit_gpus, [])}"
+    return said
 
 
 async def _apply_group(
     conn: asyncpg.Connection, name: str, want: GroupSpec, old: db.GroupRow | None
 ) -> list[str]:
-    if old and (old.guaranteed_gpus, old.borrow_limit_gpus) == (want.guaranteed, want.borrow_limit):
+    wanted = (want.guaranteed, want.borrow_limit, want.rows())
+    if old and (old.guaranteed_gpus, old.borrow_limit_gpus, list(old.models)) == wanted:
         return []
-    await db.set_group(conn, name, want.guaranteed, want.borrow_limit)
-    new = _quota(want.guaranteed, want.borrow_limit)
+    await db.set_group(conn, name, *wanted)
+    new = _quota(*wanted)
     if old is None:
         return [f"group {name} created ({new})"]
-    was = _quota(old.guaranteed_gpus, old.borrow_limit_gpus)
+    was = _quota(old.guaranteed_gpus, old.borrow_limit_gpus, list(old.models))
     return [f"group {name} changed ({new}; was {was})"]
 
 
@@ -174,7 +201,8 @@ def command(file: BinaryIO, database_url: str) -> None:
     transaction, and print what changed. Idempotent: run it on every deploy.
 
     \b
-    {"groups": {"vision": {"guaranteed": 16, "borrow_limit": 32},
+    {"groups": {"vision": {"guaranteed": 16, "borrow_limit": 32,
+                           "models": {"A100": {"guaranteed": 8, "borrow_limit": 0}}},
                 "nlp": {"guaranteed": 0, "borrow_limit": null}},
      "users": {"alice": {"group": "vision", "admin": false},
                "bob": {"group": "nlp", "admin": true}},
@@ -182,7 +210,8 @@ def command(file: BinaryIO, database_url: str) -> None:
 
     Every listed group gets exactly the listed quota, created if missing ("guaranteed": GPUs
     it always gets back, default 0; "borrow_limit": GPUs it may borrow beyond that, null or
-    left out for no limit; each 0 to 1000000). Every listed user is created if missing, put
+    left out for no limit; each 0 to 1000000; "models": its quotas per GPU model, in the same
+    form, exactly these, none when left out). Every listed user is created if missing, put
     in "group" (default "default"; it must be listed or exist already) and made an
     administrator or not as "admin" says (default false). Groups and users not listed are
     left alone: nothing is deleted. Each user named in "tokens_for" (who must be listed in

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import msgspec
+
+if TYPE_CHECKING:
+    from gateway import db
 
 database_option = click.option(
     "--database-url",
@@ -211,15 +215,25 @@ MOST_GPUS = 1_000_000
     "[default: unchanged; no limit for a new group].",
 )
 @click.option("--no-borrow-limit", is_flag=True, help="Let it borrow every idle GPU.")
+@click.option(
+    "--model",
+    default=None,
+    help="Set the group's quota for its GPUs of this model (e.g. A100) instead: the options "
+    "above then apply to that model's GPUs (a new model quota: 0 guaranteed, no limit).",
+)
+@click.option("--drop-model", is_flag=True, help="Remove the group's quota for --model.")
 @database_option
 def group_set(
     name: str,
     guaranteed: int | None,
     borrow_limit: int | None,
     no_borrow_limit: bool,
+    model: str | None,
+    drop_model: bool,
     database_url: str,
 ) -> None:
-    """Create group NAME or change its quota (options left out keep their value)."""
+    """Create group NAME or change its quota (options left out keep their value), or its
+    quota for one GPU model (--model)."""
     from bulletin import admin
     from bulletin_core import wire
 
@@ -229,16 +243,43 @@ def group_set(
         raise click.BadParameter(wire.SLUG_RULE, param_hint="NAME") from None
     if no_borrow_limit and borrow_limit is not None:
         raise click.UsageError("give --borrow-limit N or --no-borrow-limit, not both")
-    row = asyncio.run(
-        admin.change_group(
-            database_url,
-            name,
-            guaranteed=guaranteed,
-            borrow_limit=admin.NO_LIMIT if no_borrow_limit else borrow_limit,
+    if model is not None:
+        try:
+            msgspec.convert(model, wire.QuotaModel)
+        except msgspec.ValidationError:
+            raise click.BadParameter(
+                "one GPU model: 1 to 64 letters, digits, spaces, '.', '_' and '-'",
+                param_hint="--model",
+            ) from None
+    if drop_model and (model is None or guaranteed is not None or borrow_limit is not None
+                       or no_borrow_limit):  # fmt: skip
+        raise click.UsageError("--drop-model needs --model MODEL and no other option")
+    try:
+        row = asyncio.run(
+            admin.change_group(
+                database_url,
+                name,
+                guaranteed=guaranteed,
+                borrow_limit=admin.NO_LIMIT if no_borrow_limit else borrow_limit,
+                model=model,
+                drop_model=drop_model,
+            )
         )
-    )
-    limit = "no limit" if row.borrow_limit_gpus is None else f"up to {row.borrow_limit_gpus} more"
-    click.echo(f"group {name}: {row.guaranteed_gpus} GPUs guaranteed, borrows {limit}")
+    except admin.AdminError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"group {name}: {describe_group(row)}")
+
+
+def describe_group(row: db.GroupRow) -> str:
+    """``8 GPUs guaranteed, borrows up to 4 more; A100: 2 guaranteed, borrows no more``."""
+
+    def said(guaranteed: int, limit: int | None) -> str:
+        more = "no limit" if limit is None else f"up to {limit} more"
+        return f"{guaranteed} GPUs guaranteed, borrows {more}"
+
+    parts = [said(row.guaranteed_gpus, row.borrow_limit_gpus)]
+    parts += [f"{m.model}: {said(m.guaranteed_gpus, m.borrow_limit_gpus)}" for m in row.models]
+    return "; ".join(parts)
 
 
 @group.command("list")
@@ -252,6 +293,9 @@ def group_list(database_url: str) -> None:
         click.echo(
             f"{g.name}: {g.guaranteed_gpus} GPUs guaranteed, borrow limit {limit}, {g.users} users"
         )
+        for m in g.models:
+            limit = "no limit" if m.borrow_limit_gpus is None else str(m.borrow_limit_gpus)
+            click.echo(f"  {m.model}: {m.guaranteed_gpus} guaranteed, borrow limit {limit}")
 
 
 @click.command()

@@ -521,6 +521,42 @@ class Invocation(_Msg, frozen=True, kw_only=True):
 _GpuLimit = Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
 
 
+#: The most GPU models one group may have quotas for.
+MAX_QUOTA_MODELS = 32
+#: A GPU model a group's quota names: one model, as a call's ``gpu_model`` names one.
+QuotaModel = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=f"^{ONE_GPU_MODEL}$",
+        description="A GPU model: 1 to 64 letters, digits, spaces, '.', '_' and '-'.",
+    ),
+]
+
+
+class ModelQuota(_Request, frozen=True, kw_only=True):
+    """A group's quota for its GPUs of one model: how many it can always get back, and how
+    many more it may borrow while they are idle (None: no limit)."""
+
+    guaranteed_gpus: Annotated[
+        _GpuLimit,
+        msgspec.Meta(
+            description=(
+                "GPUs of the model the group can always get back, preempting other groups' "
+                "borrowed work: 0 to 1000000."
+            )
+        ),
+    ] = 0
+    borrow_limit_gpus: Annotated[
+        _GpuLimit | None,
+        msgspec.Meta(
+            description=(
+                "How many more of them it may borrow while others leave them idle: 0 to "
+                "1000000; null: no limit."
+            )
+        ),
+    ] = None
+
+
 class GroupQuota(_Request, frozen=True, kw_only=True):
     """A group's quota: GPUs it can always get back (preempting other groups' borrowed
     work), and how many more it may borrow while they are idle (None: no limit)."""
@@ -543,6 +579,21 @@ class GroupQuota(_Request, frozen=True, kw_only=True):
             )
         ),
     ] = None
+    models: Annotated[
+        Annotated[dict[QuotaModel, ModelQuota], msgspec.Meta(max_length=MAX_QUOTA_MODELS)]
+        | None,
+        msgspec.Meta(
+            description=(
+                "Quotas for the group's GPUs of some models, by model (at most 32): a GPU "
+                "counts against the longest one that is part of its model name "
+                "(case-insensitive, as `gpu_model` matches), as well as against the group's "
+                "quota. The group holds at most guarantee + borrowing limit of that model's "
+                "GPUs; those above the guarantee are borrowed, and another group may reclaim "
+                "them. Given, it replaces the group's quotas per model ({} removes them all); "
+                "left out or null, they stay as they are."
+            ),
+        ),
+    ] = None
 
 
 class Group(_Msg, frozen=True, kw_only=True):
@@ -550,6 +601,10 @@ class Group(_Msg, frozen=True, kw_only=True):
     guaranteed_gpus: int
     borrow_limit_gpus: int | None
     users: Annotated[int, msgspec.Meta(description="How many users are in the group.")]
+    models: Annotated[
+        dict[str, ModelQuota],
+        msgspec.Meta(description="Its quotas per GPU model, by model ({}: none)."),
+    ] = msgspec.field(default_factory=dict)
 
 
 class UserGroup(_Request, frozen=True, kw_only=True):

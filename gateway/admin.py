@@ -1,6 +1,6 @@
-"""Admin routes: groups and their quotas, users' groups, and usage. An administrator's user
-token only (403 for others); the same operations exist as ``bulletin`` commands that talk to
-the database directly."""
+"""Admin routes: groups and their quotas (per GPU model too), users' groups, and usage. An
+administrator's user token only (403 for others); the same operations exist as ``bulletin``
+commands that talk to the database directly."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from bulletin_core import wire
 from gateway import auth, db
 from gateway.errors import NotFound, Unprocessable
 from gateway.http import body, checked, int_param, reply
+from scheduler.quotas import case_clash
 
 #: The longest usage period one request may ask for, in days.
 MAX_USAGE_DAYS = 3660
@@ -23,6 +24,12 @@ def _group(row: db.GroupRow) -> wire.Group:
         guaranteed_gpus=row.guaranteed_gpus,
         borrow_limit_gpus=row.borrow_limit_gpus,
         users=row.users,
+        models={
+            m.model: wire.ModelQuota(
+                guaranteed_gpus=m.guaranteed_gpus, borrow_limit_gpus=m.borrow_limit_gpus
+            )
+            for m in row.models
+        },
     )
 
 
@@ -39,9 +46,19 @@ async def put_group(request: Request) -> Response:
     await auth.admin(request)
     name = _group_name(request)
     quota = await body(request, wire.GroupQuota)
+    models = None
+    if quota.models is not None:
+        models = [
+            db.ModelQuotaRow(model, q.guaranteed_gpus, q.borrow_limit_gpus)
+            for model, q in sorted(quota.models.items())
+        ]
+        clash = case_clash([m.model for m in models])
+        if clash:
+            raise Unprocessable(clash)
     pool = request.app.state.pool
-    row = await db.set_group(pool, name, quota.guaranteed_gpus, quota.borrow_limit_gpus)
+    row = await db.set_group(pool, name, quota.guaranteed_gpus, quota.borrow_limit_gpus, models)
     return reply(_group(row))
+
 
 
 async def put_user_group(request: Request) -> Response:

@@ -31,7 +31,7 @@ from gateway.http import (
     wait_param,
 )
 from gateway.notify import GatewayStopping, Hub, Subscription
-from scheduler import Pending, Quota, never_fits, placement
+from scheduler import Pending, never_fits, placement
 
 MAX_LOG_CHUNKS = 10_000
 FAN_IN_LINGER_S = 0.005
@@ -277,7 +277,7 @@ async def check_fits(request: Request, group: str, calls: list[wire.CallSpec]) -
     quotas = {}
     if config.policy().uses_quotas:
         groups = await db.groups(pool)
-        quotas = {g.name: Quota(g.guaranteed_gpus, g.borrow_limit_gpus) for g in groups}
+        quotas = {g.name: scheduling.group_quota(g) for g in groups}
     for gpus, model, memory in sorted(distinct, key=lambda d: -d[0]):
         call = Pending("new", gpus, group=group, gpu_model=model, min_memory_mib=memory or 0)
         reason = never_fits(call, nodes, quotas)

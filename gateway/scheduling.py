@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
 import asyncpg
@@ -217,12 +217,25 @@ def _snapshot(
         nodes=free,
         pending=pending,
         running=held.leases,
-        quotas={name: Quota(*limit) for name, limit in held.quotas.items()},
+        quotas={
+            name: Quota(*limit, _models(held.model_quotas.get(name, ())))
+            for name, limit in held.quotas.items()
+        },
         usage=held.usage,
         user_usage=held.user_usage,
         now=now,
         reserved=reserved,
     )
+
+
+def _models(rows: Iterable[tuple[str, int, int | None]]) -> tuple[tuple[str, Quota], ...]:
+    return tuple((model, Quota(guaranteed, limit)) for model, guaranteed, limit in rows)
+
+
+def group_quota(row: db.GroupRow) -> Quota:
+    """A group's quota, as the scheduler reads it."""
+    models = ((m.model, m.guaranteed_gpus, m.borrow_limit_gpus) for m in row.models)
+    return Quota(row.guaranteed_gpus, row.borrow_limit_gpus, _models(models))
 
 
 async def _assign(

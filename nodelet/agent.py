@@ -128,6 +128,7 @@ async def serve(config: NodeletConfig, stop: asyncio.Event) -> None:
         node=config.name,
         fault_file=config.fake_gpu_faults or None,
         device_dir=config.fake_gpu_device_dir or None,
+        model=config.fake_gpu_model,
     )
     pool: WorkerPool | None = None
     try:

@@ -36,6 +36,10 @@ class NodeletConfig(msgspec.Struct, frozen=True, kw_only=True):
         Fake GPUs only: a file of injected faults ("0 xid 79", "1 ecc 2", "0 lost"), re-read at
         each health sample (see nodelet/gpus.py); for tests and drills.
     """)] = ""
+    fake_gpu_model: Annotated[str, doc("""
+        Fake GPUs only: the model name they report (empty: "Fake GPU"), so that placement
+        by model and quotas per model can be tried without GPUs.
+    """)] = ""
     fake_gpu_device_dir: Annotated[str, doc("""
         Fake GPUs only: make a character device file per fake GPU in this directory (needs root;
         no driver backs it), so GPU device isolation can be tried without GPUs.

@@ -31,6 +31,8 @@ DEFAULT_FAKE_GPUS = 2
 FAKE_GPU_MEMORY_MB = 16384
 #: What a healthy fake GPU reports (fixed, so tests can compare whole samples).
 FAKE_GPU_TEMPERATURE_C = 35
+#: The model name fake GPUs report unless told another.
+FAKE_GPU_MODEL = "Fake GPU"
 #: The character-device major number of fake GPUs' device files: one of the numbers Linux
 #: keeps for local and experimental use, which no driver claims, so opening one fails with
 #: ENXIO unless a devices cgroup denies it first (EPERM).
@@ -409,10 +411,12 @@ class FakeGpuProvider:
         node: str | None = None,
         fault_file: str | os.PathLike[str] | None = None,
         device_dir: str | os.PathLike[str] | None = None,
+        model: str = FAKE_GPU_MODEL,
     ) -> None:
         if count < 0:
             raise ValueError(f"fake GPU count must be >= 0, got {count}")
         self.count = count
+        self.model = model
         self.node = node or socket.gethostname()
         self.fault_file = Path(fault_file) if fault_file is not None else None
         self._xid_lines_seen: set[tuple[int, str]] = set()  # (line number, line) reported once
@@ -442,7 +446,7 @@ class FakeGpuProvider:
             wire.GpuInfo(
                 index=index,
                 uuid=f"fake-{self.node}-{index}",
-                name="Fake GPU",
+                name=self.model,
                 memory_mb=FAKE_GPU_MEMORY_MB,
                 fake=True,
             )
@@ -525,15 +529,17 @@ def choose_provider(
     node: str | None = None,
     fault_file: str | os.PathLike[str] | None = None,
     device_dir: str | os.PathLike[str] | None = None,
+    model: str = "",
 ) -> GpuProvider:
     """An explicit fake count gives fake GPUs; else NVML if it finds a GPU; else 2 fakes.
 
-    ``fault_file`` injects faults into fake GPUs, ``device_dir`` gives them device files (see
-    ``FakeGpuProvider``); NVML ignores both.
+    ``fault_file`` injects faults into fake GPUs, ``device_dir`` gives them device files, and
+    ``model`` names their model (see ``FakeGpuProvider``); NVML ignores them.
     """
     fakes = functools.partial(
-        FakeGpuProvider, node=node, fault_file=fault_file, device_dir=device_dir
-    )
+        FakeGpuProvider, node=node, fault_file=fault_file, device_dir=device_dir,
+        model=model or FAKE_GPU_MODEL,
+    )  # fmt: skip
     if fake_gpus is not None:
         return fakes(fake_gpus)
     nvml = NvmlProvider()

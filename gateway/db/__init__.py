@@ -119,6 +119,7 @@ from gateway.db.nodes import (
 )
 from gateway.db.quotas import (
     GroupRow,
+    ModelQuotaRow,
     UsageRow,
     accrue_usage,
     group_exists,
@@ -176,6 +177,7 @@ __all__ = [
     "HttpKey",
     "KeyHeld",
     "KeyTaken",
+    "ModelQuotaRow",
     "NoRoom",
     "NodeRow",
     "NodeStatus",

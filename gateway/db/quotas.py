@@ -3,11 +3,22 @@ usage: accounting per day and decayed fair-share usage, accrued on the database 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import asyncpg
 
 from gateway.db._common import TOKENS_CHANGED, Conn, _notify
+
+
+@dataclass(frozen=True, slots=True)
+class ModelQuotaRow:
+    """A group's quota for its GPUs of one model (table group_model_quotas)."""
+
+    model: str
+    guaranteed_gpus: int
+    #: None: no limit.
+    borrow_limit_gpus: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +28,8 @@ class GroupRow:
     #: None: may borrow every idle GPU.
     borrow_limit_gpus: int | None
     users: int = 0
+    #: Its quotas per GPU model, by model name.
+    models: tuple[ModelQuotaRow, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,18 +41,38 @@ class UsageRow:
 
 
 _GROUPS = """
-SELECT g.name, g.guaranteed_gpus, g.borrow_limit_gpus, count(u.id) AS users
-FROM groups g LEFT JOIN users u ON u.group_name = g.name
-GROUP BY g.name
+SELECT g.name, g.guaranteed_gpus, g.borrow_limit_gpus,
+  (SELECT count(*) FROM users u WHERE u.group_name = g.name) AS users,
+  array(SELECT m.model FROM group_model_quotas m WHERE m.group_name = g.name
+        ORDER BY m.model) AS models,
+  array(SELECT m.guaranteed_gpus FROM group_model_quotas m WHERE m.group_name = g.name
+        ORDER BY m.model) AS model_guaranteed,
+  array(SELECT m.borrow_limit_gpus FROM group_model_quotas m WHERE m.group_name = g.name
+        ORDER BY m.model) AS model_limits
+FROM groups g
+WHERE $1::text IS NULL OR g.name = $1
 ORDER BY g.name
 """
 
+# The group's row, and (with $4) its quotas per model replaced by those of $5..$7, in one
+# statement (the model rows' reference to the group is checked at its end).
 _SET_GROUP = """
-INSERT INTO groups (name, guaranteed_gpus, borrow_limit_gpus) VALUES ($1, $2, $3)
-ON CONFLICT (name) DO UPDATE SET guaranteed_gpus = EXCLUDED.guaranteed_gpus,
-  borrow_limit_gpus = EXCLUDED.borrow_limit_gpus
-RETURNING name, guaranteed_gpus, borrow_limit_gpus,
-  (SELECT count(*) FROM users WHERE group_name = $1) AS users
+WITH g AS (
+  INSERT INTO groups (name, guaranteed_gpus, borrow_limit_gpus) VALUES ($1, $2, $3)
+  ON CONFLICT (name) DO UPDATE SET guaranteed_gpus = EXCLUDED.guaranteed_gpus,
+    borrow_limit_gpus = EXCLUDED.borrow_limit_gpus
+  RETURNING name
+), dropped AS (
+  DELETE FROM group_model_quotas WHERE $4 AND group_name = $1 AND NOT model = ANY($5::text[])
+), kept AS (
+  INSERT INTO group_model_quotas (group_name, model, guaranteed_gpus, borrow_limit_gpus)
+  SELECT (SELECT name FROM g), m.model, m.guaranteed, m.borrow_limit
+  FROM unnest($5::text[], $6::int[], $7::int[]) AS m(model, guaranteed, borrow_limit)
+  WHERE $4
+  ON CONFLICT (group_name, model) DO UPDATE SET guaranteed_gpus = EXCLUDED.guaranteed_gpus,
+    borrow_limit_gpus = EXCLUDED.borrow_limit_gpus
+)
+SELECT name FROM g
 """
 
 _GROUP_EXISTS = """
@@ -110,21 +143,34 @@ ORDER BY gpu_s DESC, u.name
 """
 
 
-async def groups(conn: Conn) -> list[GroupRow]:
-    rows = await conn.fetch(_GROUPS)
-    return [
-        GroupRow(r["name"], r["guaranteed_gpus"], r["borrow_limit_gpus"], r["users"]) for r in rows
-    ]
+async def groups(conn: Conn, name: str | None = None) -> list[GroupRow]:
+    """Every group (or the one named), with its quotas per model."""
+    out = []
+    for r in await conn.fetch(_GROUPS, name):
+        models = map(ModelQuotaRow, r["models"], r["model_guaranteed"], r["model_limits"])
+        out.append(GroupRow(r["name"], r["guaranteed_gpus"], r["borrow_limit_gpus"], r["users"],
+                            tuple(models)))  # fmt: skip
+    return out
 
 
 async def set_group(
-    conn: Conn, name: str, guaranteed_gpus: int, borrow_limit_gpus: int | None
+    conn: Conn,
+    name: str,
+    guaranteed_gpus: int,
+    borrow_limit_gpus: int | None,
+    models: Sequence[ModelQuotaRow] | None = None,
 ) -> GroupRow:
-    """Create group ``name`` or change its quota; the group as it now is."""
-    row = await conn.fetchrow(_SET_GROUP, name, guaranteed_gpus, borrow_limit_gpus)
-    assert row is not None
+    """Create group ``name`` or change its quota, and replace its quotas per model with
+    ``models`` (None: keep them); the group as it now is."""
+    given = list(models or ())
+    await conn.fetchval(
+        _SET_GROUP, name, guaranteed_gpus, borrow_limit_gpus, models is not None,
+        [m.model for m in given], [m.guaranteed_gpus for m in given],
+        [m.borrow_limit_gpus for m in given],
+    )  # fmt: skip
     await _notify(conn, "q")
-    return GroupRow(**row)
+    (row,) = await groups(conn, name)
+    return row
 
 
 async def group_exists(conn: Conn, name: str) -> bool:

@@ -54,7 +54,10 @@ SELECT DISTINCT ON (coalesce(i.lease_id, i.id))
   coalesce(i.expected_s, i.timeout_s) AS expected_s,
   -- Preempting frees GPUs only; nodelets before protocol 2 cannot be told to.
   i.gpus > 0 AND n.protocol_version >= {PREEMPTING_PROTOCOL} AS preemptible,
-  extract(epoch FROM coalesce(i.queued_at, i.submitted_at))::float8 AS queued_time
+  extract(epoch FROM coalesce(i.queued_at, i.submitted_at))::float8 AS queued_time,
+  -- Its GPUs' models, for quotas per model (its node may not be in the round's snapshot).
+  array(SELECT g->>'name' FROM jsonb_array_elements(n.gpus) g
+        WHERE (g->>'index')::int = ANY(i.gpu_indices)) AS gpu_models
 FROM invocations i
 JOIN users u ON u.id = i.owner_id
 JOIN nodes n ON n.id = i.node_id
@@ -64,24 +67,29 @@ ORDER BY coalesce(i.lease_id, i.id), i.seq
 
 # What the capacity on locked nodes is taken by, and (with $1) the quotas and decayed usage
 # a policy weighs, with the database clock's now, in one round trip: ('now'), ('lease', the
-# _LEASES columns), ('quota', group, guaranteed, borrow limit) and ('usage', group, user,
-# decayed GPU-seconds) rows.
+# _LEASES columns), ('quota', group, guaranteed, borrow limit), ('model_quota', model as id,
+# group, guaranteed, borrow limit) and ('usage', group, user, decayed GPU-seconds) rows.
 _HOLDINGS = f"""
 SELECT 'now' AS kind, NULL::text AS id, NULL::bigint AS node_id, NULL::int[] AS gpu_indices,
   NULL::text AS "user", NULL::text AS "group", NULL::text AS function, NULL::int AS priority,
   NULL::bool AS borrowed, NULL::bool AS preempting,
   extract(epoch FROM clock_timestamp())::float8 AS start_time, NULL::float8 AS expected_s,
-  NULL::bool AS preemptible, NULL::float8 AS queued_time, NULL::int AS guaranteed_gpus,
+  NULL::bool AS preemptible, NULL::float8 AS queued_time, NULL::text[] AS gpu_models,
+  NULL::int AS guaranteed_gpus,
   NULL::int AS borrow_limit_gpus, NULL::float8 AS decayed_gpu_seconds
 UNION ALL
 SELECT 'lease', l.*, NULL, NULL, NULL FROM ({_LEASES}) l
 UNION ALL
 SELECT 'quota', NULL, NULL, NULL, NULL, name, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-  guaranteed_gpus, borrow_limit_gpus, NULL
+  NULL, guaranteed_gpus, borrow_limit_gpus, NULL
 FROM groups WHERE $1
 UNION ALL
+SELECT 'model_quota', model, NULL, NULL, NULL, group_name, NULL, NULL, NULL, NULL, NULL, NULL,
+  NULL, NULL, NULL, guaranteed_gpus, borrow_limit_gpus, NULL
+FROM group_model_quotas WHERE $1
+UNION ALL
 SELECT 'usage', NULL, NULL, NULL, user_name, group_name, NULL, NULL, NULL, NULL, NULL, NULL,
-  NULL, NULL, NULL, NULL, decayed_gpu_seconds
+  NULL, NULL, NULL, NULL, NULL, decayed_gpu_seconds
 FROM fair_usage WHERE $1
 """
 
@@ -216,7 +224,8 @@ async def leases(conn: Conn) -> list[Running]:
     """Every call holding resources on a node (assigned or running), as the scheduler sees
     it; ``start_time`` is when it got them (database clock)."""
     rows = await conn.fetch(_LEASES)
-    return [Running(**{**r, "gpu_indices": tuple(r["gpu_indices"])}) for r in rows]
+    tuples = ("gpu_indices", "gpu_models")
+    return [Running(**{**r, **{k: tuple(r[k]) for k in tuples}}) for r in rows]
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +237,8 @@ class Holdings:
     leases: list[Running]
     now: float
     quotas: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    #: Each group's quotas per model: (model, guaranteed, borrow limit), by model name.
+    model_quotas: dict[str, list[tuple[str, int, int | None]]] = field(default_factory=dict)
     usage: dict[str, float] = field(default_factory=dict)
     user_usage: dict[tuple[str, str], float] = field(default_factory=dict)
 
@@ -244,22 +255,30 @@ async def holdings(conn: Conn, *, quotas: bool) -> Holdings:
     now = 0.0
     leases: list[Running] = []
     limits: dict[str, tuple[int, int | None]] = {}
+    per_model: dict[str, list[tuple[str, int, int | None]]] = {}
     usage: dict[str, float] = {}
     user_usage: dict[tuple[str, str], float] = {}
     for r in rows:
         kind = r["kind"]
         if kind == "lease":
             fields = {name: r[name] for name in _LEASE_FIELDS}
-            leases.append(Running(**{**fields, "gpu_indices": tuple(r["gpu_indices"])}))
+            leases.append(Running(**{**fields, "gpu_indices": tuple(r["gpu_indices"]),
+                                     "gpu_models": tuple(r["gpu_models"])}))  # fmt: skip
         elif kind == "quota":
             limits[r["group"]] = (r["guaranteed_gpus"], r["borrow_limit_gpus"])
+        elif kind == "model_quota":
+            per_model.setdefault(r["group"], []).append(
+                (r["id"], r["guaranteed_gpus"], r["borrow_limit_gpus"])
+            )
         elif kind == "usage" and r["user"] == "":
             usage[r["group"]] = r["decayed_gpu_seconds"]
         elif kind == "usage":
             user_usage[(r["group"], r["user"])] = r["decayed_gpu_seconds"]
         else:
             now = float(r["start_time"])
-    return Holdings(leases, now, limits, usage, user_usage)
+    for models in per_model.values():
+        models.sort()
+    return Holdings(leases, now, limits, per_model, usage, user_usage)
 
 
 async def queued(conn: Conn, per_user: int, most: int, late_s: float = 1e9) -> list[Pending]:
@@ -309,9 +328,7 @@ async def assign(
     for r in rows:
         if r["handed"]:
             node = int(r["node_id"])
-            handed.setdefault(node, Handed(int(r["incarnation"]), [])).work.append(
-                _assignment(r)
-            )
+            handed.setdefault(node, Handed(int(r["incarnation"]), [])).work.append(_assignment(r))
     return [(str(r["id"]), int(r["node_id"])) for r in rows], handed
 
 

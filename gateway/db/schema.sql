@@ -56,6 +56,16 @@ CREATE SEQUENCE public.functions_id_seq
 
 ALTER SEQUENCE public.functions_id_seq OWNED BY public.functions.id;
 
+CREATE TABLE public.group_model_quotas (
+    group_name text NOT NULL,
+    model text NOT NULL,
+    guaranteed_gpus integer DEFAULT 0 NOT NULL,
+    borrow_limit_gpus integer,
+    CONSTRAINT group_model_quotas_borrow_limit_gpus_check CHECK ((borrow_limit_gpus >= 0)),
+    CONSTRAINT group_model_quotas_guaranteed_gpus_check CHECK ((guaranteed_gpus >= 0)),
+    CONSTRAINT group_model_quotas_model_check CHECK ((((length(model) >= 1) AND (length(model) <= 64)) AND (model !~ '[|]'::text)))
+);
+
 CREATE TABLE public.groups (
     name text NOT NULL,
     guaranteed_gpus integer DEFAULT 0 NOT NULL,
@@ -272,6 +282,9 @@ ALTER TABLE ONLY public.functions
 ALTER TABLE ONLY public.functions
     ADD CONSTRAINT functions_pkey PRIMARY KEY (id);
 
+ALTER TABLE ONLY public.group_model_quotas
+    ADD CONSTRAINT group_model_quotas_pkey PRIMARY KEY (group_name, model);
+
 ALTER TABLE ONLY public.groups
     ADD CONSTRAINT groups_pkey PRIMARY KEY (name);
 
@@ -360,6 +373,9 @@ ALTER TABLE ONLY public.functions
 
 ALTER TABLE ONLY public.functions
     ADD CONSTRAINT functions_payload_blob_fkey FOREIGN KEY (payload_blob) REFERENCES public.blobs(id);
+
+ALTER TABLE ONLY public.group_model_quotas
+    ADD CONSTRAINT group_model_quotas_group_name_fkey FOREIGN KEY (group_name) REFERENCES public.groups(name) ON DELETE CASCADE;
 
 ALTER TABLE ONLY public.idempotency_keys
     ADD CONSTRAINT idempotency_keys_owner_id_fkey FOREIGN KEY (owner_id) REFERENCES public.users(id) ON DELETE CASCADE;

@@ -102,6 +102,25 @@ def test_a_changed_quota_group_or_admin_flag_is_applied_and_reported(database_ur
     assert applied(database_url, changed)["changed"] == []
 
 
+def test_quotas_per_model_are_applied_exactly_as_listed(database_url: str) -> None:
+    spec = {"groups": {"vision": {"guaranteed": 8, "models": {
+        "A100": {"guaranteed": 4, "borrow_limit": 0}, "H100": {}}}}}  # fmt: skip
+    assert applied(database_url, spec)["changed"] == [
+        "group vision created (guaranteed 8, no borrow limit; A100: guaranteed 4, borrow "
+        "limit 0; H100: guaranteed 0, no borrow limit)"
+    ]
+    [vision] = [g for g in asyncio.run(admin.groups(database_url)) if g.name == "vision"]
+    assert vision.models == (db.ModelQuotaRow("A100", 4, 0), db.ModelQuotaRow("H100", 0, None))
+    assert applied(database_url, spec)["changed"] == []
+    # A group listed without models has none: the file says the whole quota.
+    assert applied(database_url, {"groups": {"vision": {"guaranteed": 8}}})["changed"] == [
+        "group vision changed (guaranteed 8, no borrow limit; was guaranteed 8, no borrow "
+        "limit; A100: guaranteed 4, borrow limit 0; H100: guaranteed 0, no borrow limit)"
+    ]
+    [vision] = [g for g in asyncio.run(admin.groups(database_url)) if g.name == "vision"]
+    assert vision.models == ()
+
+
 def test_tokens_for_mints_a_token_that_works(module_gateway: Cluster) -> None:
     spec = {
         "groups": {"vision": {"guaranteed": 1}},
@@ -142,6 +161,15 @@ def test_tokens_for_mints_a_token_that_works(module_gateway: Cluster) -> None:
         ({"users": {"alice": {"group": "a/b"}}}, '`$.users["alice"].group`'),
         ({"users": {"alice": {}}, "tokens_for": ["bob"]}, "tokens_for names 'bob', not listed in"),
         ({"group": {}}, "unknown field `group`"),
+        (
+            {"groups": {"v": {"models": {"A100|H100": {}}}}},
+            '`$.groups["v"].models`',
+        ),
+        (
+            {"groups": {"v": {"models": {"A100": {}, "a100": {}}}}},
+            "differ only in case",
+        ),
+        ({"groups": {"v": {"models": {"A100": {"guaranteed": -1}}}}}, "guaranteed"),
         ("{not json", "not JSON"),
     ],
 )

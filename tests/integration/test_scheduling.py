@@ -244,7 +244,9 @@ def test_admins_manage_groups_over_http(fair: Cluster) -> None:
     assert user.put("/v1/admin/groups/x", json={"guaranteed_gpus": 1}).status_code == 403
     r = root.put("/v1/admin/groups/vision", json={"guaranteed_gpus": 8, "borrow_limit_gpus": 16})
     assert r.status_code == 200, r.text
-    assert r.json() == {"name": "vision", "guaranteed_gpus": 8, "borrow_limit_gpus": 16, "users": 0}
+    assert r.json() == {
+        "name": "vision", "guaranteed_gpus": 8, "borrow_limit_gpus": 16, "users": 0, "models": {}
+    }  # fmt: skip
     assert root.put("/v1/admin/users/alice/group", json={"group": "vision"}).status_code == 204
     groups = {g["name"]: g for g in root.get("/v1/admin/groups").json()}
     assert groups["vision"]["users"] == 1 and groups["default"]["guaranteed_gpus"] == 0
@@ -258,6 +260,76 @@ def test_admins_manage_groups_over_http(fair: Cluster) -> None:
     assert "create it first" in bad[2].json()["detail"]
     assert root.put("/v1/admin/users/nobody/group", json={"group": "vision"}).status_code == 404
     assert root.get("/v1/admin/usage").json() == []
+
+
+def test_a_group_holds_no_more_of_a_model_than_its_quota_for_it(
+    fair: Cluster, tmp_path: Path
+) -> None:
+    root = _http(fair.url, fair.add_user("root", is_admin=True))
+    quota = {"guaranteed_gpus": 0, "models": {"A100": {"borrow_limit_gpus": 1}}}
+    r = root.put("/v1/admin/groups/vision", json=quota)
+    assert r.status_code == 200, r.text
+    assert r.json()["models"] == {"A100": {"guaranteed_gpus": 0, "borrow_limit_gpus": 1}}
+    clash = {"models": {"A100": {}, "a100": {}}}
+    r = root.put("/v1/admin/groups/vision", json=clash)
+    assert r.status_code == 422 and "differ only in case" in r.json()["detail"]
+    r = root.put("/v1/admin/groups/vision", json={"models": {"A100|H100": {}}})
+    assert r.status_code == 422, r.text
+    r = root.put("/v1/admin/groups/vision", json={"guaranteed_gpus": 0})  # models left as they are
+    assert r.json()["models"] == {"A100": {"guaranteed_gpus": 0, "borrow_limit_gpus": 1}}
+    sdk.connect(fair.url, fair.add_user("vic", group="vision"))
+    fair.start_nodelet("node-a", fake_gpus=2, **{"fake-gpu-model": "NVIDIA A100-SXM4-80GB"})
+    fair.start_nodelet("node-b", fake_gpus=2, **{"fake-gpu-model": "NVIDIA H100 80GB HBM3"})
+    for name in ("node-a", "node-b"):
+        log = fair.dir / f"{name}.log"
+        wait_until(lambda log=log: "registered" in log.read_text(), 30, name)  # type: ignore[misc]
+    with pytest.raises(sdk.InvalidRequest, match="at most 1 A100"):
+        sdk.function(gpus=2, gpu="A100")(quick)("x")  # could never run
+    a100 = sdk.function(gpus=1, gpu="A100")(hold)
+    first = a100.spawn(str(tmp_path), "first")
+    wait_until(lambda: (tmp_path / "first.started").exists(), 30, "the first A100 call")
+    second = a100.spawn(str(tmp_path), "second")
+    wait_until(lambda: second.status().reason is not None, 30, "the scheduler's explanation")
+    reason = second.status().reason or ""
+    assert "quota for the GPU models" in reason and "1 of at most 1 A100" in reason, reason
+    anywhere = sdk.function(gpus=1)(hold).spawn(str(tmp_path), "anywhere")
+    wait_until(lambda: (tmp_path / "anywhere.started").exists(), 30, "a call of any model")
+    assert anywhere.info().node == "node-b"  # the A100 left is not the group's to take
+    assert second.status() == "queued"
+    (tmp_path / "release").touch()
+    assert [c.result(timeout=30) for c in (first, second, anywhere)] == [
+        "first done", "second done", "anywhere done"]  # fmt: skip
+    assert first.info().node == second.info().node == "node-a"
+
+
+def test_admins_set_quotas_per_model_from_the_command_line(fair: Cluster) -> None:
+    from click.testing import CliRunner
+
+    from bulletin import cli
+
+    env = {"BULLETIN_DATABASE_URL": fair.database_url}
+    run = lambda *args: CliRunner().invoke(cli, list(args), env=env)  # noqa: E731
+    assert run("group", "set", "vision", "--guaranteed", "8").exit_code == 0
+    out = run("group", "set", "vision", "--model", "A100", "--guaranteed", "2",
+              "--borrow-limit", "0").output  # fmt: skip
+    assert out.strip() == (
+        "group vision: 8 GPUs guaranteed, borrows no limit; "
+        "A100: 2 GPUs guaranteed, borrows up to 0 more"
+    )
+    out = run("group", "set", "vision", "--model", "A100", "--no-borrow-limit").output
+    assert "A100: 2 GPUs guaranteed, borrows no limit" in out  # its guarantee kept
+    assert "8 GPUs guaranteed" in run("group", "set", "vision", "--model", "H100").output
+    listed = run("group", "list").output
+    assert "  A100: 2 guaranteed, borrow limit no limit\n  H100: 0 guaranteed" in listed
+    bad = run("group", "set", "vision", "--model", "A100|H100")
+    assert bad.exit_code == 2 and "one GPU model" in bad.output
+    clash = run("group", "set", "vision", "--model", "a100", "--guaranteed", "1")
+    assert clash.exit_code == 1 and "differ only in case" in clash.output
+    assert run("group", "set", "vision", "--drop-model").exit_code == 2
+    out = run("group", "set", "vision", "--model", "A100", "--drop-model").output
+    assert "A100" not in out and "H100: 0 GPUs guaranteed" in out
+    [vision] = [g for g in asyncio.run(admin.groups(fair.database_url)) if g.name == "vision"]
+    assert [m.model for m in vision.models] == ["H100"]
 
 
 def _http(url: str, token: str) -> httpx.Client:
