@@ -188,8 +188,8 @@ class Book:
         allowed: list[str] = []
         barred: list[str] = []
         for name in self.names:
-            if not name or not placement.model_ok(name, call.gpu_model):
-                continue
+            if not name or "|" in name or not placement.model_ok(name, call.gpu_model):
+                continue  # (a name with "|" in it would read as alternatives: never kept to)
             model = model_of(quota.models, name)
             ok = model is None or self._model_left(call.group, model, nominal) >= call.gpus
             (allowed if ok else barred).append(name)

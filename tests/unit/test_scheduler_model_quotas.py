@@ -133,3 +133,23 @@ def test_a_call_that_only_one_model_at_its_ceiling_could_hold_is_refused_at_subm
     assert reason is not None and "at most 2" in reason
     assert never_fits(Pending("z", 2, group="vision"), nodes, quotas) is None
     assert never_fits(Pending("w", 4, group="nlp", gpu_model="A100"), nodes, quotas) is None
+
+
+def test_no_other_name_for_a_model_gets_a_group_past_its_quota_for_it() -> None:
+    # The quota is for GPUs whose model name has "A100" in it, whatever the call says.
+    quotas = {"vision": Quota(0, None, a100_only(0, 1))}
+    running = [run("held", 1, (0,), "vision")]
+    for asked in ("a100", "SXM4", "NVIDIA A100-SXM4", "H100|a100", "A100|A100"):
+        snap = Snapshot(
+            [node(1, [1, 2, 3], "A100"), node(2, [], "H100")],
+            [Pending("x", 1, group="vision", gpu_model=asked)],
+            running,
+            quotas=quotas,
+        )
+        assert list(plan(snap)) == [], asked
+    # A node reporting a model name with "|" in it is not read as alternatives ("NVIDIA" or
+    # "H100", the first of which the A100s' name has in it).
+    odd = NodeCapacity(3, [], 0, (Gpu(0, "NVIDIA|H100"), Gpu(1, "NVIDIA|H100")))  # (busy)
+    snap = Snapshot([node(1, [1, 2, 3], "A100"), odd], [Pending("y", 1, group="vision")],
+                    running, quotas=quotas)  # fmt: skip
+    assert [d.node_id for d in plan(snap) if d.node_id == 1] == []
