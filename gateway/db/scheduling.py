@@ -55,9 +55,12 @@ SELECT DISTINCT ON (coalesce(i.lease_id, i.id))
   -- Preempting frees GPUs only; nodelets before protocol 2 cannot be told to.
   i.gpus > 0 AND n.protocol_version >= {PREEMPTING_PROTOCOL} AS preemptible,
   extract(epoch FROM coalesce(i.queued_at, i.submitted_at))::float8 AS queued_time,
-  -- Its GPUs' models, for quotas per model (its node may not be in the round's snapshot).
-  array(SELECT g->>'name' FROM jsonb_array_elements(n.gpus) g
-        WHERE (g->>'index')::int = ANY(i.gpu_indices)) AS gpu_models
+  -- Its GPUs' models, for quotas per model (its node may not be in the round's snapshot);
+  -- NULL while no group has one (read once per statement).
+  CASE WHEN EXISTS (SELECT 1 FROM group_model_quotas) THEN
+    array(SELECT g->>'name' FROM jsonb_array_elements(n.gpus) g
+          WHERE (g->>'index')::int = ANY(i.gpu_indices))
+  END AS gpu_models
 FROM invocations i
 JOIN users u ON u.id = i.owner_id
 JOIN nodes n ON n.id = i.node_id
@@ -225,7 +228,7 @@ async def leases(conn: Conn) -> list[Running]:
     it; ``start_time`` is when it got them (database clock)."""
     rows = await conn.fetch(_LEASES)
     tuples = ("gpu_indices", "gpu_models")
-    return [Running(**{**r, **{k: tuple(r[k]) for k in tuples}}) for r in rows]
+    return [Running(**{**r, **{k: tuple(r[k] or ()) for k in tuples}}) for r in rows]
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +266,7 @@ async def holdings(conn: Conn, *, quotas: bool) -> Holdings:
         if kind == "lease":
             fields = {name: r[name] for name in _LEASE_FIELDS}
             leases.append(Running(**{**fields, "gpu_indices": tuple(r["gpu_indices"]),
-                                     "gpu_models": tuple(r["gpu_models"])}))  # fmt: skip
+                                     "gpu_models": tuple(r["gpu_models"] or ())}))  # fmt: skip
         elif kind == "quota":
             limits[r["group"]] = (r["guaranteed_gpus"], r["borrow_limit_gpus"])
         elif kind == "model_quota":
