@@ -26,7 +26,6 @@ import asyncpg
 
 from bulletin_core import wire
 from gateway import auth, db
-from scheduler.quotas import case_clash
 
 
 @contextlib.asynccontextmanager
@@ -202,14 +201,16 @@ async def change_group(
     the parts given are those of its quota for that GPU model (made as for a new group),
     or, with ``drop_model``, that quota is removed."""
     async with connection(database_url) as conn, conn.transaction():
+        await db.lock_group(conn, name)
         old = next(iter(await db.groups(conn, name)), None)
         models = list(old.models) if old else []
-        if model is not None:
-            mine = next((m for m in models if m.model == model), None)
-            clash = case_clash([m.model for m in models if m is not mine] + [model])
-            if clash and not drop_model:
-                raise AdminError(clash)
+        if model is not None:  # (models match case-insensitively: so does this)
+            mine = next((m for m in models if m.model.casefold() == model.casefold()), None)
             models = [m for m in models if m is not mine]
+            if mine is not None:
+                mine = dataclasses.replace(mine, model=model)
+            elif drop_model:
+                raise AdminError(f"group {name!r} has no quota for GPU model {model!r}")
             if not drop_model:
                 models.append(_changed(mine or db.ModelQuotaRow(model, 0, None),
                                        guaranteed, borrow_limit))  # fmt: skip

@@ -55,8 +55,10 @@ async def put_group(request: Request) -> Response:
         clash = case_clash([m.model for m in models])
         if clash:
             raise Unprocessable(clash)
-    pool = request.app.state.pool
-    row = await db.set_group(pool, name, quota.guaranteed_gpus, quota.borrow_limit_gpus, models)
+    async with request.app.state.pool.acquire() as conn:
+        row = await db.set_group(
+            conn, name, quota.guaranteed_gpus, quota.borrow_limit_gpus, models
+        )
     return reply(_group(row))
 
 

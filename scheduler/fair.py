@@ -145,7 +145,7 @@ class _Round:
         group may still take (a gang's whole nodes may hold more than it asks for), nor more
         of a model than its quota for that model allows (with ``nominal``: than it
         guarantees)."""
-        kept = self.book.restrict(call, nominal)
+        kept = self.keep(call, nominal)
         if kept is None:
             return None
         room = self.book.limit(call, kept)
@@ -166,6 +166,17 @@ class _Round:
                         self.held.remove(held)
                     return (Part(choice[0].node.node_id, choice[1]),)
         return parts
+
+    def keep(self, call: Pending, nominal: bool = False) -> Pending | None:
+        """The call kept to the models its group may still take (:meth:`Book.restrict`);
+        None if none, or if those are too few on any one node for a call that would fit one
+        node otherwise (it must not become a gang on whole nodes)."""
+        kept = self.book.restrict(call, nominal)
+        if kept is None or kept is call:
+            return kept
+        if kept.gpus > self.cap.largest_for(kept) and call.gpus <= self.cap.largest_for(call):
+            return None
+        return kept
 
     def start(self, call: Pending, parts: tuple[Part, ...]) -> None:
         borrowed = self.book.borrowed(call.group, parts)
@@ -208,7 +219,7 @@ class _Round:
         budget = self.guard_budget(after_s, starving, waited)
         full = False  # the share is spoken for: only calls reserved for last round go on
         for call in starving:
-            kept = self.book.restrict(call)
+            kept = self.keep(call)
             if kept is None or not self.book.within_ceiling(call):
                 continue
             if call.id not in self.snapshot.reserved:  # (those keep their reservations)
@@ -303,7 +314,7 @@ class _Round:
             note(self.why, call, self.pos.get(call.id, 0), _later, call, self.cap)
             return True
         shape = (group, call.gpus, call.gpu_model, call.min_memory_mib)
-        kept = book.restrict(call, nominal=True)  # (only on models it is guaranteed)
+        kept = self.keep(call, nominal=True)  # (only on models it is guaranteed)
         can = self.policy.reclaim and shape not in self.stuck and book.any_borrowing()
         found = None
         if can and kept is not None:
@@ -343,7 +354,7 @@ class _Round:
                     break  # nothing else of this group is within its guarantee
                 if call.id in self.done or not book.nominal(call):
                     continue
-                kept = book.restrict(call, nominal=True)
+                kept = self.keep(call, nominal=True)
                 if kept is None:
                     continue  # beyond its guarantee of each model it may use: it borrows
                 shape = (group, call.gpus, call.gpu_model, call.min_memory_mib)
@@ -379,7 +390,7 @@ class _Round:
             if not book.within_ceiling(call):
                 note(self.why, call, self.pos.get(call.id, 0), book.ceiling_reason, call)
                 continue
-            if book.restrict(call) is None:
+            if self.keep(call) is None:
                 note(self.why, call, self.pos.get(call.id, 0), book.model_ceiling_reason, call)
                 continue
             parts = self.place(call, borrower=True)

@@ -188,10 +188,13 @@ class Book:
         allowed: list[str] = []
         barred: list[str] = []
         for name in self.names:
-            if not name or "|" in name or not placement.model_ok(name, call.gpu_model):
-                continue  # (a name with "|" in it would read as alternatives: never kept to)
+            if not name or not placement.model_ok(name, call.gpu_model):
+                continue
             model = model_of(quota.models, name)
-            ok = model is None or self._model_left(call.group, model, nominal) >= call.gpus
+            # (a name with "|" in it would read as alternatives: never one to keep a call to)
+            ok = "|" not in name and (
+                model is None or self._model_left(call.group, model, nominal) >= call.gpus
+            )
             (allowed if ok else barred).append(name)
         if not barred:
             return call
@@ -210,9 +213,9 @@ class Book:
         room, and, for a gang on whole nodes that may take more than it asks, the room left on
         each listed model it may use."""
         room = self.room(call.group)
-        if kept is call or not self.quota(call.group).models:
-            return room
         quota = self.quota(call.group)
+        if not quota.models:
+            return room
         for name in self.names:
             if not placement.model_ok(name, kept.gpu_model):
                 continue
@@ -222,19 +225,19 @@ class Book:
         return room
 
     def reclaimable(self, run: Running, released: Mapping[str | tuple[str, str], int]) -> bool:
-        """Whether reclaim may take ``run`` back, ``released`` being taken already: its group
-        still holds more than its guarantee, or more than a listed model's guarantee of a
-        model the run holds."""
+        """Whether reclaim may take ``run`` back, ``released`` being taken already. A run on
+        GPUs of listed models: if its group still holds more than its guarantee of each of
+        them (its guarantee in all aside: those GPUs are borrowed); any other run: if its
+        group still holds more than its guarantee."""
         group = run.group
-        if self.used[group] - released.get(group, 0) > self.quota(group).guaranteed:
-            return True
-        if not self.per_model or not self.quota(group).models:
-            return False
-        return any(
-            self.model_used[(group, model)] - released.get((group, model), 0)
-            > self._model_quota(group, model).guaranteed
-            for model in self._run_counts(run)
-        )
+        counts = self._run_counts(run)
+        if counts:
+            return all(
+                self.model_used[(group, model)] - released.get((group, model), 0)
+                > self._model_quota(group, model).guaranteed
+                for model in counts
+            )
+        return self.used[group] - released.get(group, 0) > self.quota(group).guaranteed
 
     def count_release(self, released: Released, run: Running) -> None:
         """Add ``run``'s GPUs to what reclaim has taken back (see :meth:`reclaimable`)."""

@@ -44,35 +44,39 @@ _GROUPS = """
 SELECT g.name, g.guaranteed_gpus, g.borrow_limit_gpus,
   (SELECT count(*) FROM users u WHERE u.group_name = g.name) AS users,
   array(SELECT m.model FROM group_model_quotas m WHERE m.group_name = g.name
-        ORDER BY m.model) AS models,
+        ORDER BY m.model COLLATE "C") AS models,
   array(SELECT m.guaranteed_gpus FROM group_model_quotas m WHERE m.group_name = g.name
-        ORDER BY m.model) AS model_guaranteed,
+        ORDER BY m.model COLLATE "C") AS model_guaranteed,
   array(SELECT m.borrow_limit_gpus FROM group_model_quotas m WHERE m.group_name = g.name
-        ORDER BY m.model) AS model_limits
+        ORDER BY m.model COLLATE "C") AS model_limits
 FROM groups g
 WHERE $1::text IS NULL OR g.name = $1
 ORDER BY g.name
 """
 
-# The group's row, and (with $4) its quotas per model replaced by those of $5..$7, in one
-# statement (the model rows' reference to the group is checked at its end).
+# The group's row, locked until the transaction ends (a concurrent change of its quotas per
+# model waits, then sees what this one wrote).
 _SET_GROUP = """
-WITH g AS (
-  INSERT INTO groups (name, guaranteed_gpus, borrow_limit_gpus) VALUES ($1, $2, $3)
-  ON CONFLICT (name) DO UPDATE SET guaranteed_gpus = EXCLUDED.guaranteed_gpus,
-    borrow_limit_gpus = EXCLUDED.borrow_limit_gpus
-  RETURNING name
-), dropped AS (
-  DELETE FROM group_model_quotas WHERE $4 AND group_name = $1 AND NOT model = ANY($5::text[])
-), kept AS (
-  INSERT INTO group_model_quotas (group_name, model, guaranteed_gpus, borrow_limit_gpus)
-  SELECT (SELECT name FROM g), m.model, m.guaranteed, m.borrow_limit
-  FROM unnest($5::text[], $6::int[], $7::int[]) AS m(model, guaranteed, borrow_limit)
-  WHERE $4
-  ON CONFLICT (group_name, model) DO UPDATE SET guaranteed_gpus = EXCLUDED.guaranteed_gpus,
-    borrow_limit_gpus = EXCLUDED.borrow_limit_gpus
+INSERT INTO groups (name, guaranteed_gpus, borrow_limit_gpus) VALUES ($1, $2, $3)
+ON CONFLICT (name) DO UPDATE SET guaranteed_gpus = EXCLUDED.guaranteed_gpus,
+  borrow_limit_gpus = EXCLUDED.borrow_limit_gpus
+"""
+
+_LOCK_GROUP = """
+SELECT 1 FROM groups WHERE name = $1 FOR UPDATE
+"""
+
+# The group's quotas per model replaced by those of $2..$4 (run after _SET_GROUP, in its
+# transaction: a statement of its own, so it sees a concurrent change that committed first).
+_SET_MODEL_QUOTAS = """
+WITH dropped AS (
+  DELETE FROM group_model_quotas WHERE group_name = $1 AND NOT model = ANY($2::text[])
 )
-SELECT name FROM g
+INSERT INTO group_model_quotas (group_name, model, guaranteed_gpus, borrow_limit_gpus)
+SELECT $1, m.model, m.guaranteed, m.borrow_limit
+FROM unnest($2::text[], $3::int[], $4::int[]) AS m(model, guaranteed, borrow_limit)
+ON CONFLICT (group_name, model) DO UPDATE SET guaranteed_gpus = EXCLUDED.guaranteed_gpus,
+  borrow_limit_gpus = EXCLUDED.borrow_limit_gpus
 """
 
 _GROUP_EXISTS = """
@@ -154,23 +158,31 @@ async def groups(conn: Conn, name: str | None = None) -> list[GroupRow]:
 
 
 async def set_group(
-    conn: Conn,
+    conn: asyncpg.Connection,
     name: str,
     guaranteed_gpus: int,
     borrow_limit_gpus: int | None,
     models: Sequence[ModelQuotaRow] | None = None,
 ) -> GroupRow:
     """Create group ``name`` or change its quota, and replace its quotas per model with
-    ``models`` (None: keep them); the group as it now is."""
+    ``models`` (None: keep them), in one transaction; the group as it now is."""
     given = list(models or ())
-    await conn.fetchval(
-        _SET_GROUP, name, guaranteed_gpus, borrow_limit_gpus, models is not None,
-        [m.model for m in given], [m.guaranteed_gpus for m in given],
-        [m.borrow_limit_gpus for m in given],
-    )  # fmt: skip
-    await _notify(conn, "q")
-    (row,) = await groups(conn, name)
+    async with conn.transaction():
+        await conn.execute(_SET_GROUP, name, guaranteed_gpus, borrow_limit_gpus)
+        if models is not None:
+            await conn.execute(
+                _SET_MODEL_QUOTAS, name, [m.model for m in given],
+                [m.guaranteed_gpus for m in given], [m.borrow_limit_gpus for m in given],
+            )  # fmt: skip
+        await _notify(conn, "q")
+        (row,) = await groups(conn, name)
     return row
+
+
+async def lock_group(conn: asyncpg.Connection, name: str) -> None:
+    """Lock group ``name``'s row (if it exists) until the transaction ends, so that a
+    read-modify-write of its quota sees no concurrent change."""
+    await conn.execute(_LOCK_GROUP, name)
 
 
 async def group_exists(conn: Conn, name: str) -> bool:

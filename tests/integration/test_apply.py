@@ -121,6 +121,24 @@ def test_quotas_per_model_are_applied_exactly_as_listed(database_url: str) -> No
     assert vision.models == ()
 
 
+def test_two_changes_of_a_group_s_models_at_once_leave_the_later_one(database_url: str) -> None:
+    """Each change replaces the group's quotas per model: the one that waited for the other's
+    lock sees what it wrote, and keeps nothing of it."""
+
+    async def race() -> tuple[db.ModelQuotaRow, ...]:
+        connect = admin.connection
+        async with connect(database_url) as first, connect(database_url) as second:
+            b, c = [db.ModelQuotaRow("B100", 1, None)], [db.ModelQuotaRow("C100", 2, None)]
+            async with first.transaction():
+                await db.set_group(first, "vision", 0, None, b)
+                later = asyncio.create_task(db.set_group(second, "vision", 0, None, c))
+                await asyncio.sleep(0.5)
+                assert not later.done()  # it waits for the first's lock
+            return (await later).models
+
+    assert asyncio.run(race()) == (db.ModelQuotaRow("C100", 2, None),)
+
+
 def test_tokens_for_mints_a_token_that_works(module_gateway: Cluster) -> None:
     spec = {
         "groups": {"vision": {"guaranteed": 1}},
@@ -173,9 +191,7 @@ def test_tokens_for_mints_a_token_that_works(module_gateway: Cluster) -> None:
         ("{not json", "not JSON"),
     ],
 )
-def test_a_bad_file_is_refused_naming_the_field(
-    database_url: str, spec: object, said: str
-) -> None:
+def test_a_bad_file_is_refused_naming_the_field(database_url: str, spec: object, said: str) -> None:
     result = apply(database_url, spec)
     assert result.exit_code == 2, result.output
     assert said in result.stderr and "bulletin apply --help" in result.stderr
@@ -190,6 +206,6 @@ def test_an_unknown_group_is_refused_before_anything_changes(database_url: str) 
     }
     result = apply(database_url, spec)
     assert result.exit_code == 1 and result.stdout == ""
-    assert "users[\"eve\"].group: no group 'nope': list it under \"groups\"" in result.stderr
+    assert 'users["eve"].group: no group \'nope\': list it under "groups"' in result.stderr
     assert groups(database_url) == {"default": (0, None)}
     assert users(database_url, "alice", "eve") == {}

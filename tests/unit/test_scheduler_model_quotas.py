@@ -153,3 +153,47 @@ def test_no_other_name_for_a_model_gets_a_group_past_its_quota_for_it() -> None:
     snap = Snapshot([node(1, [1, 2, 3], "A100"), odd], [Pending("y", 1, group="vision")],
                     running, quotas=quotas)  # fmt: skip
     assert [d.node_id for d in plan(snap) if d.node_id == 1] == []
+
+
+def test_a_call_kept_off_a_model_is_not_split_over_nodes_as_a_gang() -> None:
+    # 4 GPUs fit the A100 node, where the group may take only 2 more: the H100 nodes have 2
+    # each, and the call must not become a gang on both (a live call runs on one node).
+    quotas = {"vision": Quota(0, None, a100_only(0, 4))}
+    nodes = [node(1, [2, 3], "A100"), node(2, [0, 1], "H100", size=2),
+             node(3, [0, 1], "H100", size=2)]  # fmt: skip
+    running = [run("r", 1, (0, 1), "vision")]
+    snap = Snapshot(nodes, [Pending("x", 4, group="vision")], running, quotas=quotas, now=10)
+    for policy in (FAIR, Fair(starve_after_s=0)):
+        assert list(plan_round(snap, policy)) == []
+
+
+def test_a_gang_on_whole_nodes_stays_within_the_model_s_ceiling() -> None:
+    # A100 ceiling 8, 3 held; a 5-GPU gang would take two whole 3-GPU nodes: 9.
+    quotas = {"vision": Quota(0, None, a100_only(0, 8))}
+    nodes = [node(1, [], "A100", size=3), node(2, [0, 1, 2], "A100", size=3),
+             node(3, [0, 1, 2], "A100", size=3)]  # fmt: skip
+    running = [run("r", 1, (0, 1, 2), "vision")]
+    snap = Snapshot(nodes, [Pending("g", 5, group="vision")], running, quotas=quotas, now=10)
+    for policy in (FAIR, Fair(starve_after_s=0)):
+        assert list(plan_round(snap, policy)) == []
+
+
+def test_a_node_model_name_with_a_bar_is_never_a_way_past_the_ceiling() -> None:
+    quotas = {"vision": Quota(0, None, a100_only(0, 1))}
+    odd = NodeCapacity(1, [1, 2, 3], 0, tuple(Gpu(g, "NVIDIA A100|SXM4") for g in range(4)))
+    snap = Snapshot([odd], [Pending("x", 2, group="vision")], [run("r", 1, (0,), "vision")],
+                    quotas=quotas, now=10)  # fmt: skip
+    assert list(plan(snap)) == []
+
+
+def test_reclaim_leaves_a_group_its_guarantee_of_a_model_whatever_it_holds_in_all() -> None:
+    # vision is guaranteed 4 in all and 4 A100s; it holds 4 A100s and 4 borrowed H100s, so
+    # it is above its guarantee in all: its A100s still stay (the H100 call is no use to an
+    # A100 call), and nlp's A100 call waits.
+    quotas = {"vision": Quota(4, None, a100_only(4, 0)), "nlp": Quota(4, None)}
+    running = [run("va", 1, (0, 1, 2, 3), "vision", start=5, borrowed=False),
+               run("vh", 2, (0, 1, 2, 3), "vision", start=1)]  # fmt: skip
+    snap = Snapshot([node(1, [], "A100"), node(2, [], "H100")],
+                    [Pending("n", 4, group="nlp", gpu_model="A100")], running, quotas=quotas,
+                    now=10)  # fmt: skip
+    assert plan(snap).preemptions == []
