@@ -12,7 +12,10 @@ groups (no one borrows); ``reclaim``: three groups hold them all, so the seven o
 ``starving``: ``balanced`` with every free GPU taken (a call per node) and the clock an hour
 past the last submission, so every whole-node call has waited past fair's starvation bound
 and none fits, each one reserved for by the previous round (so kept beyond the guard's share
-of the cluster): the worst case for the guard, which then reserves (``reserved``).
+of the cluster): the worst case for the guard, which then reserves (``reserved``);
+``per model``: ``balanced`` with quotas per GPU model as well (each group guaranteed its
+share of the A100s and of the H100s, and borrowing at most 80 H100s), so every placement
+is kept to the models its group may still take.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from scheduler import Gpu, NodeCapacity, Pending, Quota, Running, Snapshot, plan
 NODES, GPUS, RUNNING, PENDING, GROUPS = 1000, 8, 5000, 10000, 10
 
 
-def snapshot(nvlink: bool, borrowing: bool, seed: int = 1, starving: bool = False) -> Snapshot:
+def snapshot(
+    nvlink: bool, borrowing: bool, seed: int = 1, starving: bool = False, models: bool = False
+) -> Snapshot:
     rng = random.Random(seed)
     nodes = []
     for i in range(NODES):
@@ -75,7 +80,9 @@ def snapshot(nvlink: bool, borrowing: bool, seed: int = 1, starving: bool = Fals
         )
         for p in range(PENDING)
     ]
-    quotas = {f"g{g}": Quota(NODES * GPUS // GROUPS, None) for g in range(GROUPS)}
+    share = NODES * GPUS // GROUPS
+    per_model = (("A100", Quota(share * 4 // 5)), ("H100", Quota(share // 5, 80)))
+    quotas = {f"g{g}": Quota(share, None, per_model if models else ()) for g in range(GROUPS)}
     usage = {f"g{g}": rng.uniform(0, 1e7) for g in range(GROUPS)}
     now = PENDING + 3600.0 if starving else 0.0
     kept = frozenset(c.id for c in pending if c.gpus >= GPUS) if starving else frozenset()
@@ -89,10 +96,13 @@ def main() -> None:
     print("| policy | snapshot | NVLink topology | free GPUs | placed | preempted | reserved "
           "| plan() ms |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
-    for borrowing, starving in ((False, False), (True, False), (False, True)):
+    variants = ((False, False, False), (True, False, False), (False, True, False),
+                (False, False, True))  # fmt: skip
+    for borrowing, starving, models in variants:
         for nvlink in (False, True):
-            snap = snapshot(nvlink, borrowing, starving=starving)
+            snap = snapshot(nvlink, borrowing, starving=starving, models=models)
             name = "starving" if starving else "reclaim" if borrowing else "balanced"
+            name = "per model" if models else name
             free = sum(len(n.free_gpus) for n in snap.nodes)
             for policy in ("fifo", "fair"):
                 times = []

@@ -138,16 +138,21 @@ class _Round:
         note(self.why, call, self.pos.get(call.id, 0), str, reason)
 
     def place(
-        self, call: Pending, borrower: bool = False, nominal: bool = False
+        self,
+        call: Pending,
+        borrower: bool = False,
+        nominal: bool = False,
+        kept: Pending | None = None,
     ) -> tuple[Part, ...] | None:
         """Room for the call now: outside any reservation, or inside one if it cannot delay
         it (for a ``borrower``, not one a guaranteed call waits on); never more GPUs than its
         group may still take (a gang's whole nodes may hold more than it asks for), nor more
         of a model than its quota for that model allows (with ``nominal``: than it
-        guarantees)."""
-        kept = self.keep(call, nominal)
+        guarantees). ``kept``: :meth:`keep`'s answer for it, when the caller has it."""
         if kept is None:
-            return None
+            kept = self.keep(call, nominal)
+            if kept is None:
+                return None
         room = self.book.limit(call, kept)
         call = kept
         key = (call.group, call.gpus, call.gpu_model, call.min_memory_mib)
@@ -228,7 +233,7 @@ class _Round:
                     continue  # younger ones wait in line too, as in fair order
             budget -= call.gpus
             room = self.book.limit(call, kept)
-            parts = self.place(call)
+            parts = self.place(call, kept=kept)
             if parts is not None:
                 self.start(call, parts)
                 continue
@@ -363,7 +368,7 @@ class _Round:
                     self.done.add(call.id)
                     note(self.why, call, self.pos.get(call.id, 0), _unreclaimable, call, self.cap)
                     continue
-                parts = self.place(call, nominal=True)
+                parts = self.place(call, nominal=True, kept=kept)
                 if parts is not None:
                     self.start(call, parts)
                     continue
@@ -390,10 +395,11 @@ class _Round:
             if not book.within_ceiling(call):
                 note(self.why, call, self.pos.get(call.id, 0), book.ceiling_reason, call)
                 continue
-            if self.keep(call) is None:
+            kept = self.keep(call)
+            if kept is None:
                 note(self.why, call, self.pos.get(call.id, 0), book.model_ceiling_reason, call)
                 continue
-            parts = self.place(call, borrower=True)
+            parts = self.place(call, borrower=True, kept=kept)
             if parts is None:
                 pos = self.pos.get(call.id, 0)
                 note(self.why, call, pos, self.waiting, call, pos)

@@ -56,6 +56,10 @@ def case_clash(models: Iterable[str]) -> str | None:
     return None
 
 
+#: :meth:`Book.restrict` kept nothing from the call.
+_ALL = "\0all"
+
+
 class Book:
     """GPUs held per group (and per group and listed model) during one round. ``nodes``: the
     round's nodes, whose inventories say which model each GPU is (only read when some quota
@@ -75,6 +79,12 @@ class Book:
         self.model_used: dict[tuple[str, str], int] = defaultdict(int)
         self.per_model = bool(default.models) or any(q.models for q in quotas.values())
         self._names: dict[int, dict[int, str]] = {}
+        self._listed: dict[str, dict[str, Quota]] = {}  # group -> its models' quotas
+        self._model_memo: dict[tuple[str, str], str | None] = {}  # (group, name) -> model
+        #: Per group, a count bumped whenever what it holds changes (keys of the memo below).
+        self._version: dict[str, int] = defaultdict(int)
+        self._kept: dict[tuple[str, int, int, str | None, bool], str | None] = {}
+        self._limits: dict[tuple[str, int, str | None], float] = {}
         #: The GPU model names of the nodes (casefolded), the alternatives a call is kept to.
         self.names: tuple[str, ...] = ()
         if self.per_model:
@@ -119,19 +129,28 @@ class Book:
 
     def add(self, group: str, parts: Iterable[Part], sign: int = 1) -> None:
         """Charge the group the GPUs of ``parts`` (``sign`` -1: give them back)."""
-        quota = self.quota(group) if self.per_model else None
+        self._version[group] += 1
+        listed = self.per_model and bool(self.quota(group).models)
         for part in parts:
             self.used[group] += sign * len(part.gpu_indices)
-            if quota is None or not quota.models:
+            if not listed:
                 continue
             names = self._names.get(part.node_id, {})
             for index in part.gpu_indices:
-                model = model_of(quota.models, names.get(index, ""))
+                model = self._model(group, names.get(index, ""))
                 if model is not None:
                     self.model_used[(group, model)] += sign
 
+    def _model(self, group: str, name: str) -> str | None:
+        """The group's listed model a GPU named ``name`` counts against (:func:`model_of`)."""
+        key = (group, name)
+        if key not in self._model_memo:
+            self._model_memo[key] = model_of(self.quota(group).models, name)
+        return self._model_memo[key]
+
     def add_run(self, run: Running, sign: int = 1) -> None:
         """Charge (``sign`` -1: give back) a running call's GPUs to its group."""
+        self._version[run.group] += 1
         self.used[run.group] += sign * run.gpus
         for model, n in self._run_counts(run).items():
             self.model_used[(run.group, model)] += sign * n
@@ -144,22 +163,24 @@ class Book:
             return self._counts(run.group, run.parts)
         counts: dict[str, int] = defaultdict(int)
         for name in run.gpu_models:
-            model = model_of(self.quota(run.group).models, name)
+            model = self._model(run.group, name)
             if model is not None:
                 counts[model] += 1
         return counts
 
     def _model_quota(self, group: str, model: str) -> Quota:
-        return dict(self.quota(group).models)[model]
+        listed = self._listed.get(group)
+        if listed is None:
+            listed = self._listed[group] = dict(self.quota(group).models)
+        return listed[model]
 
     def _counts(self, group: str, parts: Iterable[Part]) -> dict[str, int]:
         """The GPUs of ``parts`` per listed model of the group."""
-        models = self.quota(group).models
         counts: dict[str, int] = defaultdict(int)
         for part in parts:
             names = self._names.get(part.node_id, {})
             for index in part.gpu_indices:
-                model = model_of(models, names.get(index, ""))
+                model = self._model(group, names.get(index, ""))
                 if model is not None:
                     counts[model] += 1
         return counts
@@ -182,27 +203,36 @@ class Book:
         models within their ceilings (with ``nominal``: within their guarantees) and the
         unlisted ones. The call itself when nothing is kept from it; None when every model it
         may use is."""
-        quota = self.quota(call.group)
-        if not quota.models or not call.gpus:
+        if not call.gpus or not self.quota(call.group).models:
             return call
+        group = call.group
+        key = (group, self._version[group], call.gpus, call.gpu_model, nominal)
+        if key not in self._kept:
+            self._kept[key] = self._kept_models(call, nominal)
+        kept = self._kept[key]
+        if kept == _ALL:
+            return call
+        return None if kept is None else dataclasses.replace(call, gpu_model=kept)
+
+    def _kept_models(self, call: Pending, nominal: bool) -> str | None:
+        """:meth:`restrict`'s ``gpu_model`` for the call: ``_ALL`` (nothing kept from it),
+        the models it may use, or None (none)."""
         allowed: list[str] = []
         barred: list[str] = []
         for name in self.names:
             if not name or not placement.model_ok(name, call.gpu_model):
                 continue
-            model = model_of(quota.models, name)
+            model = self._model(call.group, name)
             # (a name with "|" in it would read as alternatives: never one to keep a call to)
             ok = "|" not in name and (
                 model is None or self._model_left(call.group, model, nominal) >= call.gpus
             )
             (allowed if ok else barred).append(name)
         if not barred:
-            return call
+            return _ALL
         # (a name inside a barred one would let the call onto the barred model too)
         allowed = [a for a in allowed if not any(a in b for b in barred)]
-        if not allowed:
-            return None
-        return dataclasses.replace(call, gpu_model="|".join(allowed))
+        return "|".join(allowed) if allowed else None
 
     def _model_left(self, group: str, model: str, nominal: bool) -> float:
         quota = self._model_quota(group, model)
@@ -213,16 +243,19 @@ class Book:
         room, and, for a gang on whole nodes that may take more than it asks, the room left on
         each listed model it may use."""
         room = self.room(call.group)
-        quota = self.quota(call.group)
-        if not quota.models:
+        if not self.quota(call.group).models:
             return room
-        for name in self.names:
-            if not placement.model_ok(name, kept.gpu_model):
-                continue
-            model = model_of(quota.models, name)
-            if model is not None:
-                room = min(room, self._model_left(call.group, model, nominal=False))
-        return room
+        group = call.group
+        key = (group, self._version[group], kept.gpu_model)
+        if key not in self._limits:
+            for name in self.names:
+                if not placement.model_ok(name, kept.gpu_model):
+                    continue
+                model = self._model(group, name)
+                if model is not None:
+                    room = min(room, self._model_left(group, model, nominal=False))
+            self._limits[key] = room
+        return self._limits[key]
 
     def reclaimable(self, run: Running, released: Mapping[str | tuple[str, str], int]) -> bool:
         """Whether reclaim may take ``run`` back, ``released`` being taken already. A run on
@@ -261,7 +294,7 @@ class Book:
         quota = self.quota(call.group)
         held = []
         for model, limit in quota.models:
-            if any(model_of(quota.models, n) == model for n in self.names
+            if any(self._model(call.group, n) == model for n in self.names
                    if placement.model_ok(n, call.gpu_model)):  # fmt: skip
                 used = self.model_used[(call.group, model)]
                 held.append(f"{used} of at most {limit.ceiling:g} {model}")
