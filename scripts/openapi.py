@@ -71,6 +71,7 @@ HTTP_STRUCTS: list[type[msgspec.Struct]] = [
     wire.Completion,
     wire.CompleteManyResponse,
     wire.Preemption,
+    wire.ModelQuota,
     wire.GroupQuota,
     wire.Group,
     wire.UserGroup,
