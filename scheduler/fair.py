@@ -138,21 +138,13 @@ class _Round:
         note(self.why, call, self.pos.get(call.id, 0), str, reason)
 
     def place(
-        self,
-        call: Pending,
-        borrower: bool = False,
-        nominal: bool = False,
-        kept: Pending | None = None,
+        self, call: Pending, kept: Pending, borrower: bool = False
     ) -> tuple[Part, ...] | None:
-        """Room for the call now: outside any reservation, or inside one if it cannot delay
-        it (for a ``borrower``, not one a guaranteed call waits on); never more GPUs than its
-        group may still take (a gang's whole nodes may hold more than it asks for), nor more
-        of a model than its quota for that model allows (with ``nominal``: than it
-        guarantees). ``kept``: :meth:`keep`'s answer for it, when the caller has it."""
-        if kept is None:
-            kept = self.keep(call, nominal)
-            if kept is None:
-                return None
+        """Room for the call now, ``kept`` to the models :meth:`keep` left it: outside any
+        reservation, or inside one if it cannot delay it (for a ``borrower``, not one a
+        guaranteed call waits on); never more GPUs than its group may still take (a gang's
+        whole nodes may hold more than it asks for), nor more of a model than its quota for
+        that model allows."""
         room = self.book.limit(call, kept)
         call = kept
         key = (call.group, call.gpus, call.gpu_model, call.min_memory_mib)
@@ -233,7 +225,7 @@ class _Round:
                     continue  # younger ones wait in line too, as in fair order
             budget -= call.gpus
             room = self.book.limit(call, kept)
-            parts = self.place(call, kept=kept)
+            parts = self.place(call, kept)
             if parts is not None:
                 self.start(call, parts)
                 continue
@@ -321,14 +313,12 @@ class _Round:
         shape = (group, call.gpus, call.gpu_model, call.min_memory_mib)
         kept = self.keep(call, nominal=True)  # (only on models it is guaranteed)
         can = self.policy.reclaim and shape not in self.stuck and book.any_borrowing()
-        found = None
-        if can and kept is not None:
-            found = self.reclaimer.reclaim(kept, book.limit(call, kept))
-        if found is None:
+        found = self.reclaimer.reclaim(kept, book.limit(call, kept)) if can and kept else None
+        if found is None or kept is None:
             self.stuck.add(shape)
             return False
         self.reclaims += bool(found.victims)
-        book.add(group, self.promised(kept or call, found))  # that much is spoken for
+        book.add(group, self.promised(kept, found))  # that much is spoken for
         reason = (
             f"reclaimed for group {group} (within its guarantee of "
             f"{book.quota(group).guaranteed} GPUs) by call {call.id}"
@@ -368,7 +358,7 @@ class _Round:
                     self.done.add(call.id)
                     note(self.why, call, self.pos.get(call.id, 0), _unreclaimable, call, self.cap)
                     continue
-                parts = self.place(call, nominal=True, kept=kept)
+                parts = self.place(call, kept)
                 if parts is not None:
                     self.start(call, parts)
                     continue
@@ -399,7 +389,7 @@ class _Round:
             if kept is None:
                 note(self.why, call, self.pos.get(call.id, 0), book.model_ceiling_reason, call)
                 continue
-            parts = self.place(call, borrower=True, kept=kept)
+            parts = self.place(call, kept, borrower=True)
             if parts is None:
                 pos = self.pos.get(call.id, 0)
                 note(self.why, call, pos, self.waiting, call, pos)

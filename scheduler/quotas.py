@@ -18,7 +18,6 @@ count against the group's quota only.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 
@@ -30,7 +29,6 @@ from scheduler.model import DEFAULT_QUOTA, NodeCapacity, Part, Pending, Quota, R
 Released = MutableMapping[str | tuple[str, str], int]
 
 
-@functools.lru_cache(maxsize=4096)
 def model_of(models: tuple[tuple[str, Quota], ...], name: str) -> str | None:
     """The listed model a GPU named ``name`` counts against: the longest one that is part of
     its name, case-insensitive (ties: the first listed); None if none is."""
@@ -127,19 +125,12 @@ class Book:
             for (group, model), used in list(self.model_used.items())
         )
 
-    def add(self, group: str, parts: Iterable[Part], sign: int = 1) -> None:
+    def add(self, group: str, parts: Sequence[Part], sign: int = 1) -> None:
         """Charge the group the GPUs of ``parts`` (``sign`` -1: give them back)."""
         self._version[group] += 1
-        listed = self.per_model and bool(self.quota(group).models)
-        for part in parts:
-            self.used[group] += sign * len(part.gpu_indices)
-            if not listed:
-                continue
-            names = self._names.get(part.node_id, {})
-            for index in part.gpu_indices:
-                model = self._model(group, names.get(index, ""))
-                if model is not None:
-                    self.model_used[(group, model)] += sign
+        self.used[group] += sign * sum(len(p.gpu_indices) for p in parts)
+        for model, n in self._counts(group, parts).items():
+            self.model_used[(group, model)] += sign * n
 
     def _model(self, group: str, name: str) -> str | None:
         """The group's listed model a GPU named ``name`` counts against (:func:`model_of`)."""
@@ -156,11 +147,12 @@ class Book:
             self.model_used[(run.group, model)] += sign * n
 
     def _run_counts(self, run: Running) -> dict[str, int]:
-        """A running call's GPUs per listed model of its group."""
-        if not self.per_model or not self.quota(run.group).models:
-            return {}
+        """A running call's GPUs per listed model of its group (from its own ``gpu_models``
+        when it has them, else from the nodes' inventories)."""
         if not run.gpu_models:
             return self._counts(run.group, run.parts)
+        if not self.per_model or not self.quota(run.group).models:
+            return {}
         counts: dict[str, int] = defaultdict(int)
         for name in run.gpu_models:
             model = self._model(run.group, name)
@@ -176,6 +168,8 @@ class Book:
 
     def _counts(self, group: str, parts: Iterable[Part]) -> dict[str, int]:
         """The GPUs of ``parts`` per listed model of the group."""
+        if not self.per_model or not self.quota(group).models:
+            return {}
         counts: dict[str, int] = defaultdict(int)
         for part in parts:
             names = self._names.get(part.node_id, {})
@@ -191,8 +185,6 @@ class Book:
         taken = sum(len(p.gpu_indices) for p in parts)
         if taken and self.used[group] + taken > self.quota(group).guaranteed:
             return True
-        if not self.per_model or not self.quota(group).models:
-            return False
         return any(
             self.model_used[(group, model)] + n > self._model_quota(group, model).guaranteed
             for model, n in self._counts(group, parts).items()

@@ -2,18 +2,18 @@
 
 A running call is a candidate if it is preemptible, not already stopping, not protected (it
 waited past the starvation bound before it started: see :mod:`scheduler.fair`), of another
-group, and its group holds more than its guarantee when it is picked, or more than its
-guarantee of a GPU model the run holds (quotas per model: :mod:`scheduler.quotas`), so reclaim
-never eats into anyone's guarantee. Nodes reserved for a starving call are left alone.
-Candidates are taken youngest first (those flagged borrowed before the rest), and only as many
-as make the call fit: for a single-node call, walking the candidates in that order, the first
-node whose free GPUs plus its candidates so far hold the call wins, with those candidates as
-victims. A multi-node gang clears the whole nodes needing the fewest victims, leaving out nodes
-that would take its group past its ceiling (a gang holds every GPU of its nodes). GPUs of calls
-already stopping count as free, so a round never preempts twice for the same need. The chosen
-nodes are withdrawn from the round's index, so borrowers cannot take the room back before the
-reclaiming call starts; later reclaims may still use what is left there beyond the GPUs
-promised.
+group, and its group holds more than its guarantee when it is picked (for a run on GPUs of
+models its group's quota lists: more than its guarantee of each of them, see
+:meth:`scheduler.quotas.Book.reclaimable`), so reclaim never eats into anyone's guarantee.
+Nodes reserved for a starving call are left alone. Candidates are taken youngest first (those
+flagged borrowed before the rest), and only as many as make the call fit: for a single-node
+call, walking the candidates in that order, the first node whose free GPUs plus its candidates
+so far hold the call wins, with those candidates as victims. A multi-node gang clears the whole
+nodes needing the fewest victims, leaving out nodes that would take its group past its ceiling
+(a gang holds every GPU of its nodes). GPUs of calls already stopping count as free, so a round
+never preempts twice for the same need. The chosen nodes are withdrawn from the round's index,
+so borrowers cannot take the room back before the reclaiming call starts; later reclaims may
+still use what is left there beyond the GPUs promised.
 """
 
 from __future__ import annotations
