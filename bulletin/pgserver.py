@@ -82,12 +82,17 @@ class Account:
         try:
             entry = pwd.getpwnam(name)
         except KeyError:
-            subprocess.run(
+            made = subprocess.run(
                 ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                check=True,
+                check=False,
                 capture_output=True,
             )
-            entry = pwd.getpwnam(name)
+            try:  # another server starting beside this one may have made it first
+                entry = pwd.getpwnam(name)
+            except KeyError:
+                raise subprocess.CalledProcessError(
+                    made.returncode, made.args, made.stdout, made.stderr
+                ) from None
         groups = frozenset(os.getgrouplist(name, entry.pw_gid))
         return cls(name, entry.pw_uid, entry.pw_gid, groups)
 

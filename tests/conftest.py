@@ -340,6 +340,27 @@ def cluster(gateway: Cluster) -> Cluster:
     return gateway
 
 
+# ------------------------------------------------- workers: what must not run side by side
+
+#: Fixtures whose tests share one machine-wide thing, so they run on one worker, one after
+#: another, when the suite runs on several (scripts/test: pytest-xdist, ``--dist
+#: loadgroup``): the test accounts (a test kills every process of bt-alice and bt-bob at its
+#: end), and the booted nspawn hosts of the rollout tests.
+SERIAL_GROUPS = {"unix_accounts": "accounts", "portable_python": "accounts"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        groups = {group for fixture, group in SERIAL_GROUPS.items() if fixture in fixtures}
+        if item.get_closest_marker("deploy") is not None:
+            groups.add("deploy")
+        if len(groups) > 1:
+            raise pytest.UsageError(f"{item.nodeid} is in two serial groups: {sorted(groups)}")
+        if groups:
+            item.add_marker(pytest.mark.xdist_group(groups.pop()))
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
     report = yield
