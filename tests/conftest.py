@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import re
 import shutil
@@ -343,22 +344,67 @@ def cluster(gateway: Cluster) -> Cluster:
 # ------------------------------------------------- workers: what must not run side by side
 
 #: Fixtures whose tests share one machine-wide thing, so they run on one worker, one after
-#: another, when the suite runs on several (scripts/test: pytest-xdist, ``--dist
-#: loadgroup``): the test accounts (a test kills every process of bt-alice and bt-bob at its
-#: end), and the booted nspawn hosts of the rollout tests.
-SERIAL_GROUPS = {"unix_accounts": "accounts", "portable_python": "accounts"}
+#: another, when the suite runs on several (scripts/test, pytest-xdist): the test accounts (a
+#: test kills every process of bt-alice and bt-bob at its end). The rollout tests' booted
+#: nspawn hosts are another ("deploy").
+SERIAL_FIXTURES = {"unix_accounts": "accounts", "portable_python": "accounts"}
+#: The files of such tests, and their group (a worker takes a group's files whole).
+SERIAL_FILES = {
+    "tests/acceptance/test_up.py": "accounts",
+    "tests/deploy/test_rollout.py": "deploy",
+    "tests/integration/test_accounts.py": "accounts",
+    "tests/integration/test_node_attacks.py": "accounts",
+    "tests/integration/test_process_tracking.py": "accounts",
+    "tests/integration/test_shared_attacks.py": "accounts",
+    "tests/unit/test_nodelet_accounts.py": "accounts",
+    "tests/unit/test_nodelet_pool.py": "accounts",
+}
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+_MISFILED = pytest.StashKey[str]()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test of a serial group outside the files listed for it would run beside the group:
+    it fails, saying which file to list."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
-        groups = {group for fixture, group in SERIAL_GROUPS.items() if fixture in fixtures}
+        groups = {group for fixture, group in SERIAL_FIXTURES.items() if fixture in fixtures}
         if item.get_closest_marker("deploy") is not None:
             groups.add("deploy")
-        if len(groups) > 1:
-            raise pytest.UsageError(f"{item.nodeid} is in two serial groups: {sorted(groups)}")
-        if groups:
-            item.add_marker(pytest.mark.xdist_group(groups.pop()))
+        listed = SERIAL_FILES.get(_file(item.nodeid))
+        if groups - {listed}:
+            item.stash[_MISFILED] = (
+                f"this test must not run beside other tests of group {sorted(groups)[0]!r}: "
+                f"list {_file(item.nodeid)} in SERIAL_FILES (tests/conftest.py)"
+            )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _MISFILED in item.stash:
+        pytest.fail(item.stash[_MISFILED])
+
+
+if importlib.util.find_spec("xdist") is not None:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SerialGroups(LoadScopeScheduling):
+        """Load balancing test by test, except that each group of SERIAL_FILES goes to one
+        worker whole. (Not pytest-xdist's ``--dist loadgroup``: under pytest 9.2 it silently
+        stopped grouping, pytest-dev/pytest-xdist#1386.) Bigger units go out first, so the
+        groups start at once, on different workers."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return SERIAL_FILES.get(_file(nodeid), nodeid)
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        if config.getvalue("dist") in ("load", "loadgroup"):
+            return SerialGroups(config, log)
+        return None
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
