@@ -321,6 +321,28 @@ def test_a_dead_nodelet_s_temporary_work_dir_is_removed_and_nothing_else(
     assert temporary_work_dir() != made and Path(made).is_dir()
 
 
+def test_a_dead_nodelet_s_tree_too_deep_to_remove_does_not_stop_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A nodelet killed while a call's work dir held a tree deeper than a recursive removal
+    # can take: the next start (under systemd, every restart) must still come up.
+    dead = tmp_path / f"bulletin-nodelet-{gone_pid(tmp_path, monkeypatch)}-12345-abc"
+    dead.mkdir()
+    here = os.getcwd()
+    try:
+        os.chdir(dead)
+        for _ in range(sys.getrecursionlimit() + 500):
+            os.mkdir("d")
+            os.chdir("d")
+    finally:
+        os.chdir(here)
+    try:
+        made = temporary_work_dir()
+        assert Path(made).is_dir() and Path(made).parent == tmp_path
+    finally:
+        subprocess.run(["find", str(dead), "-depth", "-delete"], check=True)
+
+
 def test_no_temporary_dir_is_removed_where_others_could_rename_ours_into_the_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
