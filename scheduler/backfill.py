@@ -36,13 +36,21 @@ class Reservation:
     #: Reserved node id -> GPUs still free at ``start`` beyond what the call needs there.
     spare: dict[int, int] = field(default_factory=dict)
 
+    def ends_before(self, call: Pending, now: float) -> bool:
+        """Whether ``call``, started now, is expected to end before the reservation starts."""
+        if call.expected_s is None:
+            return False
+        end = now + call.expected_s
+        return end <= self.start and end < math.inf
+
     def admit(self, call: Pending, cap: Capacity, now: float) -> Choice | None:
-        """Backfill ``call`` onto a reserved node if that cannot delay the reservation."""
+        """Backfill ``call`` onto a reserved node if that cannot delay the reservation: one
+        that ends before it starts on any free GPU of a reserved node, another only on its
+        spare GPUs (so if a call that ends before it finds no room, none of its kind does)."""
         n = call.gpus
         if n == 0 or n > cap.largest_for(call):
             return None  # CPU calls never touch reservations; gangs stay off reserved nodes
-        end = now + call.expected_s if call.expected_s is not None else math.inf
-        before = end <= self.start and end < math.inf  # ends before the reservation starts
+        before = self.ends_before(call, now)
         for node_id, spare in self.spare.items():
             state = cap.states.get(node_id)
             if state is None or len(state.free) < n or (not before and n > spare):

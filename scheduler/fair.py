@@ -345,10 +345,11 @@ class _Round:
             group = bucket[0].group
             guaranteed = book.quota(group).guaranteed
             for call in bucket:
-                if book.used[group] >= guaranteed:
+                used = book.used[group]
+                if used >= guaranteed:
                     break  # nothing else of this group is within its guarantee
-                if call.id in self.done or not book.nominal(call):
-                    continue
+                if used + call.gpus > guaranteed or call.id in self.done:
+                    continue  # (not book.nominal(call), inlined: this loop is hot)
                 kept = self.keep(call, nominal=True)
                 if kept is None:
                     continue  # beyond its guarantee of each model it may use: it borrows
@@ -374,8 +375,15 @@ class _Round:
     def borrowers(self) -> None:
         """Step 2: lend idle GPUs to the other calls, in fair-share order, up to ceilings."""
         cap, book = self.cap, self.book
+        # Kinds of call of a group that did not start while no reservation was open: free
+        # GPUs, a group's room and the models it may take only shrink in this step, so later
+        # ones of the same kind would not start either (only skipped when not explaining).
+        blocked: set[tuple[str, int, str | None, int]] = set()
         for call in itertools.chain(*self.buckets):
             if call.id in self.done:
+                continue
+            kind = (call.group, call.gpus, call.gpu_model, call.min_memory_mib)
+            if kind in blocked:
                 continue
             if not self.held and cap.exhausted():  # (self.held: reservations still open)
                 if self.why is None:
@@ -384,15 +392,21 @@ class _Round:
                 continue
             if not book.within_ceiling(call):
                 note(self.why, call, self.pos.get(call.id, 0), book.ceiling_reason, call)
+                if self.why is None:
+                    blocked.add(kind)
                 continue
             kept = self.keep(call)
             if kept is None:
                 note(self.why, call, self.pos.get(call.id, 0), book.model_ceiling_reason, call)
+                if self.why is None:
+                    blocked.add(kind)
                 continue
             parts = self.place(call, kept, borrower=True)
             if parts is None:
                 pos = self.pos.get(call.id, 0)
                 note(self.why, call, pos, self.waiting, call, pos)
+                if self.why is None and not self.held:  # (a reservation admits by duration)
+                    blocked.add(kind)
                 continue
             self.start(call, parts)
 

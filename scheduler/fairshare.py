@@ -13,7 +13,8 @@ calls as they run.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from operator import attrgetter
 from typing import Generic, TypeVar
 
 from scheduler.model import DEFAULT_QUOTA, Pending, Quota
@@ -83,6 +84,9 @@ def group_key(group: str, usage: Mapping[str, float], quota: Quota) -> float:
     return usage.get(group, 0.0) / max(quota.guaranteed, 1)
 
 
+_bucket_key = attrgetter("priority", "group", "user")
+
+
 def fair_buckets(
     pending: Iterable[Pending],
     usage: Mapping[str, float],
@@ -94,8 +98,8 @@ def fair_buckets(
     first, then the group's key, then the user's decayed usage. Each bucket keeps queue order.
     One pass to bucket, then a sort of the (few) buckets."""
     buckets: dict[tuple[int, str, str], list[Pending]] = {}
-    for call in pending:
-        key = (call.priority, call.group, call.user)
+    pending = pending if isinstance(pending, Sequence) else list(pending)
+    for key, call in zip(map(_bucket_key, pending), pending, strict=True):  # (hot: every round)
         bucket = buckets.get(key)
         if bucket is None:
             buckets[key] = [call]

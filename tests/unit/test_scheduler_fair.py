@@ -223,6 +223,18 @@ def test_a_call_that_ends_before_the_reservation_may_use_its_gpus() -> None:
     assert {(d.invocation_id, d.node_id) for d in out} == {("quick", 1), ("slow", 2)}
 
 
+def test_a_short_call_backfills_behind_a_long_one_of_its_kind_that_could_not() -> None:
+    # b's two 1-GPU borrowers are alike but for their durations: the first would delay big's
+    # reservation (node 1) and node 2's free GPU went to an earlier call; the second ends
+    # before the reservation is due and takes a reserved GPU (a round skips calls like one
+    # that found no room only while no reservation is open).
+    first = Pending("first", 1, group="b", submit_time=9_400, expected_s=10.0)
+    slow = Pending("slow", 1, group="b", submit_time=9_500, expected_s=500.0)
+    quick = Pending("quick", 1, group="b", submit_time=9_600, expected_s=50.0)
+    out = plan(starving_cluster(10_000, [first, slow, quick]), GUARD)
+    assert {(d.invocation_id, d.node_id) for d in out} == {("first", 2), ("quick", 1)}
+
+
 def test_a_borrower_may_not_backfill_where_a_guaranteed_call_waits() -> None:
     # a's call waits for node 1's reserved GPUs (it would not end before big starts); b's
     # quick borrower would end in time, but taking them would leave a's call nothing idle to
