@@ -401,6 +401,7 @@ if importlib.util.find_spec("xdist") is not None:
         def _split_scope(self, nodeid: str) -> str:
             return SERIAL_FILES.get(_file(nodeid), nodeid)
 
+    @pytest.hookimpl(optionalhook=True)  # (pytest -p no:xdist runs without it)
     def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         if config.getvalue("dist") in ("load", "loadgroup"):
             return SerialGroups(config, log)
