@@ -403,9 +403,11 @@ if importlib.util.find_spec("xdist") is not None:
 
     @pytest.hookimpl(optionalhook=True)  # (pytest -p no:xdist runs without it)
     def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-        if config.getvalue("dist") in ("load", "loadgroup"):
-            return SerialGroups(config, log)
-        return None
+        """Every way of spreading tests over workers (load, loadscope, loadfile, worksteal...)
+        becomes SerialGroups: any other would run a group's tests side by side."""
+        if config.getvalue("dist") == "each":
+            raise pytest.UsageError("--dist each would run the serial groups side by side")
+        return SerialGroups(config, log)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
