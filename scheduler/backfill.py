@@ -29,12 +29,15 @@ Release = tuple[float, tuple[int, ...]]
 
 @dataclass(slots=True)
 class Reservation:
-    """GPUs held back for ``call_id`` from ``start`` on."""
+    """GPUs held back for ``call_id`` from ``start`` on, for one round."""
 
     call_id: str
     start: float
     #: Reserved node id -> GPUs still free at ``start`` beyond what the call needs there.
     spare: dict[int, int] = field(default_factory=dict)
+    #: Kinds of call (GPUs, model, memory; whether it ends before ``start``) :meth:`admit`
+    #: refused: a round's free and spare GPUs only shrink, so it refuses them again.
+    refused: set[tuple[int, str | None, int, bool]] = field(default_factory=set)
 
     def ends_before(self, call: Pending, now: float) -> bool:
         """Whether ``call``, started now, is expected to end before the reservation starts."""
@@ -48,9 +51,12 @@ class Reservation:
         that ends before it starts on any free GPU of a reserved node, another only on its
         spare GPUs (so if a call that ends before it finds no room, none of its kind does)."""
         n = call.gpus
+        before = self.ends_before(call, now)
+        kind = (n, call.gpu_model, call.min_memory_mib, before)
+        if kind in self.refused:
+            return None  # (a long backlog is scanned at the cost of a set lookup per call)
         if n == 0 or n > cap.largest_for(call):
             return None  # CPU calls never touch reservations; gangs stay off reserved nodes
-        before = self.ends_before(call, now)
         for node_id, spare in self.spare.items():
             state = cap.states.get(node_id)
             if state is None or len(state.free) < n or (not before and n > spare):
@@ -62,6 +68,9 @@ class Reservation:
                 if not before:
                     self.spare[node_id] = spare - n
                 return state, gpus
+        self.refused.add(kind)
+        if before:  # (one that ends later fits no better)
+            self.refused.add((*kind[:3], False))
         return None
 
     def open(self, cap: Capacity) -> bool:

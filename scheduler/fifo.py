@@ -40,11 +40,6 @@ class Fifo:
         held: Reservation | None = None
         placed: list[tuple[tuple[Part, ...], float]] = []
         unreservable: set[tuple[int, str | None, int]] = set()
-        # Free GPUs and a reservation's spare ones only shrink during a round, so a kind of
-        # call that found no room finds none later in it: later ones of that kind are not
-        # tried again (a long backlog is scanned at the cost of a set lookup per call).
-        full: set[tuple[int, str | None, int]] = set()
-        refused: set[tuple[tuple[int, str | None, int], bool]] = set()  # (kind, ends before)
         rel: tuple[int, dict[int, list[Release]]] | None = None  # (len(placed), releases)
         examined = 0
         for pos, call in enumerate(order, 1):
@@ -56,21 +51,10 @@ class Fifo:
                 if self.max_backfill is not None and examined > self.max_backfill:
                     rest(why, order, pos, "{ahead} (past the backfill depth)")
                     break
-            shape = (call.gpus, call.gpu_model, call.min_memory_mib)
-            parts = None
-            if shape not in full:
-                parts = cap.place(call)
-                if parts is None:
-                    full.add(shape)
+            parts = cap.place(call)
             if parts is None and held is not None:
-                before = held.ends_before(call, now)
-                if (shape, before) not in refused:
-                    choice = held.admit(call, cap, now)
-                    if choice is None:
-                        refused.add((shape, before))
-                        refused.add((shape, False))  # (one that ends later fits no better)
-                    else:
-                        parts = (Part(choice[0].node.node_id, choice[1]),)
+                choice = held.admit(call, cap, now)
+                parts = None if choice is None else (Part(choice[0].node.node_id, choice[1]),)
             if parts is not None:
                 out.append(Decision.of(call.id, parts))
                 if held is None:
@@ -78,6 +62,7 @@ class Fifo:
                     placed.append((parts, end))
                 note(why, call, pos, starting, parts)
                 continue
+            shape = (call.gpus, call.gpu_model, call.min_memory_mib)
             if held is None and shape not in unreservable:
                 if rel is None or len(placed) != rel[0]:
                     rel = (len(placed), releases(snapshot, placed))
