@@ -29,6 +29,7 @@ from scheduler.model import (
     Quota,
     Running,
     SchedulerError,
+    SharedGpu,
     Snapshot,
     UnknownPolicyError,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "Quota",
     "Running",
     "SchedulerError",
+    "SharedGpu",
     "Snapshot",
     "UnknownPolicyError",
     "UsageMeter",

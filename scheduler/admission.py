@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from scheduler import placement
-from scheduler.model import DEFAULT_QUOTA, NodeCapacity, Pending, Quota
+from scheduler.model import DEFAULT_QUOTA, EPSILON, NodeCapacity, Pending, Quota
 from scheduler.quotas import Book
 
 
@@ -26,10 +26,15 @@ def never_fits(
     """Why ``call`` can never be placed, or None if it can."""
     if call.gpus < 0:
         return f"a call cannot ask for {call.gpus} GPUs"
-    quota = (quotas or {}).get(call.group, default)
-    if call.gpus > quota.ceiling:
+    if call.share != 1.0 and (not 0 < call.share < 1 or call.gpus != 1):
         return (
-            f"needs {call.gpus} GPUs but group {call.group or '(none)'} may hold at most "
+            f"a call may ask for part of one GPU (a share between 0 and 1), not {call.share:g} "
+            f"of {call.gpus} GPUs; ask for whole GPUs, or for part of one"
+        )
+    quota = (quotas or {}).get(call.group, default)
+    if call.amount > quota.ceiling + EPSILON:
+        return (
+            f"needs {call.amount:g} GPUs but group {call.group or '(none)'} may hold at most "
             f"{quota.ceiling:g} (guarantee {quota.guaranteed} + borrowing limit "
             f"{quota.borrow_limit}); ask an admin to raise the quota or ask for fewer GPUs"
         )

@@ -51,6 +51,8 @@ class Reservation:
         that ends before it starts on any free GPU of a reserved node, another only on its
         spare GPUs (so if a call that ends before it finds no room, none of its kind does)."""
         n = call.gpus
+        if call.share != 1.0:
+            return None  # a share of a GPU stays off reserved nodes
         before = self.ends_before(call, now)
         kind = (n, call.gpu_model, call.min_memory_mib, before)
         if kind in self.refused:
@@ -85,18 +87,38 @@ class Reservation:
 def releases(
     snapshot: Snapshot, placed: Iterable[tuple[tuple[Part, ...], float]]
 ) -> dict[int, list[Release]]:
-    """Per node, when which of its busy GPUs are expected back."""
+    """Per node, when which of its busy GPUs are expected back. A GPU that calls share comes
+    back when the last of them ends."""
     out: dict[int, list[Release]] = defaultdict(list)
     now = snapshot.now
+    shared = False
     for run in snapshot.running:
         limit = run.expected_s
         end = math.inf if limit is None else max(now, run.start_time + limit)
         out[run.node_id].append((end, run.gpu_indices))
         for part in run.more:
             out[part.node_id].append((end, part.gpu_indices))
+        shared = shared or run.share != 1.0
+    ones: set[tuple[int, int]] = set()  # (a GPU shares placed this round may share)
     for parts, end in placed:
         for part in parts:
             out[part.node_id].append((end, part.gpu_indices))
+            if len(part.gpu_indices) == 1 and not shared:
+                one = (part.node_id, part.gpu_indices[0])
+                shared = one in ones
+                ones.add(one)
+    return _last_ends(out) if shared else out
+
+
+def _last_ends(rel: dict[int, list[Release]]) -> dict[int, list[Release]]:
+    """``rel`` with each GPU listed once, at the latest of its ends."""
+    out: dict[int, list[Release]] = defaultdict(list)
+    for node_id, entries in rel.items():
+        last: dict[int, float] = {}
+        for end, gpus in entries:
+            for g in gpus:
+                last[g] = max(end, last.get(g, end))
+        out[node_id] = [(end, (g,)) for g, end in last.items()]
     return out
 
 

@@ -7,15 +7,21 @@ plain filters of :mod:`scheduler.placement`. Buckets are split again by how many
 share one NVLink group, so the connected-first rank is a lookup too; nodes with a warm worker
 for the call are looked up directly. Capacity only shrinks during a round, so the smallest call
 that failed to fit is remembered and larger ones of the same kind fail at once.
+
+A call that asks for part of a GPU (``Pending.share``) goes on a GPU already shared if one has
+room for it (the fullest that does: shares are packed), among one user's calls unless the
+round allows sharing across users; else it takes a whole free GPU as a one-GPU call would,
+and that GPU is shared from then on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
 from scheduler import placement
-from scheduler.model import NodeCapacity, Part, Pending
+from scheduler.model import EPSILON, Gpu, NodeCapacity, Part, Pending
 
 Choice = tuple["NodeState", tuple[int, ...]]
 ConstraintKey = tuple[str | None, int]
@@ -121,6 +127,32 @@ class Pool:
         return (rank[0], -self.many, rank[1], 1, state.order), state
 
 
+class Slot:
+    """A shared GPU: what is left of it and whose calls hold it."""
+
+    __slots__ = ("gpu", "index", "left", "node", "order", "users")
+
+    def __init__(
+        self, node: NodeCapacity, order: int, index: int, left: float, users: Iterable[str]
+    ) -> None:
+        self.node = node
+        self.order = order
+        self.index = index
+        self.left = left
+        self.users = set(users)
+        self.gpu: Gpu | None = next((g for g in node.gpus if g.index == index), None)
+
+    def takes(self, call: Pending, across: bool) -> bool:
+        """Whether the call's share fits here (model, memory, room, owners)."""
+        if self.left + EPSILON < call.share:
+            return False
+        if not across and self.users and self.users != {call.user}:
+            return False
+        if not placement.constrained(call):
+            return True
+        return self.gpu is not None and placement.gpu_ok(self.gpu, call)
+
+
 def plain_call(call: Pending) -> bool:
     return call.gpu_model is None and call.min_memory_mib <= 0
 
@@ -140,8 +172,11 @@ def kind(node: NodeCapacity) -> tuple[str | None, int] | None:
 class Capacity:
     """Free GPUs and CPU slots of the usable nodes, shrinking as a round places calls."""
 
-    def __init__(self, nodes: Sequence[NodeCapacity]) -> None:
+    def __init__(self, nodes: Sequence[NodeCapacity], share_across_users: bool = False) -> None:
         self.nodes = nodes
+        self.across = share_across_users
+        #: Shared GPUs of the usable nodes (see the module's doc).
+        self.slots: list[Slot] = []
         self.states: dict[int, NodeState] = {}
         self.pools: dict[tuple[str | None, int, int], Pool] = {}
         self.mixed: list[NodeState] = []
@@ -165,6 +200,11 @@ class Capacity:
                 largest = size
             if node.free_gpus or node.free_cpu_slots > 0:
                 self._index(node, order)
+            if node.shared:
+                for shared in node.shared:
+                    if shared.left > EPSILON:
+                        slot = Slot(node, order, shared.index, shared.left, shared.users)
+                        self.slots.append(slot)
         self.largest = largest
         if self.mixed or len({pool.model for pool in self.pools.values()}) > 1:
             self.many = placement.plenty(nodes)
@@ -195,7 +235,7 @@ class Capacity:
     # ------------------------------------------------------------------ queries
 
     def exhausted(self) -> bool:
-        return self.free_gpus == 0 and self.cpu_slots == 0
+        return self.free_gpus == 0 and self.cpu_slots == 0 and not self.slots
 
     def free_of(self, node_id: int) -> list[int]:
         """Free GPUs of a node right now (withdrawn or not)."""
@@ -235,6 +275,8 @@ class Capacity:
         would take more than ``limit`` GPUs (a gang on whole nodes takes all their GPUs, which
         may be more than it asks for: see :meth:`find_whole`)."""
         n = call.gpus
+        if call.share != 1.0:
+            return self._place_share(call, limit)
         if n == 0:
             state = self._find_cpu(call)
             if state is None:
@@ -258,6 +300,38 @@ class Capacity:
         for state, gpus in choices:
             self.take(state, gpus)
         return tuple(Part(s.node.node_id, gpus) for s, gpus in choices)
+
+    def _place_share(self, call: Pending, limit: float) -> tuple[Part, ...] | None:
+        """A share of one GPU: on the fullest shared GPU with room for it, else on a whole
+        free GPU (which is shared from then on)."""
+        if call.share > limit + EPSILON:
+            return None
+        best: tuple[tuple[float, bool, int, int], Slot] | None = None
+        warm = {s.node.node_id for s in self.warm_nodes(call)}
+        for slot in self.slots:
+            if slot.node.node_id in self.withdrawn or not slot.takes(call, self.across):
+                continue
+            key = (slot.left, slot.node.node_id not in warm, slot.order, slot.index)
+            if best is None or key < best[0]:
+                best = (key, slot)
+        if best is not None:
+            slot = best[1]
+            self.take_share(slot, call)
+            return (Part(slot.node.node_id, (slot.index,)),)
+        parts = self.place(dataclasses.replace(call, share=1.0))
+        if parts is None:
+            return None
+        node = self.states[parts[0].node_id]
+        slot = Slot(node.node, node.order, parts[0].gpu_indices[0], 1.0, ())
+        self.slots.append(slot)
+        self.take_share(slot, call)
+        return parts
+
+    def take_share(self, slot: Slot, call: Pending) -> None:
+        slot.left -= call.share
+        slot.users.add(call.user)
+        if slot.left <= EPSILON:
+            self.slots.remove(slot)
 
     def find(self, call: Pending) -> Choice | None:
         """The best node for a single-node call (see :mod:`scheduler.placement`), or None."""

@@ -52,6 +52,7 @@ from scheduler.capacity import Capacity
 from scheduler.fairshare import fair_buckets
 from scheduler.model import (
     DEFAULT_QUOTA,
+    EPSILON,
     Decision,
     Part,
     Pending,
@@ -100,7 +101,7 @@ class _Round:
         self.policy = policy
         self.snapshot = snapshot
         self.why = why
-        self.cap = Capacity(snapshot.nodes)
+        self.cap = Capacity(snapshot.nodes, snapshot.share_across_users)
         self.book = Book(snapshot.running, snapshot.quotas, policy.default_quota, snapshot.nodes)
         self.buckets = fair_buckets(
             snapshot.pending, snapshot.usage, snapshot.user_usage, snapshot.quotas,
@@ -149,7 +150,9 @@ class _Round:
         call = kept
         key = (call.group, call.gpus, call.gpu_model, call.min_memory_mib)
         parts = None
-        if key not in self.full:  # free GPUs and a group's room only shrink in a round
+        if call.share != 1.0:  # (a share may find room on a GPU another share just opened)
+            parts = self.cap.place(call, room)
+        elif key not in self.full:  # free GPUs and a group's room only shrink in a round
             parts = self.cap.place(call, room)
             if parts is None:
                 self.full.add(key)
@@ -176,8 +179,8 @@ class _Round:
         return kept
 
     def start(self, call: Pending, parts: tuple[Part, ...]) -> None:
-        borrowed = self.book.borrowed(call.group, parts)
-        self.book.add(call.group, parts)
+        borrowed = self.book.borrowed(call.group, parts, call.share)
+        self.book.add(call.group, parts, share=call.share)
         self.out.append(Decision.of(call.id, parts, borrowed))
         self.done.add(call.id)
         end = math.inf if call.expected_s is None else self.snapshot.now + call.expected_s
@@ -185,18 +188,18 @@ class _Round:
         if self.why is not None:
             self.note(call, starting(parts, " (borrowed)" if borrowed else ""))
 
-    def starving(self, after_s: float) -> tuple[list[Pending], int]:
+    def starving(self, after_s: float) -> tuple[list[Pending], float]:
         """The whole-node calls (as many GPUs as the largest node that may take them, or
         more) that have waited ``after_s`` or longer, oldest first (higher priority first),
         and the GPUs asked by every call, whole-node or not, that has waited that long."""
         cap, largest, since = self.cap, self.cap.largest, self.snapshot.now - after_s
-        found, waited = [], 0
+        found, waited = [], 0.0
         for call in self.snapshot.pending:  # (waiting_since inlined: this loop is hot)
             queued = call.queued_time
             if (call.submit_time if queued is None else queued) > since:
                 continue
             gpus = call.gpus
-            waited += gpus
+            waited += gpus if call.share == 1.0 else call.share
             if gpus < largest and call.gpu_model is None and not call.min_memory_mib:
                 continue  # the common case first: an unconstrained call smaller than a node
             if gpus and gpus >= cap.largest_for(call) > 0 and call.id not in self.done:
@@ -251,7 +254,7 @@ class _Round:
                 self.note(call, f"waited over {after_s:.0f} s: {shortfall(call, self.cap)}; "
                           f"GPUs reserved for it from in about {wait:.0f} s")  # fmt: skip
 
-    def guard_budget(self, after_s: float, starving: list[Pending], waited: int) -> float:
+    def guard_budget(self, after_s: float, starving: list[Pending], waited: float) -> float:
         """GPUs the guard may give starved calls this round. Starved whole-node calls (those
         waiting past the bound, and those running after such a wait) may hold their share of
         the GPUs that all such calls ask for or hold, as a share of the cluster's GPUs. On an
@@ -318,7 +321,7 @@ class _Round:
             self.stuck.add(shape)
             return False
         self.reclaims += bool(found.victims)
-        book.add(group, self.promised(kept, found))  # that much is spoken for
+        book.add(group, self.promised(kept, found), share=kept.share)  # that is spoken for
         reason = (
             f"reclaimed for group {group} (within its guarantee of "
             f"{book.quota(group).guaranteed} GPUs) by call {call.id}"
@@ -348,12 +351,14 @@ class _Round:
                 used = book.used[group]
                 if used >= guaranteed:
                     break  # nothing else of this group is within its guarantee
-                if used + call.gpus > guaranteed or call.id in self.done:
+                if used + call.amount > guaranteed + EPSILON or call.id in self.done:
                     continue  # (not book.nominal(call), inlined: this loop is hot)
                 kept = self.keep(call, nominal=True)
                 if kept is None:
                     continue  # beyond its guarantee of each model it may use: it borrows
                 shape = (group, call.gpus, call.gpu_model, call.min_memory_mib)
+                if call.share != 1.0:
+                    shape = (*shape[:3], -1)  # (never in self.full: see place)
                 if not self.held and shape in self.stuck and shape in self.full:
                     # No room, nothing to reclaim, no reservation to backfill: as the last.
                     self.done.add(call.id)
@@ -378,11 +383,13 @@ class _Round:
         # Kinds of call of a group that did not start while no reservation was open: free
         # GPUs, a group's room and the models it may take only shrink in this step, so later
         # ones of the same kind would not start either (only skipped when not explaining).
-        blocked: set[tuple[str, int, str | None, int]] = set()
+        blocked: set[tuple[object, ...]] = set()
         for call in itertools.chain(*self.buckets):
             if call.id in self.done:
                 continue
-            kind = (call.group, call.gpus, call.gpu_model, call.min_memory_mib)
+            kind: tuple[object, ...] = (call.group, call.gpus, call.gpu_model, call.min_memory_mib)
+            if call.share != 1.0:  # (a GPU shared by its user may still have room for it)
+                kind = (*kind, call.share, call.user)
             if kind in blocked:
                 continue
             if not self.held and cap.exhausted():  # (self.held: reservations still open)

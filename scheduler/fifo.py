@@ -30,7 +30,7 @@ class Fifo:
     uses_quotas: bool = False
 
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan:
-        cap = Capacity(snapshot.nodes)
+        cap = Capacity(snapshot.nodes, snapshot.share_across_users)
         out = Plan()
         order = queue_order(snapshot.pending)
         if cap.exhausted():  # nothing to place, nothing worth reserving

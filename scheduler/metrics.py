@@ -56,10 +56,10 @@ class Recorder:
         self.capacity = capacity
         self.weight = dict(weight)
         self.clock: float | None = None
-        self.busy = 0
+        self.busy: float = 0
         self.busy_s = 0.0
-        self.held: dict[str, int] = dict.fromkeys(self.weight, 0)
-        self.demand: dict[str, int] = dict.fromkeys(self.weight, 0)
+        self.held: dict[str, float] = dict.fromkeys(self.weight, 0)
+        self.demand: dict[str, float] = dict.fromkeys(self.weight, 0)
         self.got_s: dict[str, float] = dict.fromkeys(self.weight, 0.0)
         self.due_s: dict[str, float] = dict.fromkeys(self.weight, 0.0)
         self._fair: dict[str, float] | None = None
@@ -82,12 +82,12 @@ class Recorder:
                     self.got_s[g] += held * dt
         self.clock = now
 
-    def want(self, group: str, gpus: int) -> None:
+    def want(self, group: str, gpus: float) -> None:
         """A job of ``group`` asking for ``gpus`` arrived (negative: one finished)."""
         self.demand[group] += gpus
         self._fair = None
 
-    def hold(self, group: str, gpus: int) -> None:
+    def hold(self, group: str, gpus: float) -> None:
         """``group`` holds ``gpus`` more GPUs from now (negative: fewer)."""
         self.busy += gpus
         self.held[group] += gpus

@@ -41,6 +41,24 @@ class Gpu:
     nvlink: int | None = None
 
 
+#: Shares of one GPU are compared with this much slack (they are sums of floats).
+EPSILON = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class SharedGpu:
+    """A GPU that calls asking for part of a GPU (:attr:`Pending.share`) hold between them:
+    ``used`` of it is taken (0 < used <= 1), by calls of ``users``."""
+
+    index: int
+    used: float
+    users: frozenset[str] = frozenset()
+
+    @property
+    def left(self) -> float:
+        return 1.0 - self.used
+
+
 @dataclass(slots=True)
 class NodeCapacity:
     """A live node and what it has free right now.
@@ -57,6 +75,8 @@ class NodeCapacity:
     draining: bool = False
     #: (user, function) pairs with a warm worker here: a tie-breaker between equal nodes.
     warm: frozenset[tuple[str, str]] = frozenset()
+    #: GPUs held in part by calls that asked for a share of one; never in ``free_gpus``.
+    shared: tuple[SharedGpu, ...] = ()
 
     @property
     def size(self) -> int:
@@ -74,7 +94,10 @@ class Part:
 
 @dataclass(frozen=True, slots=True)
 class Pending:
-    """A queued call. ``expected_s`` is its time limit or expected duration, if given."""
+    """A queued call. ``expected_s`` is its time limit or expected duration, if given.
+
+    ``share`` below 1 asks for that part of one GPU (``gpus`` is then 1): the call is packed
+    onto a GPU with other such calls and counts as ``share`` GPUs in quotas and usage."""
 
     id: str
     gpus: int
@@ -93,10 +116,17 @@ class Pending:
     #: preemption, a lost node or a retry (None: at ``submit_time``). Its queue place stays
     #: by ``submit_time``; how long it has been waiting counts from here.
     queued_time: float | None = None
+    #: The part of one GPU it asks for (0 < share <= 1); 1: whole GPUs.
+    share: float = 1.0
 
     @property
     def waiting_since(self) -> float:
         return self.submit_time if self.queued_time is None else self.queued_time
+
+    @property
+    def amount(self) -> float:
+        """The GPUs it counts as in quotas and usage: ``gpus``, or its share of one."""
+        return self.gpus if self.share == 1.0 else self.share
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +157,13 @@ class Running:
     #: The model names of its GPUs, for quotas per model, when its node may be missing from
     #: the snapshot (live: read with the lease); empty: the snapshot's nodes say.
     gpu_models: tuple[str, ...] = ()
+    #: The part of its GPU it holds when it asked for a share of one (see ``Pending.share``).
+    share: float = 1.0
+
+    @property
+    def amount(self) -> float:
+        """The GPUs it counts as in quotas and usage: ``gpus``, or its share of one."""
+        return self.gpus if self.share == 1.0 else self.share
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -140,7 +177,7 @@ class Running:
 
     def attained(self, now: float) -> float:
         """GPU-seconds of service received by ``now``, this run included."""
-        return self.attained_gpu_s + self.gpus * max(0.0, now - self.start_time)
+        return self.attained_gpu_s + self.amount * max(0.0, now - self.start_time)
 
     def expected_end(self, now: float) -> float:
         """When its GPUs are expected back: never (inf) without a limit, not before ``now``."""
@@ -188,6 +225,9 @@ class Snapshot:
     #: Calls the previous round's plan reserved for (its ``Plan.reserved``; the leader keeps
     #: them between rounds): the fair guard keeps their reservations beyond its share.
     reserved: AbstractSet[str] = frozenset()
+    #: Whether calls of different users may share one GPU (:attr:`Pending.share`); by
+    #: default a GPU is shared only among one user's calls.
+    share_across_users: bool = False
 
 
 @dataclass(frozen=True, slots=True)

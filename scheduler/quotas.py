@@ -13,6 +13,9 @@ take, :meth:`Book.restrict`), and those above the model's guarantee are borrowed
 group may reclaim them. A GPU belongs to the longest listed model that is part of its model
 name (case-insensitive); GPUs of unlisted models, and of nodes whose inventory is unknown,
 count against the group's quota only.
+
+A call that holds a share of one GPU (``share``) counts as that share of a GPU, here and in
+its model's quota.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 
 from scheduler import placement
-from scheduler.model import DEFAULT_QUOTA, NodeCapacity, Part, Pending, Quota, Running
+from scheduler.model import DEFAULT_QUOTA, EPSILON, NodeCapacity, Part, Pending, Quota, Running
 
 #: What reclaim has taken back so far from groups (by name) and from groups' models (by
 #: (group, model)): see :meth:`Book.count_release`.
-Released = MutableMapping[str | tuple[str, str], int]
+Released = MutableMapping[str | tuple[str, str], float]
 
 
 def model_of(models: tuple[tuple[str, Quota], ...], name: str) -> str | None:
@@ -72,16 +75,16 @@ class Book:
     ) -> None:
         self.quotas = quotas
         self.default = default
-        self.used: dict[str, int] = defaultdict(int)
+        self.used: dict[str, float] = defaultdict(int)
         #: GPUs held per (group, listed model), for groups with quotas per model.
-        self.model_used: dict[tuple[str, str], int] = defaultdict(int)
+        self.model_used: dict[tuple[str, str], float] = defaultdict(int)
         self.per_model = bool(default.models) or any(q.models for q in quotas.values())
         self._names: dict[int, dict[int, str]] = {}
         self._listed: dict[str, dict[str, Quota]] = {}  # group -> its models' quotas
         self._model_memo: dict[tuple[str, str], str | None] = {}  # (group, name) -> model
         #: Per group, a count bumped whenever what it holds changes (keys of the memo below).
         self._version: dict[str, int] = defaultdict(int)
-        self._kept: dict[tuple[str, int, int, str | None, bool], str | None] = {}
+        self._kept: dict[tuple[str, int, float, str | None, bool], str | None] = {}
         self._limits: dict[tuple[str, int, str | None], float] = {}
         #: The GPU model names of the nodes (casefolded), the alternatives a call is kept to.
         self.names: tuple[str, ...] = ()
@@ -93,8 +96,8 @@ class Book:
                 continue
             if self.per_model:
                 self.add_run(run)
-            else:
-                self.used[run.group] += run.gpus
+            else:  # (run.amount inlined: this runs over every running call each round)
+                self.used[run.group] += run.gpus if run.share == 1.0 else run.share
 
     def quota(self, group: str) -> Quota:
         return self.quotas.get(group, self.default)
@@ -102,12 +105,12 @@ class Book:
     def nominal(self, call: Pending) -> bool:
         """Whether the call fits inside its group's guarantee (its models' guarantees are
         :meth:`restrict`'s to keep)."""
-        return self.used[call.group] + call.gpus <= self.quota(call.group).guaranteed
+        return self.used[call.group] + call.amount <= self.quota(call.group).guaranteed + EPSILON
 
     def within_ceiling(self, call: Pending) -> bool:
         """Whether the call's request fits under its group's ceiling (a gang on whole nodes
         may take more than it asks for: place it within :meth:`room`)."""
-        return self.used[call.group] + call.gpus <= self.quota(call.group).ceiling
+        return self.used[call.group] + call.amount <= self.quota(call.group).ceiling + EPSILON
 
     def room(self, group: str) -> float:
         """The most GPUs the group may still take (inf: no ceiling)."""
@@ -115,21 +118,22 @@ class Book:
 
     def borrowing(self, group: str) -> bool:
         """Whether the group holds more than its guarantee (so some of it is reclaimable)."""
-        return self.used[group] > self.quota(group).guaranteed
+        return self.used[group] > self.quota(group).guaranteed + EPSILON
 
     def any_borrowing(self) -> bool:
         if any(self.borrowing(g) for g in list(self.used)):
             return True
         return any(
-            used > self._model_quota(group, model).guaranteed
+            used > self._model_quota(group, model).guaranteed + EPSILON
             for (group, model), used in list(self.model_used.items())
         )
 
-    def add(self, group: str, parts: Sequence[Part], sign: int = 1) -> None:
-        """Charge the group the GPUs of ``parts`` (``sign`` -1: give them back)."""
+    def add(self, group: str, parts: Sequence[Part], sign: int = 1, share: float = 1.0) -> None:
+        """Charge the group the GPUs of ``parts`` (``sign`` -1: give them back), ``share`` of
+        each."""
         self._version[group] += 1
-        self.used[group] += sign * sum(len(p.gpu_indices) for p in parts)
-        for model, n in self._counts(group, parts).items():
+        self.used[group] += sign * share * sum(len(p.gpu_indices) for p in parts)
+        for model, n in self._counts(group, parts, share).items():
             self.model_used[(group, model)] += sign * n
 
     def _model(self, group: str, name: str) -> str | None:
@@ -142,22 +146,22 @@ class Book:
     def add_run(self, run: Running, sign: int = 1) -> None:
         """Charge (``sign`` -1: give back) a running call's GPUs to its group."""
         self._version[run.group] += 1
-        self.used[run.group] += sign * run.gpus
+        self.used[run.group] += sign * run.amount
         for model, n in self._run_counts(run).items():
             self.model_used[(run.group, model)] += sign * n
 
-    def _run_counts(self, run: Running) -> dict[str, int]:
+    def _run_counts(self, run: Running) -> dict[str, float]:
         """A running call's GPUs per listed model of its group (from its own ``gpu_models``
         when it has them, else from the nodes' inventories)."""
         if not run.gpu_models:
-            return self._counts(run.group, run.parts)
+            return self._counts(run.group, run.parts, run.share)
         if not self.per_model or not self.quota(run.group).models:
             return {}
-        counts: dict[str, int] = defaultdict(int)
+        counts: dict[str, float] = defaultdict(int)
         for name in run.gpu_models:
             model = self._model(run.group, name)
             if model is not None:
-                counts[model] += 1
+                counts[model] += run.share
         return counts
 
     def _model_quota(self, group: str, model: str) -> Quota:
@@ -166,28 +170,29 @@ class Book:
             listed = self._listed[group] = dict(self.quota(group).models)
         return listed[model]
 
-    def _counts(self, group: str, parts: Iterable[Part]) -> dict[str, int]:
-        """The GPUs of ``parts`` per listed model of the group."""
+    def _counts(self, group: str, parts: Iterable[Part], share: float = 1.0) -> dict[str, float]:
+        """The GPUs of ``parts`` (``share`` of each) per listed model of the group."""
         if not self.per_model or not self.quota(group).models:
             return {}
-        counts: dict[str, int] = defaultdict(int)
+        counts: dict[str, float] = defaultdict(int)
         for part in parts:
             names = self._names.get(part.node_id, {})
             for index in part.gpu_indices:
                 model = self._model(group, names.get(index, ""))
                 if model is not None:
-                    counts[model] += 1
+                    counts[model] += share
         return counts
 
-    def borrowed(self, group: str, parts: Sequence[Part]) -> bool:
-        """Whether the group, taking ``parts``, would hold more than its guarantee, or more
-        than a listed model's guarantee of that model's GPUs."""
-        taken = sum(len(p.gpu_indices) for p in parts)
-        if taken and self.used[group] + taken > self.quota(group).guaranteed:
+    def borrowed(self, group: str, parts: Sequence[Part], share: float = 1.0) -> bool:
+        """Whether the group, taking ``parts`` (``share`` of each GPU), would hold more than
+        its guarantee, or more than a listed model's guarantee of that model's GPUs."""
+        taken = share * sum(len(p.gpu_indices) for p in parts)
+        if taken and self.used[group] + taken > self.quota(group).guaranteed + EPSILON:
             return True
         return any(
-            self.model_used[(group, model)] + n > self._model_quota(group, model).guaranteed
-            for model, n in self._counts(group, parts).items()
+            self.model_used[(group, model)] + n
+            > self._model_quota(group, model).guaranteed + EPSILON
+            for model, n in self._counts(group, parts, share).items()
         )
 
     def restrict(self, call: Pending, nominal: bool = False) -> Pending | None:
@@ -198,7 +203,7 @@ class Book:
         if not call.gpus or not self.quota(call.group).models:
             return call
         group = call.group
-        key = (group, self._version[group], call.gpus, call.gpu_model, nominal)
+        key = (group, self._version[group], call.amount, call.gpu_model, nominal)
         if key not in self._kept:
             self._kept[key] = self._kept_models(call, nominal)
         kept = self._kept[key]
@@ -217,7 +222,8 @@ class Book:
             model = self._model(call.group, name)
             # (a name with "|" in it would read as alternatives: never one to keep a call to)
             ok = "|" not in name and (
-                model is None or self._model_left(call.group, model, nominal) >= call.gpus
+                model is None
+                or self._model_left(call.group, model, nominal) + EPSILON >= call.amount
             )
             (allowed if ok else barred).append(name)
         if not barred:
@@ -249,7 +255,7 @@ class Book:
             self._limits[key] = room
         return self._limits[key]
 
-    def reclaimable(self, run: Running, released: Mapping[str | tuple[str, str], int]) -> bool:
+    def reclaimable(self, run: Running, released: Mapping[str | tuple[str, str], float]) -> bool:
         """Whether reclaim may take ``run`` back, ``released`` being taken already. A run on
         GPUs of listed models: if its group still holds more than its guarantee of each of
         them (its guarantee in all aside: those GPUs are borrowed); any other run: if its
@@ -259,14 +265,14 @@ class Book:
         if counts:
             return all(
                 self.model_used[(group, model)] - released.get((group, model), 0)
-                > self._model_quota(group, model).guaranteed
+                > self._model_quota(group, model).guaranteed + EPSILON
                 for model in counts
             )
-        return self.used[group] - released.get(group, 0) > self.quota(group).guaranteed
+        return self.used[group] - released.get(group, 0) > self.quota(group).guaranteed + EPSILON
 
     def count_release(self, released: Released, run: Running) -> None:
         """Add ``run``'s GPUs to what reclaim has taken back (see :meth:`reclaimable`)."""
-        released[run.group] = released.get(run.group, 0) + run.gpus
+        released[run.group] = released.get(run.group, 0) + run.amount
         for model, n in self._run_counts(run).items():
             released[(run.group, model)] = released.get((run.group, model), 0) + n
 
@@ -277,7 +283,7 @@ class Book:
         nodes = "" if taking is None else f"; the whole nodes free for it would take {taking}"
         return (
             f"group {call.group or '(none)'} is at its quota ceiling: it holds "
-            f"{self.used[call.group]} of at most {quota.ceiling:g} GPUs "
+            f"{self.used[call.group]:g} of at most {quota.ceiling:g} GPUs "
             f"(guarantee {quota.guaranteed} + borrowing limit {quota.borrow_limit}){nodes}"
         )
 
@@ -289,8 +295,8 @@ class Book:
             if any(self._model(call.group, n) == model for n in self.names
                    if placement.model_ok(n, call.gpu_model)):  # fmt: skip
                 used = self.model_used[(call.group, model)]
-                held.append(f"{used} of at most {limit.ceiling:g} {model}")
+                held.append(f"{used:g} of at most {limit.ceiling:g} {model}")
         return (
             f"group {call.group or '(none)'} is at its quota for the GPU models the call may "
-            f"use: it holds {', '.join(held) or 'them all'}; it needs {call.gpus} more"
+            f"use: it holds {', '.join(held) or 'them all'}; it needs {call.amount:g} more"
         )

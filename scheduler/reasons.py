@@ -40,7 +40,7 @@ def shortfall(call: Pending, cap: Capacity) -> str:
     """Why ``call`` does not fit in what ``cap`` has left."""
     if call.gpus == 0:
         return "waiting for a free CPU slot"
-    what = gpus(call.gpus, call.gpu_model)
+    what = gpus(call.gpus, call.gpu_model, call.share)
     if call.min_memory_mib:
         what += f" with at least {call.min_memory_mib} MiB"
     if call.gpus > cap.largest_for(call):
@@ -55,8 +55,10 @@ def plural(n: int, thing: str) -> str:
     return f"{n} {thing}" + ("" if n == 1 else "s")
 
 
-def gpus(n: int, model: str | None = None) -> str:
-    """``1 GPU``, ``4 A100 GPUs``, ``2 A100 or H100 GPUs``."""
+def gpus(n: int, model: str | None = None, share: float = 1.0) -> str:
+    """``1 GPU``, ``4 A100 GPUs``, ``2 A100 or H100 GPUs``, ``0.25 of one A100 GPU``."""
+    if share != 1.0:  # (n is 1)
+        return f"{share:g} of one {placement.model_words(model) + ' ' if model else ''}GPU"
     return plural(n, f"{placement.model_words(model)} GPU" if model else "GPU")
 
 

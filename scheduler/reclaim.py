@@ -28,7 +28,7 @@ from scheduler.capacity import Capacity
 from scheduler.model import NodeCapacity, Pending, Running, Snapshot
 from scheduler.quotas import Book, Released
 
-_NONE: dict[str | tuple[str, str], int] = {}  # (nothing released yet)
+_NONE: dict[str | tuple[str, str], float] = {}  # (nothing released yet)
 
 
 @dataclass(slots=True)
@@ -69,6 +69,9 @@ class Reclaimer:
         self.reserved: set[int] = set()
         self.chosen: set[str] = set()
         self._ready = False
+        #: Per shared GPU whose calls may all be preempted, its calls, under the id of the
+        #: one that stands for them in the walk: a shared GPU comes back only with all of them.
+        self._sharers: dict[str, list[Running]] = {}
         self.nodes: dict[int, NodeCapacity] = {}
         self._by_node: dict[int, list[Running]] = defaultdict(list)
         self._stopping: dict[int, list[tuple[int, ...]]] = defaultdict(list)
@@ -89,7 +92,11 @@ class Reclaimer:
         """Index the running calls, once per round and only if some call needs reclaim."""
         self._ready = True
         self.nodes = {n.node_id: n for n in self.snapshot.nodes}
+        shares: dict[tuple[int, int], list[Running]] = defaultdict(list)
         for run in self.snapshot.running:
+            if run.share != 1.0:
+                shares[(run.node_id, run.gpu_indices[0])].append(run)
+                continue
             for part in run.parts:
                 if run.preempting:
                     self._stopping[part.node_id].append(part.gpu_indices)
@@ -99,10 +106,24 @@ class Reclaimer:
                     self._returning[part.node_id] = None
                 else:
                     self._by_node[part.node_id].append(run)
-        self._queue = sorted(
-            (r for r in self.snapshot.running if self._victim_ok(r) and not r.preempting),
-            key=lambda r: (not r.borrowed, -r.start_time),
-        )
+        queue = [
+            r
+            for r in self.snapshot.running
+            if r.share == 1.0 and self._victim_ok(r) and not r.preempting
+        ]
+        for (node_id, index), runs in shares.items():
+            live = [r for r in runs if not r.preempting]
+            if not live:  # all told to stop: the GPU is on its way back
+                self._stopping[node_id].append((index,))
+                self._back[node_id] = self._back.get(node_id, 0) + 1
+                self._returning[node_id] = None
+                continue
+            self._by_node[node_id].extend(live)
+            if all(self._victim_ok(r) for r in live):
+                first = min(live, key=_walk_key)
+                self._sharers[first.id] = live
+                queue.append(first)
+        self._queue = sorted(queue, key=_walk_key)
 
     def _victim_ok(self, run: Running) -> bool:
         """Whether the run may ever be preempted by reclaim."""
@@ -125,9 +146,15 @@ class Reclaimer:
                 found.gpus = call.gpus
         if found is None:
             return None
+        counted: set[tuple[int, int]] = set()  # shared GPUs (their calls all go)
         for victim in found.victims:
             self.book.add_run(victim, -1)
             self.chosen.add(victim.id)
+            if victim.share != 1.0:
+                gpu = (victim.node_id, victim.gpu_indices[0])
+                if gpu in counted:
+                    continue
+                counted.add(gpu)
             for part in victim.parts:
                 self._stopping[part.node_id].append(part.gpu_indices)
                 self._back[part.node_id] = self._back.get(part.node_id, 0) + len(part.gpu_indices)
@@ -235,10 +262,18 @@ class Reclaimer:
         for run in room.victims:
             if got >= call.gpus:
                 break
-            if run.id in self.chosen or not self._pickable(run, released):
-                continue
-            victims.append(run)
-            self.book.count_release(released, run)
+            sharers = self._sharers.get(run.id)
+            if sharers is None:
+                if run.id in self.chosen or not self._pickable(run, released):
+                    continue
+                victims.append(run)
+                self.book.count_release(released, run)
+            else:
+                after = self._release_all(sharers, released)
+                if after is None:
+                    continue
+                released = after
+                victims.extend(sharers)
             got += self._gpus_on(run, node.node_id)
         if got < call.gpus:
             room.victims = [r for r in room.victims if self._live(r)]
@@ -248,6 +283,16 @@ class Reclaimer:
         room.victims = [r for r in room.victims if r.id not in taken]
         self._gathered(room, sum(self._gpus_on(r, node.node_id) for r in room.victims))
         return Reclaim([node.node_id], victims)
+
+    def _release_all(self, runs: list[Running], released: Released) -> Released | None:
+        """``released`` with all of ``runs`` taken back too, if reclaim may take each
+        (else None; ``released`` is left as it was)."""
+        after = dict(released)
+        for run in runs:
+            if run.id in self.chosen or not self._pickable(run, after):
+                return None
+            self.book.count_release(after, run)
+        return after
 
     @staticmethod
     def _gpus_on(run: Running, node_id: int) -> int:
@@ -263,7 +308,8 @@ class Reclaimer:
         self._start = start
         rooms: dict[int, _Room | None] = {}
         for run in self._queue[start:]:
-            if run.group == call.group or not self._live(run):
+            sharers = self._sharers.get(run.id, [run])
+            if any(r.group == call.group for r in sharers) or not self._live(run):
                 continue
             for part in run.parts:
                 if part.node_id not in rooms:
@@ -272,17 +318,22 @@ class Reclaimer:
                         None if node is None else _Room(node, self._have(node, call))
                     )
                 room = rooms[part.node_id]
-                if room is None or not self._pickable(run, room.released):
+                after = None if room is None else self._release_all(sharers, room.released)
+                if room is None or after is None:
                     continue
-                room.victims.append(run)
-                self.book.count_release(room.released, run)
+                room.victims.extend(sharers)
+                room.released = after
                 room.have += len(placement.usable(room.node, part.gpu_indices, call))
                 if room.have >= call.gpus:
                     return Reclaim([part.node_id], room.victims)
         return None
 
     def _live(self, run: Running) -> bool:
-        """Could still be picked this round (not chosen, its group still borrows)."""
+        """Could still be picked this round (not chosen, its group still borrows; for a
+        shared GPU, each of its calls)."""
+        sharers = self._sharers.get(run.id)
+        if sharers is not None:
+            return all(r.id not in self.chosen and self._pickable(r, _NONE) for r in sharers)
         return run.id not in self.chosen and self._pickable(run, _NONE)
 
     def _whole_nodes(self, call: Pending, limit: float) -> Reclaim | None:
@@ -317,6 +368,11 @@ class Reclaimer:
                 if total >= call.gpus:
                     return found
         return None
+
+
+def _walk_key(run: Running) -> tuple[bool, float]:
+    """Reclaim's order of candidates: those placed borrowed first, youngest first."""
+    return (not run.borrowed, -run.start_time)
 
 
 def protected(run: Running, after_s: float | None) -> bool:

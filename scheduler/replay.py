@@ -11,7 +11,11 @@ something is pending and either a GPU is free or a job just arrived (an arrival 
 reclaim), since nothing else can change a plan; and again at the same instant when a plan
 preempted without grace or stopped short (``Plan.more``). Each job's expected duration is its
 true remaining run time (exact time limits: the best case for backfill). Each job is whole
-GPUs on whole nodes as the policy placed it; a gang bigger than a node holds whole nodes.
+GPUs on whole nodes as the policy placed it; a gang bigger than a node holds whole nodes. A job
+whose ``num_gpus`` is a fraction below 1 holds that share of one GPU, packed with other such
+jobs (of its own user, unless ``--share-across-users``) and counted as that share in quotas,
+usage and utilisation; sharing does not slow it down here (a live GPU's sharers contend for
+its compute).
 Policy settings other than the starvation guard are the defaults; ``--half-life-s`` sets the
 fair-share half-life of the usage fed to the policy.
 
@@ -52,6 +56,7 @@ from scheduler.admission import never_fits
 from scheduler.fairshare import DEFAULT_HALF_LIFE_S, UsageMeter
 from scheduler.metrics import Recorder
 from scheduler.model import (
+    EPSILON,
     Gpu,
     NodeCapacity,
     Pending,
@@ -59,6 +64,7 @@ from scheduler.model import (
     Quota,
     Running,
     SchedulerError,
+    SharedGpu,
     Snapshot,
 )
 from scheduler.policies import Policy
@@ -140,8 +146,10 @@ class Simulator:
         preemption_cost_s: float = 0.0,
         look_ahead: int | None = None,
         failures: Sequence[tuple[int, float, float | None]] = (),
+        share_across_users: bool = False,
     ) -> None:
         self.jobs = list(jobs)
+        self.share_across_users = share_across_users
         self.policy = policy
         self.cluster = cluster
         self.quotas = dict(quotas)
@@ -151,7 +159,12 @@ class Simulator:
         #: this many calls; None: every pending call.
         self.look_ahead = look_ahead
         self.nodes = cluster.build()
-        self.free = cluster.gpus
+        self.free = cluster.gpus  # whole GPUs free on live nodes
+        #: Per node, its shared GPUs' runs (by GPU index, then call id).
+        self.sharing: dict[int, dict[int, dict[str, Running]]] = {}
+        #: Shared GPUs with room left (node, GPU), and jobs asking for a share pending.
+        self.open_shares: set[tuple[int, int]] = set()
+        self.pending_shares = 0
         self.pending: dict[int, Pending] = {}  # by job index
         self.running: dict[str, Running] = {}
         self.remaining = [j.duration for j in self.jobs]
@@ -178,7 +191,7 @@ class Simulator:
         #: Per job index: when it first started, and when it completed.
         self.started: dict[int, float] = {}
         self.completed: dict[int, float] = {}
-        self.verdicts: dict[tuple[int, str | None, str], str | None] = {}
+        self.verdicts: dict[tuple[float, str | None, str], str | None] = {}
         #: Jobs refused at submission (they could never fit).
         self.rejected: set[int] = set()
         for node, down, up in failures:
@@ -207,7 +220,8 @@ class Simulator:
                         (self.down if kind == DOWN else self.up)(job, now)
                     elif gen == self.generation[job]:
                         (self.finish if kind == FINISH else self.stop)(job, now)
-                if not (self.pending and (self.free > 0 or arrived)):
+                room = self.free > 0 or bool(self.open_shares and self.pending_shares)
+                if not (self.pending and (room or arrived)):
                     break
                 rounds += 1
                 if rounds > 10_000:  # every round preempts and places at one instant
@@ -270,25 +284,38 @@ class Simulator:
     def arrive(self, i: int) -> bool:
         job = self.jobs[i]
         self.record.arrived(job.submit)
-        call = Pending(
+        call = self.call(i, job.duration)
+        if job.gpus <= 0 or self.never_fits(call) is not None:
+            self.rejected.add(i)
+            return False
+        self.add_pending(i, call)
+        self.record.want(job.group, job.gpus)
+        return True
+
+    def call(self, i: int, expected_s: float, queued_time: float | None = None) -> Pending:
+        """Job ``i`` as a pending call."""
+        job = self.jobs[i]
+        whole = job.gpus >= 1
+        return Pending(
             str(i),
-            job.gpus,
+            int(job.gpus) if whole else 1,
             job.user,
             job.group,
             gpu_model=job.gpu_type,
             submit_time=job.submit,
-            expected_s=job.duration,
+            expected_s=expected_s,
+            attained_gpu_s=self.attained[i],
+            queued_time=queued_time,
+            share=1.0 if whole else job.gpus,
         )
-        if job.gpus < 1 or self.never_fits(call) is not None:
-            self.rejected.add(i)
-            return False
+
+    def add_pending(self, i: int, call: Pending) -> None:
         self.pending[i] = call
-        self.record.want(job.group, job.gpus)
-        return True
+        self.pending_shares += call.share != 1.0
 
     def never_fits(self, call: Pending) -> str | None:
         """Submit-time rejection, remembered per kind of call (the cluster never changes)."""
-        key = (call.gpus, call.gpu_model, call.group)
+        key = (call.amount, call.gpu_model, call.group)
         if key not in self.verdicts:
             quotas = self.quotas if self.policy.uses_quotas else None
             self.verdicts[key] = never_fits(call, self.nodes, quotas)
@@ -336,29 +363,44 @@ class Simulator:
         self.remaining[i] += self.preemption_cost_s
         self.attained[i] = run.attained(now)
         self.requeued = True
-        job = self.jobs[i]
-        self.pending[i] = Pending(
-            run.id,
-            job.gpus,
-            job.user,
-            job.group,
-            gpu_model=job.gpu_type,
-            submit_time=job.submit,
-            expected_s=self.remaining[i],
-            attained_gpu_s=self.attained[i],
-            queued_time=now,
-        )
+        self.add_pending(i, self.call(i, self.remaining[i], queued_time=now))
 
     def release(self, i: int, now: float) -> Running:
         run = self.running.pop(str(i))
         self.generation[i] += 1
-        for part in run.parts:
-            self.nodes[part.node_id].free_gpus.extend(part.gpu_indices)
-        self.note_held(run.group, run.user, -run.gpus, now)
+        if run.share != 1.0:
+            node_id, index = run.node_id, run.gpu_indices[0]
+            holders = self.sharing[node_id][index]
+            del holders[run.id]
+            if not holders:  # the last of its calls: the GPU is free again
+                del self.sharing[node_id][index]
+                self.nodes[node_id].free_gpus.append(index)
+                self.free += 1
+            self.reshare(node_id)
+        else:
+            for part in run.parts:
+                self.nodes[part.node_id].free_gpus.extend(part.gpu_indices)
+            self.free += run.gpus
+        self.note_held(run.group, run.user, -run.amount, now)
         return run
 
-    def note_held(self, group: str, user: str, gpus: int, now: float) -> None:
-        self.free -= gpus
+    def reshare(self, node_id: int) -> None:
+        """Show the node's shared GPUs as they are now (``NodeCapacity.shared``)."""
+        shared = []
+        for index, holders in sorted(self.sharing.get(node_id, {}).items()):
+            runs = holders.values()
+            gpu = SharedGpu(index, sum(r.share for r in runs), frozenset(r.user for r in runs))
+            shared.append(gpu)
+            if gpu.left > EPSILON:
+                self.open_shares.add((node_id, index))
+            else:
+                self.open_shares.discard((node_id, index))
+        for index in [g for n, g in self.open_shares if n == node_id]:
+            if index not in self.sharing.get(node_id, {}):
+                self.open_shares.discard((node_id, index))
+        self.nodes[node_id].shared = tuple(shared)
+
+    def note_held(self, group: str, user: str, gpus: float, now: float) -> None:
         self.groups.change(group, gpus, now)
         self.users.change((group, user), gpus, now)
         self.record.hold(group, gpus)
@@ -390,6 +432,7 @@ class Simulator:
             user_usage=Usage(self.users, now),
             now=now,
             reserved=self.reserved,
+            share_across_users=self.share_across_users,
         )
         out = self.policy.plan(snapshot)
         self.reserved = out.reserved.keys()
@@ -398,11 +441,17 @@ class Simulator:
     def apply(self, plan: Plan, now: float) -> None:
         for d in plan:
             call = self.pending.pop(int(d.invocation_id))
+            self.pending_shares -= call.share != 1.0
             i = int(call.id)
+            holders: dict[str, Running] = {}
+            if call.share != 1.0:
+                holders = self.sharing.setdefault(d.node_id, {}).setdefault(d.gpu_indices[0], {})
             for part in d.parts:
                 taken = set(part.gpu_indices)
                 node = self.nodes[part.node_id]
-                node.free_gpus = [g for g in node.free_gpus if g not in taken]
+                if call.share == 1.0 or not holders:  # (a share on a GPU free till now)
+                    node.free_gpus = [g for g in node.free_gpus if g not in taken]
+                    self.free -= len(taken)
             run = Running(
                 call.id,
                 d.node_id,
@@ -415,10 +464,14 @@ class Simulator:
                 more=d.more,
                 attained_gpu_s=self.attained[i],
                 queued_time=call.waiting_since,
+                share=call.share,
             )
             self.running[call.id] = run
+            if call.share != 1.0:
+                holders[call.id] = run
+                self.reshare(d.node_id)
             self.started.setdefault(i, now)
-            self.note_held(call.group, call.user, run.gpus, now)
+            self.note_held(call.group, call.user, run.amount, now)
             self.push(now + self.remaining[i], FINISH, i)
         for p in plan.preemptions:
             run = self.running[p.invocation_id]
@@ -453,6 +506,8 @@ class Options:
     look_ahead: int | None = None
     #: A node failures file (scheduler.traces.read_failures).
     node_failures: str | None = None
+    #: Jobs of different users may share a GPU (jobs asking for part of one).
+    share_across_users: bool = False
 
 
 def policy_names() -> list[str]:
@@ -499,6 +554,7 @@ def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
         options.preemption_cost_s,
         options.look_ahead,
         failures,
+        options.share_across_users,
     )
     out = sim.run()
     out.update(nodes=len(sim.nodes), gpus=capacity, gpu_types_ignored=ignored)
@@ -555,6 +611,12 @@ def parser() -> argparse.ArgumentParser:
         f"free GPU, at most MOST in all (default {lookahead.MOST}, the gateway's --plan-batch)",
     )
     p.add_argument(
+        "--share-across-users",
+        action="store_true",
+        help="jobs asking for part of a GPU may share one with other users' jobs (default: "
+        "only with their own user's)",
+    )
+    p.add_argument(
         "--node-models",
         default="",
         help="comma-separated GPU models, cycled over the nodes; enables gpu_type",
@@ -608,6 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.nodes_file,
         args.look_ahead,
         args.node_failures,
+        args.share_across_users,
     )
     try:
         metrics = replay(args.trace, options)

@@ -6,7 +6,8 @@ Trace formats, told apart by the CSV header:
   ``group``, ``gpu_type`` (a GPU model constraint), ``job_id`` and ``status`` columns;
   ``status`` is how the job ended: ``completed`` (the default; also ``pass``, ``passed``,
   ``succeeded``), ``failed`` (``fail``) or ``cancelled`` (``canceled``, ``killed``), its
-  ``duration`` being how long it ran before that;
+  ``duration`` being how long it ran before that; ``num_gpus`` may be a fraction below 1
+  (``0.25``: a quarter of one GPU, which it shares with other such jobs);
 - Philly (``philly_jobs_pollux_osdi21.csv``): ``timestamp`` (``YYYY-MM-DD HH:MM:SS``),
   ``duration``, ``num_gpus``, ``gpu_time``, ``cluster``; the virtual cluster is the group and
   submit times count from the earliest timestamp;
@@ -70,7 +71,8 @@ class Job:
     id: str
     submit: float
     duration: float
-    gpus: int
+    #: Whole GPUs, or a fraction below 1: that share of one GPU.
+    gpus: float
     user: str = ""
     group: str = ""
     gpu_type: str | None = None
@@ -137,7 +139,7 @@ def _plain(rows: list[dict[str, str]]) -> list[Job]:
             id=r.get("job_id") or str(i),
             submit=float(r["submit_time"]),
             duration=float(r["duration"]),
-            gpus=int(r["num_gpus"]),
+            gpus=_gpus(r["num_gpus"]),
             user=r.get("user") or "",
             group=r.get("group") or "",
             gpu_type=r.get("gpu_type") or None,
@@ -145,6 +147,18 @@ def _plain(rows: list[dict[str, str]]) -> list[Job]:
         )
         for i, r in enumerate(rows)
     ]
+
+
+def _gpus(value: str) -> float:
+    """``num_gpus``: whole GPUs, or a share of one below 1."""
+    n = float(value)
+    if n.is_integer():
+        return int(n)
+    if not 0 < n < 1:
+        raise ValueError(
+            f"num_gpus {value!r}: a job asks for whole GPUs or for part of one (below 1)"
+        )
+    return n
 
 
 def _philly(rows: list[dict[str, str]]) -> list[Job]:

@@ -18,7 +18,8 @@ deliberately small, so that what they measure is the ordering, not tuning.
 Placement is :class:`~scheduler.capacity.Capacity`'s best fit. Preemption frees GPUs on one
 node for a call that fits on one node, whole nodes for a gang; a call preempts only when
 that frees enough for it, counting GPUs already being given back. Neither reserves or
-backfills: every call that fits starts.
+backfills: every call that fits starts. Calls holding a share of a GPU are never preempted
+(a shared GPU frees only when all its calls go, which these small policies do not weigh).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class _Preemptive:
 
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan:
         now = snapshot.now
-        cap = Capacity(snapshot.nodes)
+        cap = Capacity(snapshot.nodes, snapshot.share_across_users)
         out = Plan()
         victims: _Victims | None = None  # made when first needed
         ranked = sorted((self.rank(c, now), c) for c in snapshot.pending)
@@ -120,6 +121,8 @@ class _Victims:
         self.failed = math.inf
         by_node = self.by_node
         for run in snapshot.running:
+            if run.share != 1.0:
+                continue  # (never a victim; its GPU is busy until all its sharers end)
             if run.preempting:
                 for part in run.parts:
                     self._leave(part.node_id, len(part.gpu_indices))

@@ -21,6 +21,7 @@ from scheduler import (
     Policy,
     Quota,
     Running,
+    SharedGpu,
     Snapshot,
     placement,
     plan,
@@ -37,9 +38,17 @@ from scheduler.yardsticks import Las, Srtf
 GROUPS = ["a", "b", "c"]
 
 
+USERS = ["ann", "bob"]
+SHARES = [0.25, 0.5, 0.3, 0.75]
+
+
 @st.composite
-def snapshots(draw: st.DrawFn, one_gpu: bool = False) -> Snapshot:
-    """A consistent cluster: free GPUs are exactly those no running call holds."""
+def snapshots(draw: st.DrawFn, one_gpu: bool = False, shares: bool = True) -> Snapshot:
+    """A consistent cluster: free GPUs are exactly those no running call holds. Unless
+    ``one_gpu`` (or not ``shares``), some GPUs are shared by calls holding part of one, and
+    some pending calls ask for part of one."""
+    shares = shares and not one_gpu
+    across = shares and draw(st.booleans())  # calls of different users may share a GPU
     nodes: list[NodeCapacity] = []
     running: list[Running] = []
     for i in range(draw(st.integers(1, 6))):
@@ -48,9 +57,29 @@ def snapshots(draw: st.DrawFn, one_gpu: bool = False) -> Snapshot:
         links = None if one_gpu else draw(st.sampled_from([None, 2]))
         gpus = tuple(Gpu(g, model, 40960, None if links is None else g // 4) for g in range(size))
         free = list(range(size))
+        shared: list[SharedGpu] = []
         while free:
             if not draw(st.booleans()):
                 break
+            if shares and draw(st.integers(0, 3)) == 0:  # a GPU shared by 1-3 calls
+                index, free = free[0], free[1:]
+                parts = draw(st.lists(st.sampled_from(SHARES), min_size=1, max_size=3))
+                while sum(parts) > 1:
+                    parts.pop()
+                users = set()
+                owner = draw(st.sampled_from(USERS))
+                for part in parts or [0.5]:
+                    user = draw(st.sampled_from(USERS)) if across else owner
+                    users.add(user)
+                    running.append(Running(
+                        f"r{len(running)}", i, (index,), user, draw(st.sampled_from(GROUPS)),
+                        start_time=draw(st.floats(0, 100)),
+                        expected_s=draw(st.none() | st.floats(1, 99)),
+                        borrowed=draw(st.booleans()), preemptible=draw(st.booleans()),
+                        preempting=draw(st.booleans()), share=part,
+                    ))  # fmt: skip
+                shared.append(SharedGpu(index, sum(parts or [0.5]), frozenset(users)))
+                continue
             n = 1 if one_gpu else draw(st.integers(1, len(free)))
             taken, free = tuple(free[:n]), free[n:]
             running.append(Running(
@@ -61,14 +90,19 @@ def snapshots(draw: st.DrawFn, one_gpu: bool = False) -> Snapshot:
                 queued_time=draw(st.none() | st.floats(-7200, 0)),
             ))  # fmt: skip
         nodes.append(NodeCapacity(i, free, draw(st.integers(0, 2)), gpus,
-                                  draining=draw(st.booleans()) and not one_gpu))  # fmt: skip
+                                  draining=draw(st.booleans()) and not one_gpu,
+                                  shared=tuple(shared)))  # fmt: skip
     sizes = st.just(1) if one_gpu else st.sampled_from([0, 1, 2, 3, 4, 8, 12, 16])
-    pending = [
-        Pending(f"p{j}", draw(sizes), group=draw(st.sampled_from(GROUPS)),
-                gpu_model=None if one_gpu else draw(st.sampled_from([None, None, "H100"])),
-                expected_s=draw(st.none() | st.floats(1, 200)))
-        for j in range(draw(st.integers(0, 25)))
-    ]  # fmt: skip
+    share = st.sampled_from([1.0, *SHARES]) if shares else st.just(1.0)
+    pending = []
+    for j in range(draw(st.integers(0, 25))):
+        part = draw(share)
+        pending.append(Pending(
+            f"p{j}", 1 if part != 1.0 else draw(sizes), draw(st.sampled_from(USERS)),
+            draw(st.sampled_from(GROUPS)),
+            gpu_model=None if one_gpu else draw(st.sampled_from([None, None, "H100"])),
+            expected_s=draw(st.none() | st.floats(1, 200)), share=part,
+        ))  # fmt: skip
     quotas = {
         g: Quota(draw(st.integers(0, 8)), draw(st.none() | st.integers(0, 16)), draw(models()))
         for g in GROUPS
@@ -76,7 +110,7 @@ def snapshots(draw: st.DrawFn, one_gpu: bool = False) -> Snapshot:
     if one_gpu:  # guarantees the cluster can honour
         total = sum(len(n.gpus) for n in nodes)
         quotas = {g: Quota(total // len(GROUPS)) for g in GROUPS}
-    return Snapshot(nodes, pending, running, quotas, now=50.0)
+    return Snapshot(nodes, pending, running, quotas, now=50.0, share_across_users=across)
 
 
 def models() -> st.SearchStrategy[tuple[tuple[str, Quota], ...]]:
@@ -86,17 +120,21 @@ def models() -> st.SearchStrategy[tuple[tuple[str, Quota], ...]]:
     return st.just(()) | st.lists(one, max_size=2, unique_by=lambda m: m[0]).map(tuple)
 
 
-def held_of_model(snap: Snapshot) -> dict[tuple[str, str], int]:
+def held_of_model(snap: Snapshot) -> dict[tuple[str, str], float]:
     """GPUs each group holds of each model its quota lists (calls not already stopping)."""
-    out: dict[tuple[str, str], int] = defaultdict(int)
+    out: dict[tuple[str, str], float] = defaultdict(float)
     for r in snap.running:
         if not r.preempting:
-            count_models(snap, r.group, r.parts, out, 1)
+            count_models(snap, r.group, r.parts, out, r.share)
     return out
 
 
 def count_models(
-    snap: Snapshot, group: str, parts: Iterable[Part], out: dict[tuple[str, str], int], sign: int
+    snap: Snapshot,
+    group: str,
+    parts: Iterable[Part],
+    out: dict[tuple[str, str], float],
+    sign: float,
 ) -> None:
     models = dict(snap.quotas[group].models) if group in snap.quotas else {}
     names = {(n.node_id, g.index): g.model for n in snap.nodes for g in n.gpus}
@@ -108,11 +146,11 @@ def count_models(
                     out[(group, listed)] += sign
 
 
-def held(snap: Snapshot) -> dict[str, int]:
-    out: dict[str, int] = defaultdict(int)
+def held(snap: Snapshot) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
     for r in snap.running:
         if not r.preempting:
-            out[r.group] += r.gpus
+            out[r.group] += r.amount
     return out
 
 
@@ -129,15 +167,25 @@ def test_plans_never_double_book_split_or_bend_the_rules(
     nodes = {n.node_id: n for n in snap.nodes}
     held_gpus = {(p.node_id, g) for r in snap.running for p in r.parts for g in p.gpu_indices}
     used: Counter[tuple[int, int]] = Counter()
+    # A shared GPU: how much of it is taken, and by whose calls (before and after the plan).
+    shared = {(n.node_id, s.index): (s.used, set(s.users)) for n in snap.nodes for s in n.shared}
     assert len({d.invocation_id for d in out}) == len(out)
     for d in out:
         call = calls[d.invocation_id]
         for part in d.parts:
             node = nodes[part.node_id]
             assert not node.draining
-            assert set(part.gpu_indices) <= set(node.free_gpus)
             by_index = {g.index: g for g in node.gpus}
             assert all(placement.gpu_ok(by_index[g], call) for g in part.gpu_indices)
+            if call.share != 1.0:  # part of one GPU: a free one, or one shared already
+                (gpu,) = part.gpu_indices
+                key = (part.node_id, gpu)
+                assert key in shared or gpu in node.free_gpus, (call, part)
+                taken, users = shared.setdefault(key, (0.0, set()))
+                shared[key] = (taken + call.share, users | {call.user})
+                held_gpus.discard(key)
+                continue
+            assert set(part.gpu_indices) <= set(node.free_gpus)
             used.update((part.node_id, g) for g in part.gpu_indices)
         got = sum(len(p.gpu_indices) for p in d.parts)
         if len(d.parts) == 1:
@@ -148,6 +196,10 @@ def test_plans_never_double_book_split_or_bend_the_rules(
             assert call.gpus > Capacity(snap.nodes).largest_for(call)
     assert all(n == 1 for n in used.values())
     assert not set(used) & held_gpus
+    assert not set(used) & set(shared)  # a whole-GPU call never on a shared GPU
+    for taken, users in shared.values():  # never more than the whole GPU, nor shared across
+        assert taken <= 1 + 1e-9  # users unless the round allows it
+        assert snap.share_across_users or len(users) <= 1
     check_preemptions(snap, out, policy)
 
 
@@ -164,30 +216,37 @@ def check_preemptions(snap: Snapshot, out: Plan, policy: str | Policy) -> None:
         assert not any(protected(running[v], chosen.starve_after_s) for v in victims)
     after = held(snap)
     before = dict(after)
+    calls = {c.id: c for c in snap.pending}
     for v in victims:
-        after[running[v].group] -= running[v].gpus
+        after[running[v].group] -= running[v].amount
     for d in out:
-        after[next(c.group for c in snap.pending if c.id == d.invocation_id)] += sum(
-            len(p.gpu_indices) for p in d.parts
-        )
+        call = calls[d.invocation_id]
+        after[call.group] += call.share * sum(len(p.gpu_indices) for p in d.parts)
     if resolve(policy).uses_quotas:
         of_model = held_of_model(snap)
         model_before = dict(of_model)
         for v in victims:
-            count_models(snap, running[v].group, running[v].parts, of_model, -1)
-        groups = {c.id: c.group for c in snap.pending}
+            count_models(snap, running[v].group, running[v].parts, of_model, -running[v].share)
         for d in out:
-            count_models(snap, groups[d.invocation_id], d.parts, of_model, 1)
+            call = calls[d.invocation_id]
+            count_models(snap, call.group, d.parts, of_model, call.share)
         for (g, model), n in of_model.items():  # nor a ceiling per model
             quota = dict(snap.quotas[g].models)[model]
-            assert n <= max(quota.ceiling, model_before.get((g, model), 0)), (g, model)
+            assert n <= max(quota.ceiling, model_before.get((g, model), 0)) + 1e-9, (g, model)
         for g, n in after.items():
-            quota = snap.quotas[g]
-            assert n <= max(quota.ceiling, before.get(g, 0))  # placing never passes a ceiling
+            quota = snap.quotas[g]  # placing never passes a ceiling
+            assert n <= max(quota.ceiling, before.get(g, 0)) + 1e-9
             if before.get(g, 0) > quota.guaranteed:  # reclaim stops at the guarantee...
-                assert n >= quota.guaranteed or any(  # ...unless one whole call straddles it
+                assert n >= quota.guaranteed - 1e-9 or any(  # ...unless a call straddles it
                     running[v].group == g for v in victims
                 )
+    # A shared GPU comes back only when all its calls go: reclaim takes all or none of them.
+    if isinstance(resolve(policy), Fair):
+        stopping = set(victims) | {r.id for r in snap.running if r.preempting}
+        for r in snap.running:
+            if r.id in victims and r.share != 1.0:
+                sharers = [o for o in snap.running if o.share != 1.0 and o.parts == r.parts]
+                assert all(o.id in stopping for o in sharers), (r, sharers)
 
 
 def settle(snap: Snapshot, policy: Policy) -> Snapshot:
