@@ -22,7 +22,9 @@ import msgspec
 # bound to their invocation. Older nodelets are refused: they ran every mapped call as root.
 # 5: node incarnations: every start of a nodelet registers anew and names its incarnation in
 # every later request (INCARNATION_HEADER); an earlier incarnation's requests are refused.
-PROTOCOL_VERSION = 5
+# 6: calls asking for part of a GPU (Assignment.gpu_share) run beside each other on it, their
+# CUDA memory capped; a nodelet before 6 runs them one after another on their GPU, uncapped.
+PROTOCOL_VERSION = 6
 MIN_PROTOCOL_VERSION = 5
 
 #: The header in which a nodelet names its incarnation (RegisterResponse.incarnation) on
@@ -175,6 +177,33 @@ GpuCount = Annotated[
         description="The number of GPUs the call needs: 0 (CPU only) or more.",
     ),
 ]
+GpuShare = Annotated[
+    float,
+    msgspec.Meta(gt=0, lt=1, description="Part of one GPU: above 0 and below 1 (0.25)."),
+]
+GpuAmount = Annotated[
+    GpuCount | GpuShare,
+    msgspec.Meta(
+        description=(
+            "The GPUs the call needs: a whole number (0: CPU only), or part of one GPU, a "
+            "number above 0 and below 1 (0.25: a quarter of one), which the call shares with "
+            "other such calls of its user (of any user where the cluster allows it), its "
+            "CUDA memory capped at that part (`docs/scheduling.md`)."
+        )
+    ),
+]
+
+
+def split_gpus(amount: float) -> tuple[int, float]:
+    """``(gpus, share)`` for a ``GpuAmount``: whole GPUs with share 1, or part of one GPU."""
+    if isinstance(amount, int) or amount >= 1:
+        return int(amount), 1.0
+    return 1, float(amount)
+
+
+def gpu_amount(gpus: int, share: float) -> int | float:
+    """The ``GpuAmount`` of ``gpus`` GPUs, ``share`` of each (``split_gpus``'s inverse)."""
+    return gpus if share >= 1 else share
 Retries = Annotated[
     int,
     msgspec.Meta(
@@ -269,7 +298,7 @@ class CallSpec(_Request, frozen=True, kw_only=True):
             )
         ),
     ] = ""
-    gpus: GpuCount = 0
+    gpus: GpuAmount = 0
     max_retries: Retries = 2
     timeout_s: TimeLimit = None
     payload: Annotated[
@@ -423,7 +452,9 @@ class Invocation(_Msg, frozen=True, kw_only=True):
     id: str
     state: State
     function_name: str = ""
-    gpus: int = 0
+    gpus: Annotated[
+        int | float, msgspec.Meta(description="Whole GPUs, or part of one GPU (below 1).")
+    ] = 0
     attempts: Annotated[
         int, msgspec.Meta(description="Attempts counted against its retries (node assignments).")
     ] = 0
@@ -634,7 +665,7 @@ class FunctionResourcesInfo(_Msg, frozen=True, kw_only=True):
     """What every invocation of a registered function asks for (as ``CallSpec``), as the
     gateway reports it (``FunctionInfo``)."""
 
-    gpus: GpuCount = 0
+    gpus: GpuAmount = 0
     gpu_model: GpuModel = None
     gpu_memory_mb: GpuMemory = None
     timeout_s: TimeLimit = None
@@ -987,6 +1018,16 @@ class Assignment(_Msg, frozen=True, kw_only=True):
     invocation_id: str
     epoch: int
     gpu_indices: list[int]
+    gpu_share: Annotated[
+        float,
+        msgspec.Meta(
+            description=(
+                "The part of its one GPU the call asked for (1: whole GPUs): other calls may "
+                "run on that GPU at the same time, and the worker caps its CUDA memory at "
+                "this part of the GPU's (protocol 6)."
+            )
+        ),
+    ] = 1.0
     timeout_s: float | None = None
     payload: bytes | None = None
     payload_size: int = 0
@@ -1298,6 +1339,8 @@ class WorkerTask(_Request, frozen=True, kw_only=True):
     # JSON invocations: the arguments (Assignment.arguments) to call the function with.
     arguments: bytes | None = None
     gpu_indices: list[int] = msgspec.field(default_factory=list)
+    # The part of its GPU the call asked for (Assignment.gpu_share): its CUDA memory cap.
+    gpu_share: float = 1.0
     env: dict[str, str] = msgspec.field(default_factory=dict)
     # The torch device tensors and modules are moved to before the call ("cuda:0", "cpu").
     device: str = "cpu"

@@ -113,6 +113,11 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         all GPUs asked for or held by calls that waited this long, so they cannot starve the
         others either (docs/scheduling.md); 0: never.
     """)] = DEFAULT_STARVE_AFTER_S
+    share_gpus_across_users: Annotated[bool, doc("""
+        Calls asking for part of a GPU (gpus=0.25) may share one with other users' calls. Off:
+        a GPU is shared only among one user's calls, since its sharers are not isolated from
+        each other (no compute isolation, a soft memory cap: docs/scheduling.md).
+    """)] = False
     rate_limit_per_s: Annotated[float, AT_LEAST_0, doc("""
         Requests a second each user may make, on average, with a user token (a token bucket per
         user, in this replica's memory: N replicas allow up to N times as much); over it the

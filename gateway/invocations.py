@@ -191,7 +191,7 @@ async def place(
     fresh = [
         Pending(
             invocation_id,
-            call.gpus,
+            wire.split_gpus(call.gpus)[0],
             user=caller.name,
             group=caller.group,
             function=call.function_name,
@@ -200,6 +200,7 @@ async def place(
             priority=call.priority,
             submit_time=made.fresh[invocation_id],
             expected_s=call.expected_s if call.expected_s is not None else call.timeout_s,
+            share=wire.split_gpus(call.gpus)[1],
         )
         for invocation_id, call in zip(made.ids, calls, strict=True)
         if invocation_id in made.fresh
@@ -278,8 +279,10 @@ async def check_fits(request: Request, group: str, calls: list[wire.CallSpec]) -
     if config.policy().uses_quotas:
         groups = await db.groups(pool)
         quotas = {g.name: scheduling.group_quota(g) for g in groups}
-    for gpus, model, memory in sorted(distinct, key=lambda d: -d[0]):
-        call = Pending("new", gpus, group=group, gpu_model=model, min_memory_mib=memory or 0)
+    for amount, model, memory in sorted(distinct, key=lambda d: -d[0]):
+        gpus, share = wire.split_gpus(amount)
+        call = Pending("new", gpus, group=group, gpu_model=model, min_memory_mib=memory or 0,
+                       share=share)  # fmt: skip
         reason = never_fits(call, nodes, quotas)
         largest = placement.largest_for(nodes, call)
         if reason is None and nodes and gpus > largest:

@@ -29,6 +29,7 @@ from scheduler import (
     Plan,
     Quota,
     Running,
+    SharedGpu,
     Snapshot,
     lookahead,
     placement,
@@ -48,20 +49,29 @@ _KEEPALIVE = {
 
 
 def capacity(nodes: list[db.NodeRow], leases: list[Running]) -> list[NodeCapacity]:
-    """Each live node's inventory and what is free on it, given the leases held on it."""
+    """Each live node's inventory and what is free on it, given the leases held on it: a GPU
+    held by calls that asked for part of one is shared (``NodeCapacity.shared``), not free."""
     used_gpus: dict[int, set[int]] = defaultdict(set)
     used_cpu: Counter[int] = Counter()
+    parts: dict[int, dict[int, list[Running]]] = {}  # node -> GPU -> the shares on it
     for lease in leases:
         if lease.gpus == 0:
             used_cpu[lease.node_id] += 1
         used_gpus[lease.node_id].update(lease.gpu_indices)
+        if lease.share != 1.0:
+            on = parts.setdefault(lease.node_id, {})
+            on.setdefault(lease.gpu_indices[0], []).append(lease)
     found = []
     for n in nodes:
         used = used_gpus.get(n.id)
         free = [g.index for g in n.gpus if g.index not in used] if used else None
-        found.append(
-            node_capacity(n, free_gpus=free, free_cpu_slots=max(0, n.cpu_slots - used_cpu[n.id]))
-        )
+        node = node_capacity(n, free_gpus=free, free_cpu_slots=max(0, n.cpu_slots - used_cpu[n.id]))
+        if n.id in parts:
+            node.shared = tuple(
+                SharedGpu(g, sum(r.share for r in runs), frozenset(r.user for r in runs))
+                for g, runs in sorted(parts[n.id].items())
+            )
+        found.append(node)
     return found
 
 
@@ -153,7 +163,7 @@ async def plan_round(
         # A call runs on one node: one bigger than every live node waits, reserving nothing,
         # until such a node is back (it fitted a registered node when it was submitted).
         queued, too_big = one_node_calls(queued, free)
-        snapshot = _snapshot(free, queued, held, held.now, frozenset(reserved or ()))
+        snapshot = _snapshot(config, free, queued, held, held.now, frozenset(reserved or ()))
         why: dict[str, tuple[int, str]] | None = {} if explain else None
         result = config.policy().plan(snapshot, why)
         if reserved is not None:
@@ -196,16 +206,17 @@ async def place_at_once(
     held = await db.holdings(conn, quotas=policy.uses_quotas)
     free = capacity(nodes, held.leases)
     fits, _ = one_node_calls(list(fresh), free)
-    if not fits or not any(n.free_gpus or n.free_cpu_slots for n in free):
+    if not fits or not any(n.free_gpus or n.free_cpu_slots or n.shared for n in free):
         return [], {}
     now = max(p.submit_time for p in fits)
-    result = policy.plan(_snapshot(free, fits, held, now))
+    result = policy.plan(_snapshot(config, free, fits, held, now))
     if result.preemptions or not result:
         return [], {}  # reclaiming capacity is the leader's to decide, with the whole queue
     return await _assign(conn, config, result, [d.node_id for d in result if hand_to(d.node_id)])
 
 
 def _snapshot(
+    config: GatewayConfig,
     free: list[NodeCapacity],
     pending: list[Pending],
     held: db.Holdings,
@@ -225,6 +236,7 @@ def _snapshot(
         user_usage=held.user_usage,
         now=now,
         reserved=reserved,
+        share_across_users=config.share_gpus_across_users,
     )
 
 

@@ -358,8 +358,10 @@ class Node:
         # is still dying; one that just completed is still finishing; one the gateway no
         # longer knows of (a database crash lost its assignment, committed without waiting
         # for its WAL flush) runs until the next poll revokes it. The attempts of its own
-        # map lease run one after the other anyway (``behind``).
+        # map lease run one after the other anyway (``behind``). Calls that asked for part of
+        # a GPU share it: they run beside each other (the gateway keeps their parts within 1).
         gpus = set(assignment.gpu_indices)
+        share = assignment.gpu_share < 1
         holding = [
             a.task
             for a in (self.attempts.values() if gpus else ())
@@ -368,6 +370,7 @@ class Node:
             and not a.task.done()
             and gpus & set(a.assignment.gpu_indices)
             and (assignment.lease is None or a.assignment.lease != assignment.lease)
+            and not (share and a.assignment.gpu_share < 1)
         ]
         attempt.start(after=holding, behind=behind).add_done_callback(
             lambda _: self._ended(key, attempt)

@@ -496,6 +496,7 @@ class Attempt:
                 payload_file=payload_file,
                 arguments=assignment.arguments,
                 gpu_indices=list(assignment.gpu_indices),
+                gpu_share=assignment.gpu_share,
                 device=facts.gpus.device(assignment.gpu_indices),
                 inline_limit=facts.inline_limit,
                 shared_dir=facts.shared_dir,

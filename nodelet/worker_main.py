@@ -120,6 +120,7 @@ def run_task(task: wire.WorkerTask) -> wire.WorkerOutcome:
     # NVML numbers GPUs by PCI bus; CUDA's default order (fastest first) may differ.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, task.gpu_indices))
+    cap_gpu_memory(task.gpu_share)
     limit_mb = limits.set_address_space_limit(task.env)
     where = f"node {socket.gethostname()!r}"
     try:
@@ -536,6 +537,23 @@ def private_task_pipe() -> IO[bytes]:
     os.dup2(devnull, 0)
     os.close(devnull)
     return tasks
+
+
+def cap_gpu_memory(share: float) -> None:
+    """A call that asked for part of its GPU: say so (``BULLETIN_GPU_SHARE``) and cap torch's
+    CUDA memory at that part of the GPU's (``torch.cuda.set_per_process_memory_fraction``:
+    an allocation past it raises torch's out-of-memory error). A warm worker's next call of
+    whole GPUs gets the whole GPU back. The cap holds torch's caching allocator only: memory
+    other libraries take, or a process that raises the fraction itself, pass it."""
+    os.environ["BULLETIN_GPU_SHARE"] = f"{share:g}"
+    if share >= 1 and "torch" not in sys.modules:
+        return  # (never capped in this worker: nothing to lift)
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(min(share, 1.0), 0)
 
 
 def warm_torch() -> None:

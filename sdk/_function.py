@@ -46,7 +46,7 @@ MAX_RETRIES = wire.MAX_RETRIES
 class Options:
     """How a function's calls are submitted (validated by ``sdk.function``)."""
 
-    gpus: int = 0
+    gpus: int | float = 0
     gpu: str | None = None
     gpu_memory_gb: float | None = None
     priority: int = 0
@@ -275,7 +275,7 @@ def _replace(spec: wire.CallSpec, **changes: Any) -> wire.CallSpec:
 @overload
 def function(
     *,
-    gpus: int = 0,
+    gpus: float = 0,
     gpu: str | Sequence[str] | None = None,
     gpu_memory_gb: float | None = None,
     priority: int = 0,
@@ -295,7 +295,10 @@ def function(fn: Callable[..., Any], /) -> NoReturn: ...
 def function(*args: Any, **kwargs: Any) -> Any:
     """Make a function run on the cluster when called.
 
-    ``gpus``: GPUs per call (0: CPU only), all on one node. ``gpu``: only GPUs whose model
+    ``gpus``: GPUs per call (0: CPU only), all on one node; or part of one GPU (``0.25``),
+    which the call shares with other such calls of yours (of anyone's, where the cluster
+    allows it), its CUDA memory capped at that part (torch's per-process memory fraction;
+    ``BULLETIN_GPU_SHARE`` in its environment says the part). ``gpu``: only GPUs whose model
     name contains this (``"A100"``, ``"H100"``), or one of a list (``["A100", "H100"]``: each
     GPU is one of them). ``gpu_memory_gb``: only GPUs with at least
     this much memory, in GB as on the card's label (``80`` takes an 80GB H100).
@@ -382,9 +385,14 @@ def _checked(name: str, value: Any, kind: Any, unit: str = "") -> Any:
         raise ValueError(f"{name} must be {words}{unit}, got {value!r}") from None
 
 
-def _gpus(value: Any) -> int:
+def _gpus(value: Any) -> int | float:
+    if isinstance(value, float) and not isinstance(value, bool) and 0 < value < 1:
+        return float(_checked("gpus", value, wire.GpuShare))  # part of one GPU
     if not _whole(value):
-        raise TypeError(f"gpus must be an int (a number of GPUs), got {value!r}")
+        raise TypeError(
+            f"gpus must be a whole number of GPUs, or part of one between 0 and 1 "
+            f"(gpus=0.25), got {value!r}"
+        )
     return int(_checked("gpus", int(value), wire.GpuCount))
 
 

@@ -122,7 +122,8 @@ WITH c AS (
       WHERE b.id = o.result_blob AND b.owner_id = i.owner_id AND b.complete))
   -- What _invocation_columns reads, but the result (big, and the caller has it).
   RETURNING coalesce(i.lease_id, i.id) AS lease, i.map_id IS NOT NULL AS mapped,
-    i.fetched_at IS NOT NULL AS handed, i.id, i.state, i.function_name, i.gpus, i.attempts,
+    i.fetched_at IS NOT NULL AS handed, i.id, i.state, i.function_name, i.gpus, i.gpu_share,
+    i.attempts,
     i.max_retries, i.node_id, i.error_kind, i.error_type, i.error_message, i.traceback,
     i.function_version, i.result_json_error, i.result_blob, i.result_file, i.log_count,
     i.function_owner, i.owner_id, i.submitted_at, i.scheduled_at, i.delivered_at,

@@ -39,8 +39,8 @@ _VISIBLE = """
 
 _FUNCTION_COLUMNS = """
   f.id, f.owner_id, f.name, f.version, o.name AS owner, f.visibility, f.description,
-  f.gpus, f.gpu_model, f.gpu_memory_mb, f.timeout_s, f.max_retries, f.expected_s,
-  f.payload_size, extract(epoch FROM f.created_at)::float8 AS created,
+  f.gpus, f.gpu_share, f.gpu_model, f.gpu_memory_mb, f.timeout_s, f.max_retries,
+  f.expected_s, f.payload_size, extract(epoch FROM f.created_at)::float8 AS created,
   extract(epoch FROM f.registered_at)::float8 AS registered,
   f.id = (SELECT l.id FROM functions l WHERE l.owner_id = f.owner_id AND l.name = f.name
     ORDER BY l.registered_at DESC, l.id DESC LIMIT 1) AS latest
@@ -54,8 +54,8 @@ SELECT pg_advisory_xact_lock(hashtext($1), $2::int)
 _INSERT_FUNCTION = """
 INSERT INTO functions (owner_id, name, version, visibility, description, gpus,
   gpu_model, gpu_memory_mb, timeout_s, max_retries, expected_s, payload,
-  payload_blob, payload_size, created_at, registered_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14,
+  payload_blob, payload_size, gpu_share, created_at, registered_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
   clock_timestamp(), clock_timestamp())
 ON CONFLICT (owner_id, name, version) DO NOTHING
 RETURNING true
@@ -118,10 +118,10 @@ WITH {room_cte("$2", "$6", "1")}, made AS (
   INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,
     max_retries, timeout_s, payload, payload_blob, payload_size, gpu_model,
     gpu_memory_mb, expected_s, function_id, function_version, function_owner,
-    arguments)
+    arguments, gpu_share)
   SELECT $1, $2, $5, f.name, f.gpus, f.max_retries, f.timeout_s, f.payload,
     f.payload_blob, f.payload_size, f.gpu_model, f.gpu_memory_mb, f.expected_s,
-    f.id, f.version, u.name, $4
+    f.id, f.version, u.name, $4, f.gpu_share
   FROM functions f JOIN users u ON u.id = f.owner_id CROSS JOIN room
   WHERE f.id = $3 AND room.ok
   RETURNING id, extract(epoch FROM submitted_at)::float8 AS submitted
@@ -140,7 +140,7 @@ def _function_row(r: asyncpg.Record) -> FunctionRow:
             visibility=r["visibility"],
             description=r["description"],
             resources=wire.FunctionResources(
-                gpus=r["gpus"],
+                gpus=wire.gpu_amount(r["gpus"], r["gpu_share"]),
                 gpu_model=r["gpu_model"],
                 gpu_memory_mb=r["gpu_memory_mb"],
                 timeout_s=r["timeout_s"],
@@ -176,7 +176,7 @@ async def register_function(
             version,
             registration.visibility,
             registration.description,
-            r.gpus,
+            wire.split_gpus(r.gpus)[0],
             r.gpu_model,
             r.gpu_memory_mb,
             r.timeout_s,
@@ -185,6 +185,7 @@ async def register_function(
             registration.payload,
             None if registration.payload_blob is None else uuid.UUID(registration.payload_blob),
             size,
+            wire.split_gpus(r.gpus)[1],
         )
         if not created:
             await conn.execute(_MAKE_LATEST, owner_id, name, version)

@@ -80,15 +80,16 @@ WITH {room_cte("$1", "$18", "$19")}, sessions AS (
 ), made AS (
   INSERT INTO invocations (id, owner_id, idempotency_key, function_name, gpus,
     max_retries, timeout_s, payload, payload_blob, payload_file, payload_size,
-    priority, gpu_model, gpu_memory_mb, expected_s, caller_session, map_id)
+    priority, gpu_model, gpu_memory_mb, expected_s, caller_session, map_id, gpu_share)
   SELECT u.id, $1, u.key, u.fn, u.gpus, u.retries, u.timeout, u.payload, u.blob,
     u.file, coalesce(length(u.payload), b.size, CASE WHEN u.file IS NOT NULL
-    THEN u.declared END, 0), u.priority, u.model, u.memory, u.expected, u.session, $17::uuid
+    THEN u.declared END, 0), u.priority, u.model, u.memory, u.expected, u.session, $17::uuid,
+    u.share
   FROM unnest($2::uuid[], $3::text[], $4::text[], $5::int[], $6::int[],
     $7::float8[], $8::bytea[], $9::uuid[], $10::text[], $11::int[], $12::text[],
-    $13::int[], $14::float8[], $15::bigint[], $16::uuid[]) WITH ORDINALITY
+    $13::int[], $14::float8[], $15::bigint[], $16::uuid[], $21::float8[]) WITH ORDINALITY
     AS u(id, key, fn, gpus, retries, timeout, payload, blob, file, priority, model,
-    memory, expected, declared, session, ord)
+    memory, expected, declared, session, share, ord)
   CROSS JOIN room
   LEFT JOIN blobs b ON b.id = u.blob
   WHERE room.ok
@@ -118,7 +119,8 @@ def _invocation_columns(result: str = "i.result", row: str = "i") -> str:
     result_json = "NULL::bytea" if result.startswith("NULL") else f"{row}.result_json"
     i = row
     return f"""
-  {i}.id, {i}.state, {i}.function_name, {i}.gpus, {i}.attempts, {i}.max_retries,
+  {i}.id, {i}.state, {i}.function_name, {i}.gpus, {i}.gpu_share, {i}.attempts,
+  {i}.max_retries,
   n.name AS node, {i}.error_kind, {i}.error_type, {i}.error_message, {i}.traceback,
   {result} AS result, {i}.function_version, {result_json} AS result_json,
   {i}.result_json_error, {i}.result_blob, {i}.result_file, {i}.log_count,
@@ -288,7 +290,7 @@ async def insert_calls(
         ids,
         [c.idempotency_key for c in calls],
         [c.function_name for c in calls],
-        [c.gpus for c in calls],
+        [wire.split_gpus(c.gpus)[0] for c in calls],
         [c.max_retries for c in calls],
         [c.timeout_s for c in calls],
         [c.payload for c in calls],
@@ -304,6 +306,7 @@ async def insert_calls(
         storage_limit,
         max(1, adding_bytes),
         place_within,
+        [wire.split_gpus(c.gpus)[1] for c in calls],
     )
     fresh, nodes = submitted(rows)
     if len(fresh) == len(calls):  # the common case: no retry, no earlier rows to find
@@ -337,7 +340,7 @@ def to_invocation(row: asyncpg.Record) -> wire.Invocation:
         id=str(row["id"]),
         state=wire.State(row["state"]),
         function_name=row["function_name"],
-        gpus=row["gpus"],
+        gpus=wire.gpu_amount(row["gpus"], row["gpu_share"]),
         attempts=row["attempts"],
         max_retries=row["max_retries"],
         node=row["node"],

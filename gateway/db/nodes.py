@@ -154,21 +154,22 @@ WITH running AS (
     i.owner_id, i.payload_file, i.arguments, i.function_owner,
     u.name AS owner_name, u.is_admin AS owner_admin,
     CASE WHEN i.payload_size <= $4 THEN i.payload END AS payload,
-    CASE WHEN i.map_id IS NOT NULL THEN coalesce(i.lease_id, i.id) END AS lease, i.seq
+    CASE WHEN i.map_id IS NOT NULL THEN coalesce(i.lease_id, i.id) END AS lease, i.seq,
+    i.gpu_share
 )
 SELECT 'kept' AS kind, a.id, NULL::int AS epoch, NULL::int[] AS gpu_indices,
   NULL::float8 AS timeout_s, NULL::text AS function_name, NULL::bigint AS payload_size,
   NULL::bigint AS owner_id, NULL::text AS payload_file, NULL::bytea AS arguments,
   NULL::text AS function_owner, NULL::text AS owner_name, NULL::bool AS owner_admin,
   NULL::bytea AS payload, i.preempt_at IS NOT NULL AS preempt, i.preempt_reason,
-  NULL::uuid AS lease, NULL::bigint AS seq
+  NULL::uuid AS lease, NULL::bigint AS seq, NULL::float8 AS gpu_share
 FROM running a
 JOIN invocations i ON i.id = a.id AND i.epoch = a.epoch AND i.node_id = $1
   AND i.state IN ('assigned', 'running')
 UNION ALL
 SELECT 'work', w.id, w.epoch, w.gpu_indices, w.timeout_s, w.function_name, w.payload_size,
   w.owner_id, w.payload_file, w.arguments, w.function_owner, w.owner_name, w.owner_admin,
-  w.payload, NULL, NULL, w.lease, w.seq
+  w.payload, NULL, NULL, w.lease, w.seq, w.gpu_share
 FROM work w
 -- A lease's attempts in their order.
 ORDER BY seq NULLS FIRST
@@ -429,6 +430,7 @@ def _assignment(r: asyncpg.Record) -> wire.Assignment:
         invocation_id=str(r["id"]),
         epoch=r["epoch"],
         gpu_indices=list(r["gpu_indices"]),
+        gpu_share=float(r["gpu_share"]),
         timeout_s=r["timeout_s"],
         function_name=r["function_name"],
         payload_size=r["payload_size"],

@@ -94,10 +94,11 @@ SELECT accrued_at, clock_timestamp() AS now FROM usage_clock FOR UPDATE
 # Two index scans (leased calls; calls ended since): no pass over the whole table.
 _USED_SINCE = """
 WITH ran AS (
-  SELECT owner_id, gpus, scheduled_at, finished_at FROM invocations
+  -- (a call holding part of a GPU counts as that part)
+  SELECT owner_id, gpus * gpu_share AS gpus, scheduled_at, finished_at FROM invocations
   WHERE state IN ('assigned', 'running')
   UNION ALL
-  SELECT owner_id, gpus, scheduled_at, finished_at FROM invocations
+  SELECT owner_id, gpus * gpu_share AS gpus, scheduled_at, finished_at FROM invocations
   WHERE finished_at > $1 AND scheduled_at IS NOT NULL
 )
 SELECT r.owner_id, u.name AS user_name, u.group_name,

@@ -60,7 +60,8 @@ SELECT DISTINCT ON (coalesce(i.lease_id, i.id))
   CASE WHEN EXISTS (SELECT 1 FROM group_model_quotas) THEN
     array(SELECT g->>'name' FROM jsonb_array_elements(n.gpus) g
           WHERE (g->>'index')::int = ANY(i.gpu_indices))
-  END AS gpu_models
+  END AS gpu_models,
+  i.gpu_share AS share
 FROM invocations i
 JOIN users u ON u.id = i.owner_id
 JOIN nodes n ON n.id = i.node_id
@@ -78,21 +79,21 @@ SELECT 'now' AS kind, NULL::text AS id, NULL::bigint AS node_id, NULL::int[] AS 
   NULL::bool AS borrowed, NULL::bool AS preempting,
   extract(epoch FROM clock_timestamp())::float8 AS start_time, NULL::float8 AS expected_s,
   NULL::bool AS preemptible, NULL::float8 AS queued_time, NULL::text[] AS gpu_models,
-  NULL::int AS guaranteed_gpus,
+  NULL::float8 AS share, NULL::int AS guaranteed_gpus,
   NULL::int AS borrow_limit_gpus, NULL::float8 AS decayed_gpu_seconds
 UNION ALL
 SELECT 'lease', l.*, NULL, NULL, NULL FROM ({_LEASES}) l
 UNION ALL
 SELECT 'quota', NULL, NULL, NULL, NULL, name, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-  NULL, guaranteed_gpus, borrow_limit_gpus, NULL
+  NULL, NULL, guaranteed_gpus, borrow_limit_gpus, NULL
 FROM groups WHERE $1
 UNION ALL
 SELECT 'model_quota', model, NULL, NULL, NULL, group_name, NULL, NULL, NULL, NULL, NULL, NULL,
-  NULL, NULL, NULL, guaranteed_gpus, borrow_limit_gpus, NULL
+  NULL, NULL, NULL, NULL, guaranteed_gpus, borrow_limit_gpus, NULL
 FROM group_model_quotas WHERE $1
 UNION ALL
 SELECT 'usage', NULL, NULL, NULL, user_name, group_name, NULL, NULL, NULL, NULL, NULL, NULL,
-  NULL, NULL, NULL, NULL, NULL, decayed_gpu_seconds
+  NULL, NULL, NULL, NULL, NULL, NULL, decayed_gpu_seconds
 FROM fair_usage WHERE $1
 """
 
@@ -118,10 +119,11 @@ FROM unnest($1::uuid[], $2::bigint[], $3::text[], $5::bool[])
 WHERE i.id = d.id AND i.state = 'queued'
 RETURNING i.id, i.node_id, i.delivered_at IS NOT NULL AS handed, i.epoch, i.gpu_indices,
   i.timeout_s, i.function_name, i.payload_size, i.owner_id, i.payload_file, i.arguments,
-  i.function_owner, i.payload, i.map_id, i.seq
+  i.function_owner, i.payload, i.map_id, i.seq, i.gpu_share
 )
 SELECT a.id, a.node_id, pg_notify('{CHANNEL}', 'n:' || a.node_id), a.handed,
-  n.incarnation, a.epoch, a.gpu_indices, a.timeout_s, a.function_name, a.payload_size,
+  n.incarnation, a.epoch, a.gpu_indices, a.gpu_share, a.timeout_s, a.function_name,
+  a.payload_size,
   a.owner_id, a.payload_file, a.arguments, a.function_owner,
   u.name AS owner_name, u.is_admin AS owner_admin,
   CASE WHEN a.handed AND a.payload_size <= $7 THEN a.payload END AS payload,
@@ -180,17 +182,18 @@ def _queued_sql(per_user: int, most: int, late_s: float) -> str:
     # calls; the users' heads are taken in turns up to ``most``, then put in queue order.
     return f"""
 SELECT id, gpus, "user", "group", function, priority, gpu_model, min_memory_mib,
-  submit_time, expected_s, queued_time
+  submit_time, expected_s, queued_time, share
 FROM (
-  SELECT q.id::text AS id, q.gpus, u.name AS "user", u.group_name AS "group",
+  SELECT q.id::text AS id, q.gpus, q.gpu_share AS share, u.name AS "user",
+    u.group_name AS "group",
     q.function_name AS function, q.priority, q.gpu_model,
     coalesce(q.gpu_memory_mb, 0) AS min_memory_mib,
     extract(epoch FROM q.submitted_at)::float8 AS submit_time,
     coalesce(q.expected_s, q.timeout_s) AS expected_s,
     extract(epoch FROM q.queued_at)::float8 AS queued_time, q.seq, q.turn
   FROM users u CROSS JOIN LATERAL (
-    SELECT id, gpus, function_name, priority, gpu_model, gpu_memory_mb, seq, submitted_at,
-      queued_at, expected_s, timeout_s, row_number() OVER (ORDER BY seq) AS turn
+    SELECT id, gpus, gpu_share, function_name, priority, gpu_model, gpu_memory_mb, seq,
+      submitted_at, queued_at, expected_s, timeout_s, row_number() OVER (ORDER BY seq) AS turn
     FROM invocations i
     WHERE owner_id = u.id AND state = 'queued' AND (caller_session IS NULL
       -- A call whose caller is late is not started: it is cancelled if the caller is gone.
@@ -248,7 +251,7 @@ class Holdings:
 
 _LEASE_FIELDS = (
     "id", "node_id", "gpu_indices", "user", "group", "function", "priority", "borrowed",
-    "preempting", "start_time", "expected_s", "preemptible", "queued_time",
+    "preempting", "start_time", "expected_s", "preemptible", "queued_time", "share",
 )  # fmt: skip
 
 

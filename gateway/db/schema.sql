@@ -42,7 +42,9 @@ CREATE TABLE public.functions (
     payload_size bigint DEFAULT 0 NOT NULL,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     registered_at timestamp with time zone DEFAULT now() NOT NULL,
+    gpu_share double precision DEFAULT 1 NOT NULL,
     CONSTRAINT functions_check CHECK (((payload IS NULL) <> (payload_blob IS NULL))),
+    CONSTRAINT functions_check1 CHECK (((gpu_share > (0)::double precision) AND (gpu_share <= (1)::double precision) AND ((gpu_share = (1)::double precision) OR (gpus = 1)))),
     CONSTRAINT functions_gpus_check CHECK ((gpus >= 0)),
     CONSTRAINT functions_visibility_check CHECK ((visibility = ANY (ARRAY['private'::text, 'group'::text, 'cluster'::text])))
 );
@@ -151,6 +153,8 @@ CREATE TABLE public.invocations (
     map_id uuid,
     lease_id uuid,
     queued_at timestamp with time zone,
+    gpu_share double precision DEFAULT 1 NOT NULL,
+    CONSTRAINT invocations_check CHECK (((gpu_share > (0)::double precision) AND (gpu_share <= (1)::double precision) AND ((gpu_share = (1)::double precision) OR (gpus = 1)))),
     CONSTRAINT invocations_gpus_check CHECK ((gpus >= 0)),
     CONSTRAINT invocations_max_retries_check CHECK ((max_retries >= 0)),
     CONSTRAINT invocations_payload_check CHECK (((payload IS NOT NULL) OR (payload_blob IS NOT NULL) OR (payload_file IS NOT NULL))),

@@ -46,6 +46,7 @@ WITH w AS (
 ), l AS (
   SELECT coalesce(c.lease_id, c.id) AS lease, c.owner_id, c.map_id, c.gpus, c.priority,
     c.gpu_model, c.gpu_memory_mb, c.expected_s, c.timeout_s, c.caller_session, c.gpu_indices,
+    c.gpu_share,
     c.borrowed, w.want - (SELECT count(*) FROM invocations r
       WHERE r.node_id = $1 AND r.state IN ('assigned', 'running')
         AND coalesce(r.lease_id, r.id) = coalesce(c.lease_id, c.id)) AS room
@@ -71,6 +72,7 @@ WITH w AS (
     SELECT q.id FROM invocations q
     WHERE q.state = 'queued' AND q.owner_id = l.owner_id
       AND coalesce(q.map_id, q.id) = l.map_id AND q.gpus = l.gpus
+      AND q.gpu_share = l.gpu_share
       AND q.priority = l.priority AND q.gpu_model IS NOT DISTINCT FROM l.gpu_model
       AND q.gpu_memory_mb IS NOT DISTINCT FROM l.gpu_memory_mb
       AND q.expected_s IS NOT DISTINCT FROM l.expected_s
@@ -92,7 +94,8 @@ WITH w AS (
   RETURNING i.id, i.epoch, i.gpu_indices, i.timeout_s, i.function_name, i.payload_size,
     i.owner_id, i.payload_file, i.arguments, i.function_owner,
     u.name AS owner_name, u.is_admin AS owner_admin,
-    CASE WHEN i.payload_size <= $6 THEN i.payload END AS payload, p.lease, i.seq
+    CASE WHEN i.payload_size <= $6 THEN i.payload END AS payload, p.lease, i.seq,
+    i.gpu_share
 )
 SELECT * FROM a ORDER BY seq
 """

@@ -80,3 +80,25 @@ def test_a_warm_worker_has_its_cuda_context_and_an_empty_cache_between_calls(
     assert probe.last_call is not None and probe.last_call.timings.warm
     assert reserved == 0, "the worker emptied torch's CUDA cache after the last call"
     assert count == 1 and visible.isdigit()
+
+
+def allocate(fraction: float) -> str:
+    """Allocate ``fraction`` of the GPU's memory through torch; say how that went."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        block = torch.empty(int(total * fraction), dtype=torch.uint8, device="cuda")
+    except torch.cuda.OutOfMemoryError:
+        return "out of memory"
+    del block
+    torch.cuda.empty_cache()
+    return "allocated"
+
+
+def test_part_of_a_gpu_caps_the_call_s_cuda_memory_at_its_part(gpu_cluster: Cluster) -> None:
+    quarter = sdk.function(gpus=0.25)(allocate)
+    assert quarter(0.1) == "allocated"
+    assert quarter(0.5) == "out of memory", "torch's memory fraction holds the call to 0.25"
+    # A warm worker's next call of a whole GPU gets the whole GPU back.
+    assert sdk.function(gpus=1)(allocate)(0.5) == "allocated"

@@ -124,10 +124,12 @@ def test_the_published_constraints_are_what_the_gateway_enforces() -> None:
     """A few of the rules, as the schema states them (from wire.py's msgspec.Meta)."""
     schemas = openapi.schemas()
     call = schemas["CallSpec"]["properties"]
-    assert (call["gpus"]["minimum"], call["gpus"]["maximum"]) == (0, 2**31 - 1)
+    whole, part = call["gpus"]["anyOf"]  # whole GPUs, or part of one
+    assert (whole["type"], whole["minimum"], whole["maximum"]) == ("integer", 0, 2**31 - 1)
+    assert (part["type"], part["exclusiveMinimum"], part["exclusiveMaximum"]) == ("number", 0, 1)
     assert (call["max_retries"]["minimum"], call["max_retries"]["maximum"]) == (0, 10)
     assert call["timeout_s"]["anyOf"][0]["exclusiveMinimum"] == 0
-    assert "0 (CPU only)" in call["gpus"]["description"]
+    assert "0: CPU only" in call["gpus"]["description"]
     calls = schemas["SubmitRequest"]["properties"]["calls"]
     assert (calls["minItems"], calls["maxItems"]) == (1, wire.MAX_SUBMIT)
     assert schemas["WatchItem"]["properties"]["log_after"]["minimum"] == 0

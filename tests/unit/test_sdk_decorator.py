@@ -116,10 +116,14 @@ def test_negative_gpus() -> None:
         sdk.function(gpus=-1)
 
 
-@pytest.mark.parametrize("bad", [True, 1.0, "1", None])
-def test_gpus_must_be_an_int(bad: Any) -> None:
-    with pytest.raises(TypeError, match="gpus must be an int"):
+@pytest.mark.parametrize("bad", [True, 1.0, 2.5, "1", None])
+def test_gpus_must_be_whole_or_part_of_one(bad: Any) -> None:
+    with pytest.raises(TypeError, match="gpus must be a whole number of GPUs, or part of one"):
         sdk.function(gpus=bad)
+
+
+def test_part_of_a_gpu_is_sent_as_asked() -> None:
+    assert sdk.function(gpus=0.25)(lambda: None)._options.gpus == 0.25
 
 
 @pytest.mark.parametrize("bad", [-1, 11])
