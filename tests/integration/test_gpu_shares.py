@@ -123,3 +123,27 @@ def test_amounts_that_are_not_whole_gpus_nor_part_of_one_are_refused(fair: Clust
         assert r.status_code == 422, (bad, r.text)
         assert "`gpus`: The GPUs the call needs: a whole number" in r.text, r.text
         assert "above 0 and below 1" in r.text, r.text
+
+
+def gpu_part() -> str:
+    import os
+
+    return os.environ["BULLETIN_GPU_SHARE"]
+
+
+def test_a_registered_function_keeps_its_part_of_a_gpu_when_invoked_with_json(
+    fair: Cluster,
+) -> None:
+    fair.start_nodelet(fake_gpus=1)
+    sdk.connect(fair.url, fair.token)
+    info = sdk.function(gpus=0.25)(gpu_part).register("part")
+    assert info.resources.gpus == 0.25
+    r = httpx.post(
+        f"{fair.url}/v1/functions/part/invoke",
+        params={"wait": "60"},
+        json={"args": []},
+        headers={"Authorization": f"Bearer {fair.token}"},
+        timeout=90,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["result_json"] == "0.25" and r.json()["gpus"] == 0.25
