@@ -177,6 +177,10 @@ class Capacity:
         self.across = share_across_users
         #: Shared GPUs of the usable nodes (see the module's doc).
         self.slots: list[Slot] = []
+        #: Per kind of share (its user unless shared across users, model, memory), the least
+        #: that found no room: shared GPUs' room only shrinks, and a new one is opened only
+        #: on a free GPU that such a share would have taken, so no larger one finds room.
+        self._share_failed: dict[tuple[str | None, str | None, int], float] = {}
         self.states: dict[int, NodeState] = {}
         self.pools: dict[tuple[str | None, int, int], Pool] = {}
         self.mixed: list[NodeState] = []
@@ -306,6 +310,9 @@ class Capacity:
         free GPU (which is shared from then on)."""
         if call.share > limit + EPSILON:
             return None
+        kind = (None if self.across else call.user, call.gpu_model, call.min_memory_mib)
+        if call.share >= self._share_failed.get(kind, math.inf):
+            return None
         best: tuple[tuple[float, bool, int, int], Slot] | None = None
         warm = {s.node.node_id for s in self.warm_nodes(call)}
         for slot in self.slots:
@@ -320,6 +327,7 @@ class Capacity:
             return (Part(slot.node.node_id, (slot.index,)),)
         parts = self.place(dataclasses.replace(call, share=1.0))
         if parts is None:
+            self._share_failed[kind] = min(call.share, self._share_failed.get(kind, math.inf))
             return None
         node = self.states[parts[0].node_id]
         slot = Slot(node.node, node.order, parts[0].gpu_indices[0], 1.0, ())
