@@ -199,7 +199,10 @@ class _Round:
             if (call.submit_time if queued is None else queued) > since:
                 continue
             gpus = call.gpus
-            waited += gpus if call.share == 1.0 else call.share
+            if call.share != 1.0:
+                waited += call.share
+                continue  # part of a GPU: never a whole-node call
+            waited += gpus
             if gpus < largest and call.gpu_model is None and not call.min_memory_mib:
                 continue  # the common case first: an unconstrained call smaller than a node
             if gpus and gpus >= cap.largest_for(call) > 0 and call.id not in self.done:

@@ -94,6 +94,11 @@ def _head(call: Pending, cap: Capacity, held: Reservation, now: float) -> str:
 
 
 def _blocked(call: Pending, cap: Capacity, held: Reservation | None) -> str:
+    if held is not None and call.share != 1.0:
+        return (
+            f"{shortfall(call, cap)} outside the GPUs reserved for call {held.call_id} (part "
+            "of a GPU never backfills onto reserved GPUs)"
+        )
     if held is not None and call.gpus and call.gpus <= cap.largest_for(call):
         return (
             f"{shortfall(call, cap)} outside the GPUs reserved for call {held.call_id}, "

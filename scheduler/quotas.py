@@ -113,8 +113,9 @@ class Book:
         return self.used[call.group] + call.amount <= self.quota(call.group).ceiling + EPSILON
 
     def room(self, group: str) -> float:
-        """The most GPUs the group may still take (inf: no ceiling)."""
-        return self.quota(group).ceiling - self.used[group]
+        """The most GPUs the group may still take (inf: no ceiling; shares are summed in
+        floating point, so the room is given a hair more, as the comparisons here are)."""
+        return self.quota(group).ceiling - self.used[group] + EPSILON
 
     def borrowing(self, group: str) -> bool:
         """Whether the group holds more than its guarantee (so some of it is reclaimable)."""
@@ -223,7 +224,7 @@ class Book:
             # (a name with "|" in it would read as alternatives: never one to keep a call to)
             ok = "|" not in name and (
                 model is None
-                or self._model_left(call.group, model, nominal) + EPSILON >= call.amount
+                or self._model_left(call.group, model, nominal) >= call.amount
             )
             (allowed if ok else barred).append(name)
         if not barred:
@@ -234,7 +235,8 @@ class Book:
 
     def _model_left(self, group: str, model: str, nominal: bool) -> float:
         quota = self._model_quota(group, model)
-        return (quota.guaranteed if nominal else quota.ceiling) - self.model_used[(group, model)]
+        left = (quota.guaranteed if nominal else quota.ceiling) - self.model_used[(group, model)]
+        return left + EPSILON
 
     def limit(self, call: Pending, kept: Pending) -> float:
         """The most GPUs ``kept`` (``call`` as :meth:`restrict` left it) may take: the group's

@@ -132,7 +132,7 @@ class Reclaimer:
     def reclaim(self, call: Pending, limit: float = math.inf) -> Reclaim | None:
         """Pick room for ``call`` (victims possibly none), withdraw it, charge the groups;
         the room holds at most ``limit`` GPUs (what the call's group may still take)."""
-        if call.gpus == 0 or call.gpus > limit:
+        if call.gpus == 0 or call.amount > limit:  # (a share needs room for its share)
             return None
         if not self._ready:
             self._prepare()
@@ -356,14 +356,17 @@ class Reclaimer:
             if total + len(node.gpus) > limit:
                 continue  # the gang would take its group past its ceiling
             after = dict(released)
+            taken = {r.id for r in found.victims}  # (a gang on nodes cleared already)
             for run in runs:
+                if run.id in taken:
+                    continue
                 if run.group == call.group or not self._pickable(run, after):
                     break  # clearing this node would eat into a guarantee
                 self.book.count_release(after, run)
             else:
                 released = after
                 found.node_ids.append(node.node_id)
-                found.victims.extend(runs)
+                found.victims.extend(r for r in runs if r.id not in taken)
                 total += len(node.gpus)
                 if total >= call.gpus:
                     return found

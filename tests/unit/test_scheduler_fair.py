@@ -7,6 +7,7 @@ import pytest
 from scheduler import (
     Gpu,
     NodeCapacity,
+    Part,
     Pending,
     Quota,
     Running,
@@ -408,3 +409,18 @@ def test_a_flood_of_whole_node_calls_gets_no_reservation_past_its_group_s_ceilin
     out = plan(snap, GUARD)
     assert set(out.reserved) == {"y1"}
     assert "quota ceiling" in explain(snap, GUARD)["f0"][1]
+
+
+def test_reclaim_preempts_a_gang_on_two_cleared_nodes_once() -> None:
+    g2 = tuple(Gpu(i, "") for i in range(2))
+    nodes = [NodeCapacity(i, [], 0, g2) for i in range(3)]
+    running = [
+        Running("0", 0, (0,), "u1", "a", start_time=0.0, expected_s=48),
+        Running("1", 0, (1,), "u1", "b", start_time=18.5, expected_s=185, borrowed=True),
+        Running("2", 1, (0, 1), "u1", "b", start_time=27.4, expected_s=31, borrowed=True,
+                more=(Part(2, (0, 1)),)),
+    ]  # fmt: skip
+    snap = Snapshot(nodes, [Pending("3", 3, "u1", "a", submit_time=37.0, expected_s=98)],
+                    running, {"a": Quota(6, 1), "b": Quota(0, 6)}, now=37.0)  # fmt: skip
+    victims = [p.invocation_id for p in plan(snap, Fair()).preemptions]
+    assert victims == ["2"], "the gang on nodes 1 and 2 is told to stop once"

@@ -188,3 +188,48 @@ def test_the_replay_command_line_takes_shares_and_writes_them_out(tmp_path: Path
     assert replay.main([*args, "--policy", "fifo", "--share-across-users"]) == 0
     rows = list(csv.DictReader(out.open()))
     assert [r["start"] for r in rows] == ["0", "0"]
+
+
+@pytest.mark.parametrize("quota", [Quota(0, 2), Quota(2, 0)])
+def test_shares_summing_to_a_hair_over_a_whole_gpu_leave_the_group_its_room(
+    quota: Quota,
+) -> None:
+    # 0.2 + 0.4 + 0.3 + 0.1 is 1.0000000000000002 in floating point: the group holds one GPU
+    # and may take one more whole one.
+    running = [Running(f"s{k}", 0, (0,), "ann", "a", start_time=0.0, share=part)
+               for k, part in enumerate([0.2, 0.4, 0.3, 0.1])]  # fmt: skip
+    shared = (SharedGpu(0, 1.0, frozenset({"ann"})),)
+    snap = Snapshot([node([1, 2, 3], shared)], [Pending("p", 1, "ann", "a")], running,
+                    {"a": quota}, now=1.0)  # fmt: skip
+    assert [d.invocation_id for d in plan(snap, "fair")] == ["p"]
+
+
+def test_a_share_within_its_guarantee_reclaims_a_whole_gpu_though_less_is_left_to_it() -> None:
+    # Group a may hold 1 GPU and holds half of one: the other half is its to take back.
+    running = [
+        running_share("mine", 0.5, start=0.0, group="a"),
+        Running("b1", 0, (1,), "bob", "b", start_time=0.0, borrowed=True),
+    ]
+    shared = (SharedGpu(0, 0.5, frozenset({"bob"})),)
+    snap = Snapshot([node([], shared, gpus=2)], [share("p", 0.5, "ann", "a")], running,
+                    {"a": Quota(1, 0), "b": Quota(0)}, now=1.0)  # fmt: skip
+    assert [p.invocation_id for p in plan(snap, "fair").preemptions] == ["b1"]
+
+
+def test_a_share_is_never_a_whole_node_call_for_the_starvation_guard() -> None:
+    one = tuple(
+        NodeCapacity(i, [], 0, (Gpu(0, "A100", 40960),)) for i in range(3)
+    )  # three busy one-GPU nodes
+    running = [Running(f"r{i}", i, (0,), "x", start_time=0.0, expected_s=100.0) for i in range(3)]
+    pending = [share(f"s{i}", 0.25, submit_time=0.0) for i in range(4)]
+    out = plan(Snapshot(one, pending, running, now=1000.0), Fair(starve_after_s=60))
+    assert not out.reserved, "no node is held back for parts of a GPU"
+
+
+def test_fifo_says_a_share_does_not_backfill_onto_reserved_gpus() -> None:
+    running = [Running("r", 0, (0, 1, 2), start_time=0.0, expected_s=90.0)]
+    snap = Snapshot([node([3])], [Pending("head", 4), share("s", 0.5, expected_s=5.0)],
+                    running, now=0.0)  # fmt: skip
+    why = explain(snap, "fifo")
+    assert "head" in plan(snap, "fifo").reserved
+    assert "part of a GPU never backfills onto reserved GPUs" in why["s"][1], why["s"]
