@@ -540,14 +540,18 @@ def private_task_pipe() -> IO[bytes]:
 
 
 def cap_gpu_memory(share: float) -> None:
-    """A call that asked for part of its GPU: say so (``BULLETIN_GPU_SHARE``) and cap torch's
+    """A call that asked for part of its GPU: say so (``BULLETIN_GPU_SHARE``, set for such a
+    call only, as ``CUDA_VISIBLE_DEVICES`` names its GPU) and cap torch's
     CUDA memory at that part of the GPU's (``torch.cuda.set_per_process_memory_fraction``:
     an allocation past it raises torch's out-of-memory error). A warm worker's next call of
     whole GPUs gets the whole GPU back. The cap holds torch's caching allocator only: memory
     other libraries take, or a process that raises the fraction itself, pass it."""
-    os.environ["BULLETIN_GPU_SHARE"] = f"{share:g}"
-    if share >= 1 and "torch" not in sys.modules:
-        return  # (never capped in this worker: nothing to lift)
+    if share < 1:
+        os.environ["BULLETIN_GPU_SHARE"] = f"{share:g}"
+    else:
+        os.environ.pop("BULLETIN_GPU_SHARE", None)
+        if "torch" not in sys.modules:
+            return  # (never capped in this worker: nothing to lift)
     try:
         import torch
     except ImportError:
