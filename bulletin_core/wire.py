@@ -177,16 +177,21 @@ GpuCount = Annotated[
         description="The number of GPUs the call needs: 0 (CPU only) or more.",
     ),
 ]
+#: The least part of a GPU a call may ask for: at most 20 calls share one GPU (each is a
+#: process on the node; a flood of tiny parts must not fill a node with processes).
+MIN_GPU_SHARE = 0.05
 GpuShare = Annotated[
     float,
-    msgspec.Meta(gt=0, lt=1, description="Part of one GPU: above 0 and below 1 (0.25)."),
+    msgspec.Meta(
+        ge=MIN_GPU_SHARE, lt=1, description="Part of one GPU: 0.05 or more, below 1 (0.25)."
+    ),
 ]
 GpuAmount = Annotated[
     GpuCount | GpuShare,
     msgspec.Meta(
         description=(
             "The GPUs the call needs: a whole number (0: CPU only), or part of one GPU, a "
-            "number above 0 and below 1 (0.25: a quarter of one), which the call shares with "
+            "number from 0.05 to below 1 (0.25: a quarter of one), which the call shares with "
             "other such calls of its user (of any user where the cluster allows it), its "
             "CUDA memory capped at that part (`docs/scheduling.md`)."
         )

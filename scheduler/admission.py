@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from scheduler import placement
-from scheduler.model import DEFAULT_QUOTA, EPSILON, NodeCapacity, Pending, Quota
+from scheduler.model import DEFAULT_QUOTA, EPSILON, MIN_SHARE, NodeCapacity, Pending, Quota
 from scheduler.quotas import Book
 
 
@@ -26,10 +26,10 @@ def never_fits(
     """Why ``call`` can never be placed, or None if it can."""
     if call.gpus < 0:
         return f"a call cannot ask for {call.gpus} GPUs"
-    if call.share != 1.0 and (not 0 < call.share < 1 or call.gpus != 1):
+    if call.share != 1.0 and (not MIN_SHARE <= call.share < 1 or call.gpus != 1):
         return (
-            f"a call may ask for part of one GPU (a share between 0 and 1), not {call.share:g} "
-            f"of {call.gpus} GPUs; ask for whole GPUs, or for part of one"
+            f"a call may ask for part of one GPU (a share from {MIN_SHARE:g} to below 1), not "
+            f"{call.share:g} of {call.gpus} GPUs; ask for whole GPUs, or for part of one"
         )
     quota = (quotas or {}).get(call.group, default)
     if call.amount > quota.ceiling + EPSILON:

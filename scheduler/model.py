@@ -43,6 +43,9 @@ class Gpu:
 
 #: Shares of one GPU are compared with this much slack (they are sums of floats).
 EPSILON = 1e-9
+#: The least share of a GPU a call may ask for (``bulletin_core.wire.MIN_GPU_SHARE``): at
+#: most 20 calls, each a process, share one GPU.
+MIN_SHARE = 0.05
 
 
 @dataclass(frozen=True, slots=True)

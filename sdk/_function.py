@@ -391,7 +391,7 @@ def _gpus(value: Any) -> int | float:
     if not _whole(value):
         raise TypeError(
             f"gpus must be a whole number of GPUs, or part of one between 0 and 1 "
-            f"(gpus=0.25), got {value!r}"
+            f"(gpus=0.25, at least {wire.MIN_GPU_SHARE:g}), got {value!r}"
         )
     return int(_checked("gpus", int(value), wire.GpuCount))
 

@@ -117,12 +117,14 @@ def test_amounts_that_are_not_whole_gpus_nor_part_of_one_are_refused(fair: Clust
     with pytest.raises(ValueError, match="gpus must be"):
         sdk.function(gpus=-1)
     headers = {"Authorization": f"Bearer {fair.token}"}
-    for bad in ("1.5", "1.0", "0.0"):
+    with pytest.raises(ValueError, match="gpus must be"):
+        sdk.function(gpus=0.001)  # 1,000 calls on one GPU would be 1,000 processes on its node
+    for bad in ("1.5", "1.0", "0.0", "0.001"):
         body = f'{{"calls": [{{"payload": "", "gpus": {bad}}}]}}'
         r = httpx.post(f"{fair.url}/v1/invocations", content=body, headers=headers, timeout=30)
         assert r.status_code == 422, (bad, r.text)
         assert "`gpus`: The GPUs the call needs: a whole number" in r.text, r.text
-        assert "above 0 and below 1" in r.text, r.text
+        assert "from 0.05 to below 1" in r.text, r.text
 
 
 def gpu_part() -> str:

@@ -126,7 +126,7 @@ def test_the_published_constraints_are_what_the_gateway_enforces() -> None:
     call = schemas["CallSpec"]["properties"]
     whole, part = call["gpus"]["anyOf"]  # whole GPUs, or part of one
     assert (whole["type"], whole["minimum"], whole["maximum"]) == ("integer", 0, 2**31 - 1)
-    assert (part["type"], part["exclusiveMinimum"], part["exclusiveMaximum"]) == ("number", 0, 1)
+    assert (part["type"], part["minimum"], part["exclusiveMaximum"]) == ("number", 0.05, 1)
     assert (call["max_retries"]["minimum"], call["max_retries"]["maximum"]) == (0, 10)
     assert call["timeout_s"]["anyOf"][0]["exclusiveMinimum"] == 0
     assert "0: CPU only" in call["gpus"]["description"]

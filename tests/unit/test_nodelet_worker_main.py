@@ -586,3 +586,25 @@ def test_the_environment_a_call_changed_is_put_back_for_the_next(tmp_path: Path)
         ("as started", "here", None),
         ("as started", "here", None),
     ]
+
+
+def test_a_share_caps_torch_s_cuda_memory_and_a_whole_gpu_call_lifts_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker's side of the cap, with the GPU faked (a torch whose CUDA is available
+    and records the fraction asked): the CUDA acceptance test checks torch enforces it."""
+    import types
+
+    from nodelet.worker_main import cap_gpu_memory
+
+    fractions: list[tuple[float, int]] = []
+    cuda = types.SimpleNamespace(
+        is_available=lambda: True,
+        set_per_process_memory_fraction=lambda f, d: fractions.append((f, d)),
+    )
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.delenv("BULLETIN_GPU_SHARE", raising=False)
+    cap_gpu_memory(0.25)
+    assert os.environ["BULLETIN_GPU_SHARE"] == "0.25" and fractions == [(0.25, 0)]
+    cap_gpu_memory(1.0)  # the warm worker's next call has whole GPUs
+    assert "BULLETIN_GPU_SHARE" not in os.environ and fractions[-1] == (1.0, 0)

@@ -144,13 +144,22 @@ def test_a_shared_gpu_is_expected_back_when_its_last_call_ends() -> None:
 
 def test_admission_refuses_shares_that_are_not_part_of_one_gpu() -> None:
     nodes = [node([0, 1, 2, 3])]
-    for bad in (Pending("x", 2, share=0.5), Pending("y", 1, share=1.5), Pending("z", 1, share=0)):
+    tiny = Pending("t", 1, share=0.001)  # a flood of tiny parts would fill a node with processes
+    for bad in (Pending("x", 2, share=0.5), Pending("y", 1, share=1.5), Pending("z", 1, share=0),
+                tiny):  # fmt: skip
         reason = never_fits(bad, nodes)
         assert reason is not None and "part of one GPU" in reason, reason
     assert never_fits(share("ok", 0.25), nodes) is None
     quota = {"lab": Quota(0, borrow_limit=0)}
     reason = never_fits(share("q", 0.25, group="lab"), nodes, quota)
     assert reason is not None and "needs 0.25 GPUs" in reason and "at most 0" in reason
+
+
+def test_the_least_share_is_the_one_the_gateway_takes() -> None:
+    from bulletin_core import wire
+    from scheduler.model import MIN_SHARE
+
+    assert MIN_SHARE == wire.MIN_GPU_SHARE
 
 
 def test_traces_take_fractional_gpus_below_one(tmp_path: Path) -> None:
