@@ -53,24 +53,20 @@ def capacity(nodes: list[db.NodeRow], leases: list[Running]) -> list[NodeCapacit
     held by calls that asked for part of one is shared (``NodeCapacity.shared``), not free."""
     used_gpus: dict[int, set[int]] = defaultdict(set)
     used_cpu: Counter[int] = Counter()
-    parts: dict[int, dict[int, list[Running]]] = {}  # node -> GPU -> the shares on it
+    parts: dict[int, list[Running]] = {}  # node -> the shares on it
     for lease in leases:
         if lease.gpus == 0:
             used_cpu[lease.node_id] += 1
         used_gpus[lease.node_id].update(lease.gpu_indices)
         if lease.share != 1.0:
-            on = parts.setdefault(lease.node_id, {})
-            on.setdefault(lease.gpu_indices[0], []).append(lease)
+            parts.setdefault(lease.node_id, []).append(lease)
     found = []
     for n in nodes:
         used = used_gpus.get(n.id)
         free = [g.index for g in n.gpus if g.index not in used] if used else None
         node = node_capacity(n, free_gpus=free, free_cpu_slots=max(0, n.cpu_slots - used_cpu[n.id]))
         if n.id in parts:
-            node.shared = tuple(
-                SharedGpu(g, sum(r.share for r in runs), frozenset(r.user for r in runs))
-                for g, runs in sorted(parts[n.id].items())
-            )
+            node.shared = SharedGpu.of(parts[n.id])
         found.append(node)
     return found
 

@@ -61,6 +61,18 @@ class SharedGpu:
     def left(self) -> float:
         return 1.0 - self.used
 
+    @staticmethod
+    def of(runs: Iterable[Running]) -> tuple[SharedGpu, ...]:
+        """The shared GPUs of one node's running calls that hold part of a GPU."""
+        on: dict[int, list[Running]] = {}
+        for run in runs:
+            if run.share != 1.0:
+                on.setdefault(run.gpu_indices[0], []).append(run)
+        return tuple(
+            SharedGpu(g, sum(r.share for r in held), frozenset(r.user for r in held))
+            for g, held in sorted(on.items())
+        )
+
 
 @dataclass(slots=True)
 class NodeCapacity:

@@ -386,19 +386,10 @@ class Simulator:
 
     def reshare(self, node_id: int) -> None:
         """Show the node's shared GPUs as they are now (``NodeCapacity.shared``)."""
-        shared = []
-        for index, holders in sorted(self.sharing.get(node_id, {}).items()):
-            runs = holders.values()
-            gpu = SharedGpu(index, sum(r.share for r in runs), frozenset(r.user for r in runs))
-            shared.append(gpu)
-            if gpu.left > EPSILON:
-                self.open_shares.add((node_id, index))
-            else:
-                self.open_shares.discard((node_id, index))
-        for index in [g for n, g in self.open_shares if n == node_id]:
-            if index not in self.sharing.get(node_id, {}):
-                self.open_shares.discard((node_id, index))
-        self.nodes[node_id].shared = tuple(shared)
+        shared = SharedGpu.of(r for h in self.sharing.get(node_id, {}).values() for r in h.values())
+        self.open_shares -= {(node_id, g.index) for g in self.nodes[node_id].shared}
+        self.open_shares |= {(node_id, g.index) for g in shared if g.left > EPSILON}
+        self.nodes[node_id].shared = shared
 
     def note_held(self, group: str, user: str, gpus: float, now: float) -> None:
         self.groups.change(group, gpus, now)
