@@ -29,6 +29,12 @@ Each round takes the pending calls in fair-share order
    starts in a later round once its victims have exited.
 2. Borrowers: the other calls start on idle GPUs, up to their group's ceiling, in the same
    order (so the group that used least of its share lately goes first), placed ``borrowed``.
+3. Least attained service (``las_thresholds``, Tiresias's 2D-LAS; on by default): a call's
+   class is how many thresholds the GPU-seconds it received have passed; lower classes go
+   first inside each user's calls and among borrowers, and a call still waiting may take the
+   place of running calls of a strictly higher class that have run ``min_run_s``: its own
+   group's, or other groups' borrowed ones while those hold more than their guarantee. The
+   room is promised to it (``Plan.promised``): the next round places it first (step 0b).
 
 How long a call has waited counts from when it last entered the queue
 (:attr:`~scheduler.model.Pending.waiting_since`): a call preempted or requeued starts a new
@@ -42,8 +48,10 @@ GPU model (:mod:`scheduler.quotas`) keep each call to the models its group may s
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scheduler import placement
@@ -59,14 +67,18 @@ from scheduler.model import (
     Plan,
     Preemption,
     Quota,
+    Running,
     Snapshot,
 )
-from scheduler.quotas import Book
+from scheduler.quotas import Book, Released
 from scheduler.reasons import Why, ahead, note, shortfall, starting
 from scheduler.reclaim import Reclaim, Reclaimer, protected
+from scheduler.victims import Victims
 
 #: A whole-node call that has waited this long gets a reservation (fair's default).
-DEFAULT_STARVE_AFTER_S = 3600.0
+DEFAULT_STARVE_AFTER_S = 43_200.0
+#: Tiresias's two thresholds, in GPU-seconds of service received: three classes.
+DEFAULT_LAS_THRESHOLDS = (3_600.0, 36_000.0)
 
 
 @dataclass
@@ -77,11 +89,12 @@ class Fair:
     one head per queue per cycle): a burst of returning demand is worked off over a few rounds
     instead of one long one, and the plan says so (:attr:`scheduler.model.Plan.more`).
     ``starve_after_s`` is the wait after which a whole-node call gets a reservation (None:
-    never). On the Philly trace at 88 x 8 GPUs the one-hour default cut the average wait of
-    multi-node calls from 32,420 s to 5,077 s (FIFO: 9,096 s) and of 8-GPU calls from 5,005 s
-    to 3,862 s (FIFO: 7,734 s), for 13 % more average queueing (3,069 s against 2,713 s;
-    FIFO: 3,413 s). Overloaded (64 x 8) every size of call waited less than under FIFO on
-    average (docs/benchmarks.md)."""
+    never). On the Philly trace at 88 x 8 GPUs a one-hour bound, without least attained
+    service, cut the average wait of multi-node calls from 32,420 s to 5,077 s (FIFO:
+    9,096 s) and of 8-GPU calls from 5,005 s to 3,862 s (FIFO: 7,734 s). With least
+    attained service an hour's bound undid its gains (3,024 s average queueing against
+    1,054 s with 12 hours, the default; docs/benchmarks.md). ``las_thresholds`` (GPU-seconds,
+    ascending; () turns least attained service off) and ``min_run_s`` shape step 3."""
 
     default_quota: Quota = DEFAULT_QUOTA
     reclaim: bool = True
@@ -89,6 +102,12 @@ class Fair:
     starve_after_s: float | None = DEFAULT_STARVE_AFTER_S
     name: str = "fair"
     uses_quotas: bool = True
+    #: Least attained service (Tiresias's 2D-LAS): thresholds in GPU-seconds of service a
+    #: call received; () turns it off.
+    las_thresholds: tuple[float, ...] = DEFAULT_LAS_THRESHOLDS
+    #: A call runs at least this long before the LAS step may preempt it.
+    min_run_s: float = 0.0
+    #: Experiment knobs (to be settled).
 
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan:
         return _Round(self, snapshot, why).run()
@@ -107,6 +126,10 @@ class _Round:
             snapshot.pending, snapshot.usage, snapshot.user_usage, snapshot.quotas,
             policy.default_quota,
         )  # fmt: skip
+        if policy.las_thresholds:
+            klass = self.klass
+            for bucket in self.buckets:
+                bucket.sort(key=klass)  # (stable: queue order inside a class)
         self.pos: dict[str, int] = {}
         if why is not None:
             self.pos = {c.id: i for i, c in enumerate(itertools.chain(*self.buckets), 1)}
@@ -130,9 +153,141 @@ class _Round:
     def run(self) -> Plan:
         if self.policy.starve_after_s is not None:
             self.guard(self.policy.starve_after_s)
+        if self.snapshot.promised:
+            self.promises()
         self.guaranteed()
         self.borrowers()
+        if self.policy.las_thresholds:
+            self.swaps()
         return self.out
+
+    def promises(self) -> None:
+        """Step 0b: the calls the last round preempted their group's calls for start first,
+        on any room; one that does not fit yet keeps its promise (and its nodes, withdrawn
+        from everyone else this round) while calls of its group are still leaving there."""
+        promised = self.snapshot.promised
+        leaving = {
+            (part.node_id, run.group)
+            for run in self.snapshot.running
+            if run.preempting
+            for part in run.parts
+        }
+        for call in self.snapshot.pending:
+            nodes = promised.get(call.id)
+            if nodes is None or call.id in self.done:
+                continue
+            kept = self.keep(call)
+            if kept is not None and self.book.within_ceiling(call):
+                parts = self.place(call, kept)
+                if parts is not None:
+                    self.start(call, parts)
+                    continue
+            still = tuple(n for n in nodes if (n, call.group) in leaving)
+            if still:
+                self.done.add(call.id)
+                self.out.promised[call.id] = still
+                for node_id in still:
+                    self.cap.withdraw(node_id)
+
+    def klass(self, call: Pending) -> int:
+        return bisect.bisect_right(self.policy.las_thresholds, call.attained_gpu_s)
+
+    def swaps(self) -> None:
+        """Step 3, least attained service (Tiresias's 2D-LAS): a call still waiting may take
+        the place of running calls of a higher class (more GPU-seconds of service received,
+        by ``las_thresholds``) that have run ``min_run_s`` at least and did not start after
+        waiting past the starvation bound: calls of its own group (the group holds what it
+        held), and borrowed calls of other groups while those hold more than their guarantee
+        (as reclaim). Lower classes ask first, each group's calls in fair order; the room is
+        promised to the call (:attr:`Plan.promised`) and withdrawn from this round."""
+        policy, now, book = self.policy, self.snapshot.now, self.book
+        thresholds, after, min_run = policy.las_thresholds, policy.starve_after_s, policy.min_run_s
+        waiting: dict[str, list[tuple[int, Pending]]] = {}
+        least = len(thresholds)
+        for call in itertools.chain(*self.buckets):
+            if call.id in self.done or call.share != 1.0 or not call.gpus:
+                continue
+            k = self.klass(call)
+            least = min(least, k)
+            waiting.setdefault(call.group, []).append((k, call))
+        if least >= len(thresholds):
+            return  # nobody waits in a class that may preempt
+        bar = thresholds[least]  # (a run of a higher class received this much at least)
+        chosen = self.reclaimer.chosen
+        ranks: dict[str, int] = {}
+        runs: list[Running] = []
+        for run in self.snapshot.running:
+            if run.share != 1.0 or not run.preemptible or run.id in chosen:
+                continue
+            if not run.preempting:
+                ran = now - run.start_time
+                got = run.attained_gpu_s + run.gpus * ran
+                if got < bar or ran < min_run or protected(run, after):
+                    continue
+                ranks[run.id] = bisect.bisect_right(thresholds, got)
+            runs.append(run)
+        if not ranks:
+            return
+        for group, calls in sorted(waiting.items(), key=lambda gc: gc[1][0][0]):
+            calls.sort(key=lambda kc: kc[0])  # (stable: fair order inside a class)
+
+            # Whether the call asking now may take other groups' calls (not at its ceiling).
+            others = [True]
+
+            def may(
+                run: Running, taken: Released, group: str = group, o: list[bool] = others
+            ) -> bool:
+                if run.group == group:
+                    return True
+                return o[0] and run.borrowed and book.reclaimable(run, taken)
+
+            def count(taken: Released, run: Running, group: str = group) -> None:
+                if run.group != group:
+                    book.count_release(taken, run)
+
+            victims = Victims(self.snapshot.nodes, runs, lambda r: ranks.get(r.id, 0), may, count)
+            for k, call in calls:
+                if victims.spent(k):
+                    break
+                kept = self.keep(call)
+                if kept is None:
+                    continue
+                # At its ceiling, a call may still take the place of its group's own calls
+                # (GPUs for GPUs: the group holds no more than before).
+                others[0] = book.within_ceiling(call)
+                gone = victims.free_for(kept, k, self.cap, alone=not others[0])
+                if not gone:
+                    continue
+                self.swapped(call, kept, gone)
+
+    def swapped(self, call: Pending, kept: Pending, gone: list[Running]) -> None:
+        """Book a swap: the victims' GPUs leave their groups, the room they free is the
+        call's (charged to its group now, so that its ceiling holds this round)."""
+        book, group = self.book, call.group
+        self.done.add(call.id)
+        nodes = sorted({p.node_id for v in gone for p in v.parts})
+        self.out.promised[call.id] = tuple(nodes)
+        for run in gone:
+            book.add(run.group, run.parts, sign=-1, share=run.share)
+        if len(nodes) > 1 or call.gpus > self.cap.largest_for(call):
+            held = {n.node_id: n for n in self.snapshot.nodes}
+            parts = tuple(
+                Part(n, tuple(g.index for g in held[n].gpus) or tuple(range(held[n].size)))
+                for n in nodes
+            )
+        else:
+            on = nodes[0]
+            freed = sorted(
+                i for v in gone for p in v.parts if p.node_id == on for i in p.gpu_indices
+            )
+            parts = (Part(on, tuple(freed[: call.gpus])),)
+        book.add(group, parts, share=kept.share)
+        reason = (
+            f"preempted for call {call.id} of group {group}, which received less service "
+            f"(least attained service first)"
+        )
+        self.out.preemptions.extend(Preemption(v.id, reason) for v in gone)
+        note(self.why, call, self.pos.get(call.id, 0), _swapping, nodes, len(gone))
 
     def note(self, call: Pending, reason: str) -> None:
         """Record a reason already worded (only done when explaining)."""
@@ -387,7 +542,10 @@ class _Round:
         # GPUs, a group's room and the models it may take only shrink in this step, so later
         # ones of the same kind would not start either (only skipped when not explaining).
         blocked: set[tuple[object, ...]] = set()
-        for call in itertools.chain(*self.buckets):
+        order: Iterable[Pending] = itertools.chain(*self.buckets)
+        if self.policy.las_thresholds:  # (borrowers too go by least attained service)
+            order = sorted(order, key=self.klass)
+        for call in order:
             if call.id in self.done:
                 continue
             kind: tuple[object, ...] = (call.group, call.gpus, call.gpu_model, call.min_memory_mib)
@@ -459,3 +617,11 @@ def _reclaiming(found: Reclaim) -> str:
 
 def _borrowing(call: Pending, cap: Capacity, pos: int) -> str:
     return f"{shortfall(call, cap)}; borrowing, {ahead(pos - 1)} in fair-share order"
+
+
+def _swapping(nodes: list[int], victims: int) -> str:
+    where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {', '.join(map(str, nodes))}"
+    return (
+        f"least attained service: {victims} calls that received more service preempted on "
+        f"{where}; starts once they exit"
+    )

@@ -243,6 +243,10 @@ class Snapshot:
     #: Whether calls of different users may share one GPU (:attr:`Pending.share`); by
     #: default a GPU is shared only among one user's calls.
     share_across_users: bool = False
+    #: Calls the previous round preempted their own group's calls for (its
+    #: ``Plan.promised``, kept by the leader between rounds), with the nodes that room is on:
+    #: the fair policy places them first.
+    promised: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +296,9 @@ class Plan(list[Decision]):
         self.preemptions: list[Preemption] = list(preemptions)
         self.more = more
         self.reserved: dict[str, float] = {}
+        #: Calls the round preempted others for, and the nodes of that room (see
+        #: ``Snapshot.promised``).
+        self.promised: dict[str, tuple[int, ...]] = {}
 
     def __repr__(self) -> str:
         return f"Plan({list(self)!r}, preemptions={self.preemptions!r})"

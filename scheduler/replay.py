@@ -180,6 +180,7 @@ class Simulator:
         self.requeued = False
         #: The calls the last round's plan reserved for (the next round's Snapshot.reserved).
         self.reserved: AbstractSet[str] = frozenset()
+        self.promised: Mapping[str, tuple[int, ...]] = {}
         self.generation = [0] * len(self.jobs)
         self.events: list[tuple[float, int, int, int, int]] = []  # (t, seq, kind, job, gen)
         self.seq = 0
@@ -423,10 +424,12 @@ class Simulator:
             user_usage=Usage(self.users, now),
             now=now,
             reserved=self.reserved,
+            promised=self.promised,
             share_across_users=self.share_across_users,
         )
         out = self.policy.plan(snapshot)
         self.reserved = out.reserved.keys()
+        self.promised = out.promised
         return out
 
     def apply(self, plan: Plan, now: float) -> None:
@@ -499,6 +502,10 @@ class Options:
     node_failures: str | None = None
     #: Jobs of different users may share a GPU (jobs asking for part of one).
     share_across_users: bool = False
+    #: The fair policy's least attained service (off: fair-share order only), and the least
+    #: a job runs before it may preempt it (None: the policy's default).
+    least_attained: bool = True
+    min_run_s: float | None = None
 
 
 def policy_names() -> list[str]:
@@ -506,7 +513,7 @@ def policy_names() -> list[str]:
     return sorted({*policies.POLICIES, *yardsticks.YARDSTICKS})
 
 
-def get_policy(name: str, **settings: float | None) -> Policy:
+def get_policy(name: str, **settings: object) -> Policy:
     if name in yardsticks.YARDSTICKS:
         return yardsticks.YARDSTICKS[name](**settings)
     return policies.get(name, **settings)
@@ -532,9 +539,13 @@ def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
         quotas = traces.read_quotas(options.quota_file)
     else:
         quotas = traces.derive_quotas(jobs, capacity)
-    settings = {}
+    settings: dict[str, object] = {}
     if options.starve_after_s is not None:
         settings["starve_after_s"] = options.starve_after_s or None
+    if not options.least_attained:
+        settings["las_thresholds"] = ()
+    if options.min_run_s is not None:
+        settings["min_run_s"] = options.min_run_s
     sim = Simulator(
         jobs,
         get_policy(options.policy, **settings),
@@ -617,7 +628,20 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="fair: wait after which a whole-node call gets a reservation "
-        "(default 3600; 0: never)",
+        "(default 43200; 0: never)",
+    )
+    p.add_argument(
+        "--no-least-attained",
+        dest="least_attained",
+        action="store_false",
+        help="fair: fair-share order only, no least attained service (2D-LAS)",
+    )
+    p.add_argument(
+        "--min-run-s",
+        type=float,
+        default=None,
+        help="fair: the least a job runs before least attained service may preempt it "
+        "(default 0)",
     )
     return p
 
@@ -635,8 +659,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.nodes < 1 or args.gpus_per_node < 1:
         print("--nodes and --gpus-per-node must be at least 1", file=sys.stderr)
         return 2
-    if args.starve_after_s is not None and args.policy != "fair":
-        print("--starve-after-s is a setting of --policy fair only", file=sys.stderr)
+    fair_only = [
+        flag
+        for flag, given in (
+            ("--starve-after-s", args.starve_after_s is not None),
+            ("--no-least-attained", not args.least_attained),
+            ("--min-run-s", args.min_run_s is not None),
+        )
+        if given
+    ]
+    if fair_only and args.policy != "fair":
+        print(f"{', '.join(fair_only)}: settings of --policy fair only", file=sys.stderr)
+        return 2
+    if args.min_run_s is not None and args.min_run_s < 0:
+        print("--min-run-s cannot be negative", file=sys.stderr)
         return 2
     if args.look_ahead is not None and args.look_ahead < 1:
         print("--look-ahead must be at least 1", file=sys.stderr)
@@ -662,6 +698,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.look_ahead,
         args.node_failures,
         args.share_across_users,
+        args.least_attained,
+        args.min_run_s,
     )
     try:
         metrics = replay(args.trace, options)

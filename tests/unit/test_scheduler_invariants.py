@@ -4,6 +4,7 @@ starved in a replay."""
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from collections import Counter, defaultdict
@@ -88,6 +89,7 @@ def snapshots(draw: st.DrawFn, one_gpu: bool = False, shares: bool = True) -> Sn
                 borrowed=draw(st.booleans()), preemptible=draw(st.booleans()) or one_gpu,
                 preempting=draw(st.booleans()) and not one_gpu,
                 queued_time=draw(st.none() | st.floats(-7200, 0)),
+                attained_gpu_s=draw(st.sampled_from([0.0, 0.0, 50.0, 500.0])),
             ))  # fmt: skip
         nodes.append(NodeCapacity(i, free, draw(st.integers(0, 2)), gpus,
                                   draining=draw(st.booleans()) and not one_gpu,
@@ -102,6 +104,7 @@ def snapshots(draw: st.DrawFn, one_gpu: bool = False, shares: bool = True) -> Sn
             draw(st.sampled_from(GROUPS)),
             gpu_model=None if one_gpu else draw(st.sampled_from([None, None, "H100"])),
             expected_s=draw(st.none() | st.floats(1, 200)), share=part,
+            attained_gpu_s=draw(st.sampled_from([0.0, 0.0, 50.0, 500.0])),
         ))  # fmt: skip
     quotas = {
         g: Quota(draw(st.integers(0, 8)), draw(st.none() | st.integers(0, 16)), draw(models()))
@@ -154,7 +157,11 @@ def held(snap: Snapshot) -> dict[str, float]:
     return out
 
 
-POLICIES: list[str | Policy] = ["fifo", "fair", Fair(starve_after_s=0), Las((10.0, 100.0)), Srtf()]
+POLICIES: list[str | Policy] = [
+    "fifo", "fair", Fair(starve_after_s=0), Las((10.0, 100.0)), Srtf(),
+    # Least attained service at this scale's thresholds (fair's are 1 and 10 GPU-hours).
+    Fair(las_thresholds=(10.0, 100.0)), Fair(las_thresholds=(10.0, 100.0), min_run_s=20.0),
+]  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)
@@ -217,6 +224,18 @@ def check_preemptions(snap: Snapshot, out: Plan, policy: str | Policy) -> None:
     after = held(snap)
     before = dict(after)
     calls = {c.id: c for c in snap.pending}
+    if isinstance(chosen, Fair) and chosen.las_thresholds:  # a swap for less served calls:
+        rank = chosen.las_thresholds  # (only of a strictly higher class, run long enough, of
+        for p in out.preemptions:  # the call's group or borrowed)
+            if "least attained service" not in p.reason:
+                continue
+            run, call = running[p.invocation_id], calls[p.reason.split()[3]]
+            assert snap.now - run.start_time >= chosen.min_run_s
+            assert bisect.bisect_right(rank, run.attained(snap.now)) > bisect.bisect_right(
+                rank, call.attained_gpu_s
+            )
+            assert run.group == call.group or run.borrowed
+            assert call.id in out.promised and not protected(run, chosen.starve_after_s)
     for v in victims:
         after[running[v].group] -= running[v].amount
     for d in out:

@@ -140,5 +140,30 @@ def test_settings_that_do_not_apply_are_refused(capsys: pytest.CaptureFixture[st
     args = [str(TIRESIAS), "--nodes", "2"]
     assert replay.main([*args, "--policy", "las", "--starve-after-s", "60"]) == 2
     assert "fair only" in capsys.readouterr().err
+    assert replay.main([*args, "--policy", "fifo", "--no-least-attained"]) == 2
+    assert "--no-least-attained: settings of --policy fair only" in capsys.readouterr().err
+    assert replay.main([*args, "--policy", "fair", "--min-run-s", "-5"]) == 2
+    assert "--min-run-s cannot be negative" in capsys.readouterr().err
     assert replay.main([*args, "--preemption-cost-s", "-1"]) == 2
     assert "negative" in capsys.readouterr().err
+
+
+def test_fair_s_least_attained_service_can_be_turned_off_in_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A 20-hour job holds the one node; 30 one-hour jobs arrive two hours in. With least
+    # attained service they take its place; without, or with it never preemptible, they wait.
+    trace = tmp_path / "long.csv"
+    rows = ["submit_time,duration,num_gpus", "0,72000,4"]
+    rows += [f"{7200 + i},3600,1" for i in range(30)]
+    trace.write_text("\n".join(rows) + "\n")
+    args = [str(trace), "--nodes", "1", "--gpus-per-node", "4", "--format", "json"]
+    args += ["--policy", "fair"]
+    runs = {}
+    for name, extra in [("las", []), ("off", ["--no-least-attained"]),
+                        ("patient", ["--min-run-s", "1e9"])]:  # fmt: skip
+        assert replay.main([*args, *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    assert runs["las"]["preemptions"] > 0 == runs["off"]["preemptions"]
+    assert runs["patient"]["preemptions"] == 0
+    assert runs["las"]["avg_queue_s"] < runs["off"]["avg_queue_s"] / 2

@@ -1,0 +1,179 @@
+"""Victims for preemption by rank: the running calls a waiting call of a better class may
+displace (the yardsticks of :mod:`scheduler.yardsticks`, and ``fair``'s least-attained-service
+step, :mod:`scheduler.fair`).
+
+A call that fits on one node frees GPUs there, the node where it preempts the fewest GPUs
+(then the fewest calls); a gang frees whole nodes whose every running call ranks worse. Only
+calls of a strictly worse class are taken, worst first (the latest started first among
+equals); GPUs already on their way back count as free.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from scheduler import placement
+from scheduler.capacity import Capacity
+from scheduler.model import NodeCapacity, Pending, Running
+from scheduler.quotas import Released
+
+
+class Victims:
+    """The running calls a round may still preempt, by node, worst ranked first.
+
+    Calls ask in rank order, so each asks with a class no better than the last one's: once a
+    call of ``n`` GPUs found nothing, no later call of ``n`` or more can, and no call of a
+    class at or below the worst running one's can either."""
+
+    def __init__(
+        self,
+        nodes: Iterable[NodeCapacity],
+        running: Iterable[Running],
+        klass: Callable[[Running], float],
+        may: Callable[[Running, Released], bool] | None = None,
+        count: Callable[[Released, Running], None] | None = None,
+    ) -> None:
+        #: Whether a run may still be taken, what this choice takes already considered (and
+        #: how to count it): None, every run may.
+        self.may, self.count = may, count
+        #: Per node: (class, start, id, call), sorted worst first when first looked at.
+        self.by_node: dict[int, list[tuple[float, float, str, Running]]] = {}
+        self.sorted: set[int] = set()
+        #: GPUs per node already on their way back (preempting, or chosen this round).
+        self.leaving: dict[int, int] = {}
+        self.nodes = {n.node_id: n for n in nodes if not n.draining}
+        self.worst = -math.inf
+        self.failed = math.inf
+        by_node = self.by_node
+        for run in running:
+            if run.share != 1.0:
+                continue  # (never a victim; its GPU is busy until all its sharers end)
+            if run.preempting:
+                for part in run.parts:
+                    self._leave(part.node_id, len(part.gpu_indices))
+            elif run.preemptible:
+                k = klass(run)
+                if k > self.worst:
+                    self.worst = k
+                entry = (k, run.start_time, run.id, run)
+                for node_id in (run.node_id, *(p.node_id for p in run.more)):
+                    if node_id in by_node:
+                        by_node[node_id].append(entry)
+                    else:
+                        by_node[node_id] = [entry]
+
+    def spent(self, klass: float) -> bool:
+        """Whether no call of this class or after it can free anything by preempting."""
+        return klass >= self.worst or self.failed <= 1
+
+    def free_for(
+        self, call: Pending, klass: float, cap: Capacity, alone: bool = False
+    ) -> list[Running]:
+        """Running calls to preempt so that ``call`` fits (none if it cannot be done). The
+        nodes they free are withdrawn from ``cap`` for the rest of the round: what they free
+        is the call's, not a later one's. ``alone``: the victims alone must free all the
+        call asks for, on one node (it takes their GPUs only, no free ones)."""
+        if call.gpus <= 0 or klass >= self.worst or call.gpus >= self.failed:
+            return []
+        chosen = self._free_for(call, klass, cap, alone)
+        if not chosen and not alone:
+            self.failed = call.gpus
+        return chosen
+
+    def _free_for(self, call: Pending, klass: float, cap: Capacity, alone: bool) -> list[Running]:
+        gone = cap.withdrawn  # (reserved or reclaimed since this index was made)
+        single = [
+            n
+            for n in self.nodes.values()
+            if n.node_id not in gone and placement.node_fits_ever(n, call)
+        ]
+        if single:
+            best: tuple[tuple[int, int], int, list[Running]] | None = None
+            for node in single:
+                have = 0
+                if not alone:
+                    have = len(cap.free_of(node.node_id)) + self.leaving.get(node.node_id, 0)
+                runs: list[Running] = []
+                taken: Released = {}
+                for run in self._lower(node.node_id, klass):
+                    if have >= call.gpus:
+                        break
+                    if not self._may(run, taken):
+                        continue
+                    runs.append(run)
+                    have += _on(run, node.node_id)
+                if have >= call.gpus and runs and (best is None or _cost(runs) < best[0]):
+                    best = (_cost(runs), node.node_id, runs)
+            return [] if best is None else self._take(best[2], [best[1]], cap)
+        if alone:
+            return []
+        # A gang: whole nodes whose every running call is of a lower class.
+        whole: list[tuple[int, int, list[Running]]] = []
+        took: Released = {}
+        for node in self.nodes.values():
+            if node.node_id in gone or not placement.whole_node_ok(node, call):
+                continue
+            runs = self._lower(node.node_id, klass)
+            if self.may is not None:
+                mark = dict(took)
+                if not all(self._may(r, mark) for r in runs):
+                    continue  # (a run it may not take holds the node)
+            busy = node.size - len(cap.free_of(node.node_id)) - self.leaving.get(node.node_id, 0)
+            if sum(_on(r, node.node_id) for r in runs) >= busy:
+                whole.append((busy, node.node_id, runs))
+        whole.sort(key=lambda w: (w[0], w[1]))
+        got, nodes, chosen = 0, [], []
+        for _, node_id, runs in whole:
+            if got >= call.gpus:
+                break
+            fresh = [r for r in runs if r not in chosen]
+            if self.may is not None and not all(self._may(r, took) for r in fresh):
+                continue
+            got += self.nodes[node_id].size
+            nodes.append(node_id)
+            chosen += fresh
+        if got < call.gpus or not chosen:
+            return []
+        return self._take(chosen, nodes, cap)
+
+    def _lower(self, node: int, klass: float) -> list[Running]:
+        held = self.by_node.get(node)
+        if not held:
+            return []
+        if node not in self.sorted:
+            held.sort(reverse=True)
+            self.sorted.add(node)
+        return [e[3] for e in held if e[0] > klass]
+
+    def _may(self, run: Running, taken: Released) -> bool:
+        """Whether ``run`` may be taken besides ``taken`` (then counted in it)."""
+        if self.may is None:
+            return True
+        if not self.may(run, taken):
+            return False
+        if self.count is not None:
+            self.count(taken, run)
+        return True
+
+    def _leave(self, node: int, gpus: int) -> None:
+        self.leaving[node] = self.leaving.get(node, 0) + gpus
+
+    def _take(self, runs: list[Running], nodes: list[int], cap: Capacity) -> list[Running]:
+        for run in runs:
+            for part in run.parts:
+                self._leave(part.node_id, len(part.gpu_indices))
+                held = self.by_node[part.node_id]
+                held[:] = [e for e in held if e[3] is not run]
+        for node_id in nodes:
+            cap.withdraw(node_id)
+            self.nodes.pop(node_id)
+        return runs
+
+
+def _on(run: Running, node: int) -> int:
+    return sum(len(p.gpu_indices) for p in run.parts if p.node_id == node)
+
+
+def _cost(runs: list[Running]) -> tuple[int, int]:
+    return (sum(r.gpus for r in runs), len(runs))

@@ -1,0 +1,130 @@
+"""``fair``'s least attained service (Tiresias's 2D-LAS inside groups and among borrowers):
+the order by class, the swap step's victims (its own group's calls, other groups' borrowed
+ones, never a guarantee, a fresh run or a starved call), and the room promised across rounds."""
+
+from __future__ import annotations
+
+from scheduler import Gpu, NodeCapacity, Pending, Quota, Running, Snapshot, explain
+from scheduler.fair import Fair
+from scheduler.replay import Cluster, Simulator
+from scheduler.traces import Job
+
+NOW = 100_000.0
+LAS = Fair(las_thresholds=(3_600.0, 36_000.0), min_run_s=600.0)
+GPUS = tuple(Gpu(g, "A100", 40960) for g in range(4))
+
+
+def node(free: list[int], node_id: int = 0) -> NodeCapacity:
+    return NodeCapacity(node_id, free, 0, GPUS)
+
+
+def run(
+    i: str, gpus: tuple[int, ...], group: str = "g", attained: float = 50_000.0, **kw: object
+) -> Running:
+    """A run that started an hour ago with ``attained`` GPU-seconds before it."""
+    kw = {"queued_time": NOW - 3_700, **kw}
+    return Running(i, 0, gpus, "ann", group, start_time=NOW - 3_600, attained_gpu_s=attained,
+                   **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def call(i: str, gpus: int = 1, group: str = "g", attained: float = 0.0, **kw: object) -> Pending:
+    return Pending(i, gpus, "bob", group, submit_time=NOW - 10, attained_gpu_s=attained,
+                   **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def snap(running: list[Running], pending: list[Pending], **kw: object) -> Snapshot:
+    quotas = kw.pop("quotas", {"g": Quota(2), "h": Quota(2)})
+    return Snapshot([node([])], pending, running, quotas, now=NOW, **kw)  # type: ignore[arg-type]
+
+
+def preempted(plan: list) -> set[str]:  # type: ignore[type-arg]
+    return {p.invocation_id for p in plan.preemptions}  # type: ignore[attr-defined]
+
+
+def test_a_new_call_takes_the_place_of_its_group_s_call_that_received_more_service() -> None:
+    running = [run("long", (0, 1)), run("young", (2, 3), attained=0.0)]
+    out = LAS.plan(snap(running, [call("new", 2)]))
+    # "young" received 2 GPUs x 1 h = 7,200 GPU-s (class 1), "long" 57,200 (class 2).
+    assert preempted(out) == {"long"}
+    assert out.promised == {"new": (0,)}
+    assert not list(out)
+    without = Fair(las_thresholds=()).plan(snap(running, [call("new", 2)]))
+    assert not preempted(without) and not without.promised
+
+
+def test_no_swap_within_a_class_for_a_fresh_run_or_a_call_that_starved() -> None:
+    assert not preempted(LAS.plan(snap([run("same", (0, 1, 2, 3), attained=0.0)], [
+        call("new", 2, attained=7_200.0)])))  # fmt: skip
+    fresh = Running("fresh", 0, (0, 1, 2, 3), "ann", "g", start_time=NOW - 60,
+                    attained_gpu_s=50_000.0)  # fmt: skip
+    assert not preempted(LAS.plan(snap([fresh], [call("new")])))
+    starved = run("starved", (0, 1, 2, 3), queued_time=NOW - 3_600 - 13 * 3_600)
+    assert not preempted(LAS.plan(snap([starved], [call("new")])))
+
+
+def test_other_groups_give_way_only_with_borrowed_calls_above_their_guarantee() -> None:
+    held = [run("h1", (0, 1), "h"), run("h2", (2, 3), "h")]
+    quotas = {"g": Quota(0), "h": Quota(4)}  # (g borrows: reclaim has no say)
+    assert not preempted(LAS.plan(snap(held, [call("new", 2)], quotas=quotas)))
+    # h is guaranteed 2: it borrows the other two, and only those may go.
+    borrowed = [run("h1", (0, 1), "h", borrowed=True), run("h2", (2, 3), "h")]
+    quotas = {"g": Quota(0), "h": Quota(2)}
+    out = LAS.plan(snap(borrowed, [call("new", 2)], quotas=quotas))
+    assert preempted(out) == {"h1"}
+    # Two borrowed runs, but h may lose only down to its guarantee: one of them goes.
+    both = [run("h1", (0, 1), "h", borrowed=True), run("h2", (2, 3), "h", borrowed=True)]
+    out = LAS.plan(snap(both, [call("a", 2), call("b", 2)], quotas=quotas))
+    assert len(preempted(out)) == 1
+
+
+def test_the_group_s_ceiling_holds_for_the_swapped_room() -> None:
+    quotas = {"g": Quota(0, 2), "h": Quota(0)}
+    theirs = run("theirs", (2, 3), "h", borrowed=True, attained=900_000.0)
+    running = [run("mine", (0, 1)), theirs]
+    # g holds its ceiling of 2: a call of g may only take its own call's place, GPUs for GPUs.
+    out = LAS.plan(snap(running, [call("new", 2)], quotas=quotas))
+    assert preempted(out) == {"mine"}
+    assert not preempted(LAS.plan(snap(running, [call("big", 3)], quotas=quotas)))
+
+
+def test_lower_classes_ask_first_and_the_reason_says_what_happens() -> None:
+    running = [run("long", (0, 1, 2, 3))]
+    pending = [call("mid", 4, attained=7_200.0), call("new", 4)]
+    out = LAS.plan(snap(running, pending))
+    assert out.promised.keys() == {"new"}
+    why = explain(snap(running, pending), LAS)
+    assert "least attained service" in why["new"][1]
+    assert "preempted on node 0" in why["new"][1]
+
+
+def test_a_promised_call_starts_first_on_the_room_its_swap_freed() -> None:
+    # The victim has gone; "other" (group h, less usage: first in fair order) must not take
+    # the two GPUs "new" was promised.
+    pending = [call("other", 2, "h"), call("new", 2)]
+    snapshot = Snapshot([node([2, 3])], pending, [run("kept", (0, 1), attained=0.0)],
+                        {"g": Quota(2), "h": Quota(2)}, usage={"g": 1e9}, now=NOW,
+                        promised={"new": (0,)})  # fmt: skip
+    out = LAS.plan(snapshot)
+    assert [d.invocation_id for d in out] == ["new"]
+    # While its victims are still leaving, the node is kept for it and the promise stands.
+    leaving = run("long", (2, 3), preempting=True)
+    snapshot = Snapshot([node([])], pending, [run("kept", (0, 1), attained=0.0), leaving],
+                        {"g": Quota(2), "h": Quota(2)}, now=NOW,
+                        promised={"new": (0,)})  # fmt: skip
+    out = LAS.plan(snapshot)
+    assert out.promised == {"new": (0,)} and not preempted(out)
+
+
+def test_in_a_replay_short_jobs_stop_waiting_behind_long_ones() -> None:
+    # One group, one node: a 20-hour job holds it; 30 one-hour jobs arrive after two hours.
+    jobs = [Job("long", 0.0, 72_000.0, 4, group="g")]
+    jobs += [Job(str(i), 7_200.0 + i, 3_600.0, 1, group="g") for i in range(30)]
+
+    def queue(policy: Fair) -> float:
+        sim = Simulator(jobs, policy, Cluster.uniform(1, 4), {"g": Quota(4)}, 86_400.0)
+        return sim.run()["avg_queue_s"]
+
+    # (The starvation guard off: else it reserves the node for the long job once preempted.)
+    fifo_like = queue(Fair(las_thresholds=(), starve_after_s=None))
+    las = queue(Fair(las_thresholds=(3_600.0, 36_000.0), min_run_s=600.0, starve_after_s=None))
+    assert las < fifo_like / 3, (las, fifo_like)
