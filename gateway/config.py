@@ -10,7 +10,7 @@ import msgspec
 
 from bulletin_core.settings import AT_LEAST_0, AT_LEAST_1, POSITIVE, check, doc
 from scheduler import POLICIES, Policy, policies
-from scheduler.fair import DEFAULT_STARVE_AFTER_S
+from scheduler.fair import DEFAULT_LAS_THRESHOLDS, DEFAULT_STARVE_AFTER_S
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,6 +113,17 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         all GPUs asked for or held by calls that waited this long, so they cannot starve the
         others either (docs/scheduling.md); 0: never.
     """)] = DEFAULT_STARVE_AFTER_S
+    fair_least_attained: Annotated[bool, doc("""
+        fair: inside each group's share and among borrowers, calls that received less GPU
+        service go first (Tiresias's 2D-LAS: under 1 GPU-hour, under 10, the rest), and a
+        waiting call may take the place of running calls of a higher class: its own group's,
+        or other groups' borrowed ones while those hold more than their guarantee
+        (docs/scheduling.md). Off: fair-share order only.
+    """)] = True
+    fair_min_run_s: Annotated[float, AT_LEAST_0, doc("""
+        fair: a call runs at least this many seconds before least attained service may
+        preempt it.
+    """)] = 0.0
     share_gpus_across_users: Annotated[bool, doc("""
         Calls asking for part of a GPU (gpus=0.25) may share one with other users' calls. Off:
         a GPU is shared only among one user's calls, since its sharers are not isolated from
@@ -188,7 +199,12 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     def policy(self) -> Policy:
         """A fresh instance of the configured scheduling policy, with its settings."""
         if self.scheduler_policy == "fair":
-            return policies.get("fair", starve_after_s=self.fair_starve_after_s or None)
+            return policies.get(
+                "fair",
+                starve_after_s=self.fair_starve_after_s or None,
+                las_thresholds=DEFAULT_LAS_THRESHOLDS if self.fair_least_attained else (),
+                min_run_s=self.fair_min_run_s,
+            )
         return policies.get(self.scheduler_policy)
 
     @property

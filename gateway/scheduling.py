@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 import asyncpg
@@ -136,12 +136,14 @@ async def plan_round(
     *,
     explain: bool = False,
     reserved: set[str] | None = None,
+    promised: dict[str, tuple[int, ...]] | None = None,
 ) -> int:
     """One planning round in one transaction; returns how many calls were placed or
     preempted (non-zero also when the policy asks for another round at once). With
     ``explain``, also stores where each pending call stands and why. ``reserved``: the calls
     the previous round reserved for, which the leader keeps between rounds (the policy
-    reads them, and this round's replace them)."""
+    reads them, and this round's replace them); ``promised`` likewise, the calls it preempted
+    others for by least attained service, with the nodes of that room."""
     async with conn.transaction():
         # The live nodes, locked: capacity is read and committed under the same locks.
         nodes = await db.live_nodes(conn, config.node_timeout_s, lock=True)
@@ -159,12 +161,17 @@ async def plan_round(
         # A call runs on one node: one bigger than every live node waits, reserving nothing,
         # until such a node is back (it fitted a registered node when it was submitted).
         queued, too_big = one_node_calls(queued, free)
-        snapshot = _snapshot(config, free, queued, held, held.now, frozenset(reserved or ()))
+        snapshot = _snapshot(
+            config, free, queued, held, held.now, frozenset(reserved or ()), dict(promised or {})
+        )
         why: dict[str, tuple[int, str]] | None = {} if explain else None
         result = config.policy().plan(snapshot, why)
         if reserved is not None:
             reserved.clear()
             reserved.update(result.reserved)
+        if promised is not None:
+            promised.clear()
+            promised.update(result.promised)
         placed, _ = await _assign(conn, config, result)
         preempted = await db.preempt(
             conn, [(p.invocation_id, p.reason) for p in result.preemptions]
@@ -218,6 +225,7 @@ def _snapshot(
     held: db.Holdings,
     now: float,
     reserved: AbstractSet[str] = frozenset(),
+    promised: Mapping[str, tuple[int, ...]] | None = None,
 ) -> Snapshot:
     """What a policy plans on."""
     return Snapshot(
@@ -233,6 +241,7 @@ def _snapshot(
         now=now,
         reserved=reserved,
         share_across_users=config.share_gpus_across_users,
+        promised=promised or {},
     )
 
 
@@ -367,6 +376,9 @@ async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig, leases
     # The calls the last round reserved for: the fair guard keeps their reservations. Only
     # this leadership's rounds: a new leader works them out afresh.
     reserved: set[str] = set()
+    # The calls the last round preempted others for by least attained service: they start
+    # first. Likewise only this leadership's.
+    promised: dict[str, tuple[int, ...]] = {}
     while True:
         async with hub.subscribe(["q"], stoppable=False) as sub:
             if leases.due():
@@ -377,7 +389,9 @@ async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig, leases
             explain = time.monotonic() - last_explain >= EXPLAIN_S
             if explain:
                 last_explain = time.monotonic()
-            placed = await plan_round(conn, config, explain=explain, reserved=reserved)
+            placed = await plan_round(
+                conn, config, explain=explain, reserved=reserved, promised=promised
+            )
             if placed:
                 log.debug("placed %d calls", placed)
                 continue  # there may be more queued than one round looks at

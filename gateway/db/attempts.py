@@ -13,7 +13,14 @@ import asyncpg
 import msgspec
 
 from bulletin_core import wire
-from gateway.db._common import CHANNEL, Conn, _note, _notify, _preempted_note
+from gateway.db._common import (
+    ATTAINED,
+    CHANNEL,
+    Conn,
+    _note,
+    _notify,
+    _preempted_note,
+)
 from gateway.db.invocations import _invocation_columns, to_invocation
 
 
@@ -46,12 +53,12 @@ WHERE i.id = $1 AND i.node_id = $2 AND i.epoch = $3 AND i.state IN ('assigned', 
 FOR UPDATE
 """
 
-_RELEASE = """
+_RELEASE = f"""
 UPDATE invocations i SET state = 'queued', attempts = i.attempts - 1,
-  node_id = NULL, gpu_indices = '{}', lease_expires_at = NULL,
+  node_id = NULL, gpu_indices = '{{}}', lease_expires_at = NULL,
   delivered_at = NULL, started_at = NULL, scheduled_at = NULL, borrowed = false,
   preemptions = i.preemptions + (i.preempt_at IS NOT NULL)::int, preempt_at = NULL,
-  queued_at = clock_timestamp()
+  queued_at = clock_timestamp(), attained_gpu_s = i.attained_gpu_s + {ATTAINED}
 WHERE i.id = $1
 """
 

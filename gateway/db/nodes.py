@@ -13,6 +13,7 @@ import msgspec
 from bulletin_core import wire
 from gateway.db._common import (
     _HEALTH_LIST,
+    ATTAINED,
     TOKENS_CHANGED,
     Conn,
     NodeRow,
@@ -211,7 +212,7 @@ UPDATE invocations i SET
   queued_at = CASE WHEN e.requeue AND (e.preempted OR NOT e.uncounted)
     THEN clock_timestamp() ELSE i.queued_at END,
   node_id = NULL, gpu_indices = '{{}}', lease_expires_at = NULL,
-  borrowed = false, preempt_at = NULL
+  borrowed = false, preempt_at = NULL, attained_gpu_s = i.attained_gpu_s + {ATTAINED}
 FROM e
 WHERE i.id = e.id
 RETURNING i.id, i.state, e.preempted, e.uncounted,

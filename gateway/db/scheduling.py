@@ -61,7 +61,7 @@ SELECT DISTINCT ON (coalesce(i.lease_id, i.id))
     array(SELECT g->>'name' FROM jsonb_array_elements(n.gpus) g
           WHERE (g->>'index')::int = ANY(i.gpu_indices))
   END AS gpu_models,
-  i.gpu_share AS share
+  i.gpu_share AS share, i.attained_gpu_s
 FROM invocations i
 JOIN users u ON u.id = i.owner_id
 JOIN nodes n ON n.id = i.node_id
@@ -79,21 +79,21 @@ SELECT 'now' AS kind, NULL::text AS id, NULL::bigint AS node_id, NULL::int[] AS 
   NULL::bool AS borrowed, NULL::bool AS preempting,
   extract(epoch FROM clock_timestamp())::float8 AS start_time, NULL::float8 AS expected_s,
   NULL::bool AS preemptible, NULL::float8 AS queued_time, NULL::text[] AS gpu_models,
-  NULL::float8 AS share, NULL::int AS guaranteed_gpus,
+  NULL::float8 AS share, NULL::float8 AS attained_gpu_s, NULL::int AS guaranteed_gpus,
   NULL::int AS borrow_limit_gpus, NULL::float8 AS decayed_gpu_seconds
 UNION ALL
 SELECT 'lease', l.*, NULL, NULL, NULL FROM ({_LEASES}) l
 UNION ALL
 SELECT 'quota', NULL, NULL, NULL, NULL, name, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-  NULL, NULL, guaranteed_gpus, borrow_limit_gpus, NULL
+  NULL, NULL, NULL, guaranteed_gpus, borrow_limit_gpus, NULL
 FROM groups WHERE $1
 UNION ALL
 SELECT 'model_quota', model, NULL, NULL, NULL, group_name, NULL, NULL, NULL, NULL, NULL, NULL,
-  NULL, NULL, NULL, NULL, guaranteed_gpus, borrow_limit_gpus, NULL
+  NULL, NULL, NULL, NULL, NULL, guaranteed_gpus, borrow_limit_gpus, NULL
 FROM group_model_quotas WHERE $1
 UNION ALL
 SELECT 'usage', NULL, NULL, NULL, user_name, group_name, NULL, NULL, NULL, NULL, NULL, NULL,
-  NULL, NULL, NULL, NULL, NULL, NULL, decayed_gpu_seconds
+  NULL, NULL, NULL, NULL, NULL, NULL, NULL, decayed_gpu_seconds
 FROM fair_usage WHERE $1
 """
 
@@ -182,7 +182,7 @@ def _queued_sql(per_user: int, most: int, late_s: float) -> str:
     # calls; the users' heads are taken in turns up to ``most``, then put in queue order.
     return f"""
 SELECT id, gpus, "user", "group", function, priority, gpu_model, min_memory_mib,
-  submit_time, expected_s, queued_time, share
+  submit_time, expected_s, queued_time, share, attained_gpu_s
 FROM (
   SELECT q.id::text AS id, q.gpus, q.gpu_share AS share, u.name AS "user",
     u.group_name AS "group",
@@ -190,10 +190,11 @@ FROM (
     coalesce(q.gpu_memory_mb, 0) AS min_memory_mib,
     extract(epoch FROM q.submitted_at)::float8 AS submit_time,
     coalesce(q.expected_s, q.timeout_s) AS expected_s,
-    extract(epoch FROM q.queued_at)::float8 AS queued_time, q.seq, q.turn
+    extract(epoch FROM q.queued_at)::float8 AS queued_time, q.attained_gpu_s, q.seq, q.turn
   FROM users u CROSS JOIN LATERAL (
     SELECT id, gpus, gpu_share, function_name, priority, gpu_model, gpu_memory_mb, seq,
-      submitted_at, queued_at, expected_s, timeout_s, row_number() OVER (ORDER BY seq) AS turn
+      submitted_at, queued_at, expected_s, timeout_s, attained_gpu_s,
+      row_number() OVER (ORDER BY seq) AS turn
     FROM invocations i
     WHERE owner_id = u.id AND state = 'queued' AND (caller_session IS NULL
       -- A call whose caller is late is not started: it is cancelled if the caller is gone.
@@ -252,6 +253,7 @@ class Holdings:
 _LEASE_FIELDS = (
     "id", "node_id", "gpu_indices", "user", "group", "function", "priority", "borrowed",
     "preempting", "start_time", "expected_s", "preemptible", "queued_time", "share",
+    "attained_gpu_s",
 )  # fmt: skip
 
 

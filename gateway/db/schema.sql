@@ -154,6 +154,7 @@ CREATE TABLE public.invocations (
     lease_id uuid,
     queued_at timestamp with time zone,
     gpu_share double precision DEFAULT 1 NOT NULL,
+    attained_gpu_s double precision DEFAULT 0 NOT NULL,
     CONSTRAINT invocations_check CHECK (((gpu_share > (0)::double precision) AND (gpu_share <= (1)::double precision) AND ((gpu_share = (1)::double precision) OR (gpus = 1)))),
     CONSTRAINT invocations_gpus_check CHECK ((gpus >= 0)),
     CONSTRAINT invocations_max_retries_check CHECK ((max_retries >= 0)),

@@ -93,6 +93,47 @@ def test_a_call_queued_again_starts_a_new_wait(database_url: str) -> None:
     asyncio.run(check())
 
 
+def test_a_call_queued_again_keeps_the_service_it_received(database_url: str) -> None:
+    """Least attained service ranks calls by the GPU-seconds they received: each path that
+    queues a call again adds its run's (from when it got its GPUs), and the scheduler's
+    queries read them back."""
+
+    async def check() -> None:
+        conn = await asyncpg.connect(database_url)
+        try:
+            call = uuid.uuid4()
+            await _setup(conn, call)
+            # Two GPUs since ten minutes ago.
+            await conn.execute(
+                "UPDATE invocations SET gpus = 2, gpu_indices = '{0,1}', "
+                "scheduled_at = clock_timestamp() - interval '10 minutes' WHERE id = $1",
+                call,
+            )
+            (run,) = [r for r in await db.leases(conn) if r.id == str(call)]
+            assert run.attained_gpu_s == 0.0 and 1190 < run.attained(run.start_time + 600) < 1210
+            assert await db.release(conn, NODE, str(call), 1)  # handed back (preempted)
+            (pending,) = await db.queued(conn, 16, 100)
+            assert 1190 < pending.attained_gpu_s < 1260, pending.attained_gpu_s
+            got = pending.attained_gpu_s
+            # Placed again five minutes ago; its node is lost: five more minutes on two GPUs.
+            await conn.execute(
+                "UPDATE invocations SET state = 'running', node_id = $2, epoch = 2, "
+                "gpu_indices = '{0,1}', scheduled_at = clock_timestamp() - interval '5 minutes',"
+                " lease_expires_at = clock_timestamp() - interval '1 second' WHERE id = $1",
+                call,
+                NODE,
+            )
+            (run,) = [r for r in await db.leases(conn) if r.id == str(call)]
+            assert run.attained_gpu_s == got  # what its earlier runs gave it
+            assert await db.expire_leases(conn) == [(str(call), "queued")]
+            (pending,) = await db.queued(conn, 16, 100)
+            assert got + 590 < pending.attained_gpu_s < got + 660
+        finally:
+            await conn.close()
+
+    asyncio.run(check())
+
+
 def _gpus(n: int) -> str:
     return json.dumps(
         [{"index": g, "uuid": f"GPU-{g}", "name": "A100", "memory_mb": 40960} for g in range(n)]
@@ -140,7 +181,8 @@ def test_the_leader_keeps_last_round_s_reservations_beyond_the_guard_s_share(
                 return str(call)
 
             big = await queue(4, 10)  # a whole node, waited two hours: reserved (node 1)
-            config = GatewayConfig(database_url=database_url)
+            # (The guard at an hour: these calls waited two.)
+            config = GatewayConfig(database_url=database_url, fair_starve_after_s=3600.0)
             reserved: set[str] = set()
             await scheduling.plan_round(conn, config, reserved=reserved)
             assert reserved == {big}

@@ -50,7 +50,7 @@ def test_the_policy_can_be_fifo() -> None:
 
 
 def test_the_fair_starvation_guard_reaches_the_policy() -> None:
-    assert GatewayConfig(database_url=URL).policy().starve_after_s == 3600  # type: ignore[attr-defined]
+    assert GatewayConfig(database_url=URL).policy().starve_after_s == 43_200  # type: ignore[attr-defined]
     guarded = GatewayConfig(database_url=URL, fair_starve_after_s=600).policy()
     assert guarded.starve_after_s == 600  # type: ignore[attr-defined]
     off = GatewayConfig(database_url=URL, fair_starve_after_s=0).policy()
