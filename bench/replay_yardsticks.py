@@ -42,7 +42,11 @@ def main() -> None:
     parser.add_argument("--trace", default=str(TRACE))
     parser.add_argument("--nodes", default="88,64", help="cluster sizes, 8-GPU nodes")
     parser.add_argument("--costs", default="0,300", help="--preemption-cost-s values")
-    parser.add_argument("--policies", default="fifo,fair,las,srtf")
+    parser.add_argument(
+        "--policies",
+        default="fifo,fair-fs,fair,las,srtf",
+        help="fair-fs: fair before least attained service (fair-share order, 1 h guard)",
+    )
     parser.add_argument("--procs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     sizes = [int(n) for n in args.nodes.split(",")]
@@ -57,7 +61,7 @@ def main() -> None:
     ]
     with ProcessPoolExecutor(args.procs) as pool:
         results = list(
-            pool.map(run, [(args.trace, Options(p, n, preemption_cost_s=c)) for n, c, p in runs])
+            pool.map(run, [(args.trace, options(p, n, c)) for n, c, p in runs])
         )
     for size in sizes:
         print(f"\n## {Path(args.trace).name}, {size} x 8 GPUs\n")
@@ -67,6 +71,15 @@ def main() -> None:
             if n == size:
                 cells = " | ".join(fmt(r[k]) for k, _ in COLUMNS)
                 print(f"| {p} | {c:.0f} | {cells} |")
+
+
+def options(name: str, nodes: int, cost: float) -> Options:
+    """``fair-fs``: ``fair`` as it was before least attained service (fair-share order only,
+    the starvation guard at one hour)."""
+    if name == "fair-fs":
+        return Options("fair", nodes, preemption_cost_s=cost, least_attained=False,
+                       starve_after_s=3600.0)  # fmt: skip
+    return Options(name, nodes, preemption_cost_s=cost)
 
 
 if __name__ == "__main__":
