@@ -62,6 +62,7 @@ from scheduler.model import (
     DEFAULT_QUOTA,
     EPSILON,
     Decision,
+    NodeCapacity,
     Part,
     Pending,
     Plan,
@@ -126,7 +127,11 @@ class _Round:
             snapshot.pending, snapshot.usage, snapshot.user_usage, snapshot.quotas,
             policy.default_quota,
         )  # fmt: skip
-        if policy.las_thresholds:
+        #: Whether some pending call has received service (else every class is the first).
+        self.served = bool(policy.las_thresholds) and any(
+            c.attained_gpu_s >= policy.las_thresholds[0] for c in snapshot.pending
+        )
+        if self.served:
             klass = self.klass
             for bucket in self.buckets:
                 bucket.sort(key=klass)  # (stable: queue order inside a class)
@@ -202,12 +207,15 @@ class _Round:
         promised to the call (:attr:`Plan.promised`) and withdrawn from this round."""
         policy, now, book = self.policy, self.snapshot.now, self.book
         thresholds, after, min_run = policy.las_thresholds, policy.starve_after_s, policy.min_run_s
+        limit = policy.max_reclaims  # (swaps share reclaim's bound per round)
+        if limit is not None and self.reclaims >= limit:
+            return
         waiting: dict[str, list[tuple[int, Pending]]] = {}
         least = len(thresholds)
         for call in itertools.chain(*self.buckets):
             if call.id in self.done or call.share != 1.0 or not call.gpus:
                 continue
-            k = self.klass(call)
+            k = self.klass(call) if self.served else 0
             least = min(least, k)
             waiting.setdefault(call.group, []).append((k, call))
         if least >= len(thresholds):
@@ -215,7 +223,8 @@ class _Round:
         bar = thresholds[least]  # (a run of a higher class received this much at least)
         chosen = self.reclaimer.chosen
         ranks: dict[str, int] = {}
-        runs: list[Running] = []
+        mine: dict[str, list[Running]] = {}  # per group: its calls that may give way
+        lent: list[Running] = []  # borrowed calls of groups above their guarantee
         for run in self.snapshot.running:
             if run.share != 1.0 or not run.preemptible or run.id in chosen:
                 continue
@@ -225,9 +234,12 @@ class _Round:
                 if got < bar or ran < min_run or protected(run, after):
                     continue
                 ranks[run.id] = bisect.bisect_right(thresholds, got)
-            runs.append(run)
+                if run.borrowed and book.borrowing(run.group):
+                    lent.append(run)
+            mine.setdefault(run.group, []).append(run)  # (its own stopping: GPUs coming back)
         if not ranks:
             return
+        fits: dict[tuple[int, str | None, int], list[NodeCapacity]] = {}
         for group, calls in sorted(waiting.items(), key=lambda gc: gc[1][0][0]):
             calls.sort(key=lambda kc: kc[0])  # (stable: fair order inside a class)
 
@@ -245,8 +257,13 @@ class _Round:
                 if run.group != group:
                     book.count_release(taken, run)
 
-            victims = Victims(self.snapshot.nodes, runs, lambda r: ranks.get(r.id, 0), may, count)
+            runs = mine.get(group, []) + [r for r in lent if r.group != group]
+            victims = Victims(
+                self.snapshot.nodes, runs, lambda r: ranks.get(r.id, 0), may, count, 16, fits
+            )
             for k, call in calls:
+                if limit is not None and self.reclaims >= limit:
+                    return  # (the next round goes on)
                 if victims.spent(k):
                     break
                 kept = self.keep(call)
@@ -265,6 +282,7 @@ class _Round:
         call's (charged to its group now, so that its ceiling holds this round)."""
         book, group = self.book, call.group
         self.done.add(call.id)
+        self.reclaims += 1
         nodes = sorted({p.node_id for v in gone for p in v.parts})
         self.out.promised[call.id] = tuple(nodes)
         for run in gone:
@@ -543,7 +561,7 @@ class _Round:
         # ones of the same kind would not start either (only skipped when not explaining).
         blocked: set[tuple[object, ...]] = set()
         order: Iterable[Pending] = itertools.chain(*self.buckets)
-        if self.policy.las_thresholds:  # (borrowers too go by least attained service)
+        if self.served:  # (borrowers too go by least attained service)
             order = sorted(order, key=self.klass)
         for call in order:
             if call.id in self.done:

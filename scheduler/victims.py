@@ -33,16 +33,25 @@ class Victims:
         klass: Callable[[Running], float],
         may: Callable[[Running, Released], bool] | None = None,
         count: Callable[[Released, Running], None] | None = None,
+        look: int | None = None,
+        fits: dict[tuple[int, str | None, int], list[NodeCapacity]] | None = None,
     ) -> None:
         #: Whether a run may still be taken, what this choice takes already considered (and
         #: how to count it): None, every run may.
         self.may, self.count = may, count
+        #: A single-node call compares the first ``look`` nodes where preempting makes room
+        #: (None: every node).
+        self.look = look
         #: Per node: (class, start, id, call), sorted worst first when first looked at.
         self.by_node: dict[int, list[tuple[float, float, str, Running]]] = {}
         self.sorted: set[int] = set()
         #: GPUs per node already on their way back (preempting, or chosen this round).
         self.leaving: dict[int, int] = {}
         self.nodes = {n.node_id: n for n in nodes if not n.draining}
+        self.all_nodes = list(self.nodes.values())
+        #: The nodes that may ever hold a kind of call (GPUs, model, memory): may be shared by
+        #: the indexes of one round.
+        self.fits = {} if fits is None else fits
         self.worst = -math.inf
         self.failed = math.inf
         by_node = self.by_node
@@ -83,28 +92,39 @@ class Victims:
 
     def _free_for(self, call: Pending, klass: float, cap: Capacity, alone: bool) -> list[Running]:
         gone = cap.withdrawn  # (reserved or reclaimed since this index was made)
-        single = [
-            n
-            for n in self.nodes.values()
-            if n.node_id not in gone and placement.node_fits_ever(n, call)
-        ]
+        single, found = False, 0
+        best: tuple[tuple[int, int], int, list[Running]] | None = None
+        kind = (call.gpus, call.gpu_model, call.min_memory_mib)
+        fitting = self.fits.get(kind)
+        if fitting is None:
+            fitting = self.fits[kind] = [
+                n for n in self.all_nodes if placement.node_fits_ever(n, call)
+            ]
+        for node in fitting:
+            if node.node_id in gone or node.node_id not in self.nodes:
+                continue
+            single = True  # (a call some node may hold: never a gang)
+            if not self.by_node.get(node.node_id):
+                continue  # nothing to preempt there
+            have = 0
+            if not alone:
+                have = len(cap.free_of(node.node_id)) + self.leaving.get(node.node_id, 0)
+            runs: list[Running] = []
+            taken: Released = {}
+            for run in self._lower(node.node_id, klass):
+                if have >= call.gpus:
+                    break
+                if not self._may(run, taken):
+                    continue
+                runs.append(run)
+                have += _on(run, node.node_id)
+            if have >= call.gpus and runs and (best is None or _cost(runs) < best[0]):
+                best = (_cost(runs), node.node_id, runs)
+            if have >= call.gpus and runs:
+                found += 1
+                if self.look is not None and found >= self.look:
+                    break  # (enough nodes compared)
         if single:
-            best: tuple[tuple[int, int], int, list[Running]] | None = None
-            for node in single:
-                have = 0
-                if not alone:
-                    have = len(cap.free_of(node.node_id)) + self.leaving.get(node.node_id, 0)
-                runs: list[Running] = []
-                taken: Released = {}
-                for run in self._lower(node.node_id, klass):
-                    if have >= call.gpus:
-                        break
-                    if not self._may(run, taken):
-                        continue
-                    runs.append(run)
-                    have += _on(run, node.node_id)
-                if have >= call.gpus and runs and (best is None or _cost(runs) < best[0]):
-                    best = (_cost(runs), node.node_id, runs)
             return [] if best is None else self._take(best[2], [best[1]], cap)
         if alone:
             return []
