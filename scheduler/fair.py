@@ -152,6 +152,8 @@ class _Round:
         #: Reservations a guaranteed call waits on: borrowers may not backfill into them (a
         #: borrower reclaim just sent back would take the room again, and be reclaimed again).
         self.claimed: set[str] = set()
+        #: Calls this round's swaps preempted (a gang's other nodes stay in other indexes).
+        self.swapped_out: set[str] = set()
         #: Kinds of call (group, GPUs, model, memory) that found no room outside reservations.
         self.full: set[tuple[str, int, str | None, int]] = set()
 
@@ -167,16 +169,12 @@ class _Round:
         return self.out
 
     def promises(self) -> None:
-        """Step 0b: the calls the last round preempted their group's calls for start first,
-        on any room; one that does not fit yet keeps its promise (and its nodes, withdrawn
-        from everyone else this round) while calls of its group are still leaving there."""
+        """Step 0b: the calls the last round preempted others for start first, on any room;
+        one that does not fit yet keeps its promise (and its nodes, withdrawn from everyone
+        else this round, reclaim included) while calls are still leaving there."""
         promised = self.snapshot.promised
-        leaving = {
-            (part.node_id, run.group)
-            for run in self.snapshot.running
-            if run.preempting
-            for part in run.parts
-        }
+        leaving = {part.node_id for run in self.snapshot.running if run.preempting
+                   for part in run.parts}  # fmt: skip
         for call in self.snapshot.pending:
             nodes = promised.get(call.id)
             if nodes is None or call.id in self.done:
@@ -187,10 +185,11 @@ class _Round:
                 if parts is not None:
                     self.start(call, parts)
                     continue
-            still = tuple(n for n in nodes if (n, call.group) in leaving)
+            still = tuple(n for n in nodes if n in leaving)
             if still:
                 self.done.add(call.id)
                 self.out.promised[call.id] = still
+                self.reclaimer.reserved.update(still)
                 for node_id in still:
                     self.cap.withdraw(node_id)
 
@@ -243,21 +242,26 @@ class _Round:
         for group, calls in sorted(waiting.items(), key=lambda gc: gc[1][0][0]):
             calls.sort(key=lambda kc: kc[0])  # (stable: fair order inside a class)
 
-            # Whether the call asking now may take other groups' calls (not at its ceiling).
-            others = [True]
+            # The call asking now: whether it may take other groups' calls (it is not at its
+            # ceiling), and its priority (it never takes the place of a higher one).
+            asking: list[float] = [1.0, 0.0]
 
             def may(
-                run: Running, taken: Released, group: str = group, o: list[bool] = others
+                run: Running, taken: Released, group: str = group, a: list[float] = asking
             ) -> bool:
+                if run.priority > a[1] or run.id in self.swapped_out:
+                    return False
                 if run.group == group:
                     return True
-                return o[0] and run.borrowed and book.reclaimable(run, taken)
+                return bool(a[0]) and run.borrowed and book.reclaimable(run, taken)
 
             def count(taken: Released, run: Running, group: str = group) -> None:
                 if run.group != group:
                     book.count_release(taken, run)
 
-            runs = mine.get(group, []) + [r for r in lent if r.group != group]
+            runs = mine.get(group, []) + [
+                r for r in lent if r.group != group and r.id not in self.swapped_out
+            ]
             victims = Victims(
                 self.snapshot.nodes, runs, lambda r: ranks.get(r.id, 0), may, count, 16, fits
             )
@@ -271,19 +275,27 @@ class _Round:
                     continue
                 # At its ceiling, a call may still take the place of its group's own calls
                 # (GPUs for GPUs: the group holds no more than before).
-                others[0] = book.within_ceiling(call)
-                gone = victims.free_for(kept, k, self.cap, alone=not others[0])
+                inside = book.within_ceiling(call)
+                if call.gpus > self.cap.largest_for(call) and (
+                    not inside or book.quota(group).ceiling != math.inf
+                ):
+                    continue  # (a gang takes whole nodes: not past a ceiling, swapped or not)
+                asking[:] = [float(inside), float(call.priority)]
+                gone = victims.free_for(kept, k, self.cap, alone=not inside)
                 if not gone:
                     continue
-                self.swapped(call, kept, gone)
+                self.swapped(call, kept, gone, victims.freed)
 
-    def swapped(self, call: Pending, kept: Pending, gone: list[Running]) -> None:
+    def swapped(
+        self, call: Pending, kept: Pending, gone: list[Running], nodes: list[int]
+    ) -> None:
         """Book a swap: the victims' GPUs leave their groups, the room they free is the
         call's (charged to its group now, so that its ceiling holds this round)."""
         book, group = self.book, call.group
         self.done.add(call.id)
         self.reclaims += 1
-        nodes = sorted({p.node_id for v in gone for p in v.parts})
+        self.swapped_out.update(v.id for v in gone)
+        nodes = sorted(nodes)
         self.out.promised[call.id] = tuple(nodes)
         for run in gone:
             book.add(run.group, run.parts, sign=-1, share=run.share)
@@ -561,8 +573,8 @@ class _Round:
         # ones of the same kind would not start either (only skipped when not explaining).
         blocked: set[tuple[object, ...]] = set()
         order: Iterable[Pending] = itertools.chain(*self.buckets)
-        if self.served:  # (borrowers too go by least attained service)
-            order = sorted(order, key=self.klass)
+        if self.served:  # (borrowers too go by least attained service, within a priority)
+            order = sorted(order, key=lambda c: (-c.priority, self.klass(c)))
         for call in order:
             if call.id in self.done:
                 continue

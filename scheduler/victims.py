@@ -49,6 +49,8 @@ class Victims:
         self.leaving: dict[int, int] = {}
         self.nodes = {n.node_id: n for n in nodes if not n.draining}
         self.all_nodes = list(self.nodes.values())
+        #: The nodes the last choice freed for its call.
+        self.freed: list[int] = []
         #: The nodes that may ever hold a kind of call (GPUs, model, memory): may be shared by
         #: the indexes of one round.
         self.fits = {} if fits is None else fits
@@ -86,13 +88,12 @@ class Victims:
         if call.gpus <= 0 or klass >= self.worst or call.gpus >= self.failed:
             return []
         chosen = self._free_for(call, klass, cap, alone)
-        if not chosen and not alone:
-            self.failed = call.gpus
+        if not chosen and not alone and call.gpu_model is None and not call.min_memory_mib:
+            self.failed = call.gpus  # (a constrained call's failure says nothing of others)
         return chosen
 
     def _free_for(self, call: Pending, klass: float, cap: Capacity, alone: bool) -> list[Running]:
         gone = cap.withdrawn  # (reserved or reclaimed since this index was made)
-        single, found = False, 0
         best: tuple[tuple[int, int], int, list[Running]] | None = None
         kind = (call.gpus, call.gpu_model, call.min_memory_mib)
         fitting = self.fits.get(kind)
@@ -100,10 +101,10 @@ class Victims:
             fitting = self.fits[kind] = [
                 n for n in self.all_nodes if placement.node_fits_ever(n, call)
             ]
+        single, found = bool(fitting), 0  # (a call some node may hold is never a gang)
         for node in fitting:
             if node.node_id in gone or node.node_id not in self.nodes:
                 continue
-            single = True  # (a call some node may hold: never a gang)
             if not self.by_node.get(node.node_id):
                 continue  # nothing to preempt there
             have = 0
@@ -188,6 +189,7 @@ class Victims:
         for node_id in nodes:
             cap.withdraw(node_id)
             self.nodes.pop(node_id)
+        self.freed = nodes
         return runs
 
 

@@ -166,8 +166,12 @@ def _node_row(r: asyncpg.Record, id_column: str = "id") -> NodeRow:
 _HEALTH_LIST = _Stored(wire.GpuHealthReport)
 
 
-#: The GPU-seconds of service the run a statement ends gave its call (``i``): from when it got
-#: its GPUs (``scheduled_at``, as the scheduler's ``start_time``) to now, a share counted as
-#: its part of one GPU.
-ATTAINED = """i.gpus * i.gpu_share * greatest(0, extract(epoch FROM
-    clock_timestamp() - coalesce(i.scheduled_at, clock_timestamp())))"""
+def attained(until: str = "clock_timestamp()") -> str:
+    """SQL: the GPU-seconds of service the run a statement ends gave its call (``i``), from
+    when it got its GPUs (``scheduled_at``, as the scheduler's ``start_time``) to ``until``,
+    a share counted as its part of one GPU."""
+    return f"""i.gpus * i.gpu_share * greatest(0, extract(epoch FROM
+    {until} - coalesce(i.scheduled_at, {until})))"""
+
+
+ATTAINED = attained()

@@ -13,7 +13,6 @@ import msgspec
 from bulletin_core import wire
 from gateway.db._common import (
     _HEALTH_LIST,
-    ATTAINED,
     TOKENS_CHANGED,
     Conn,
     NodeRow,
@@ -22,6 +21,7 @@ from gateway.db._common import (
     _note,
     _notify,
     _preempted_note,
+    attained,
 )
 from gateway.db.accounts import revoke_node_tokens
 
@@ -180,6 +180,9 @@ ORDER BY seq NULLS FIRST
 _ON_NODE = "node_id = $1"
 
 
+_UNTIL_LOST = attained("least(clock_timestamp(), coalesce(i.lease_expires_at, clock_timestamp()))")
+
+
 def _take_back_sql(where: str, order: str, lock: str) -> str:
     """The statement of :func:`_take_back`. Built per caller: which held attempts
     (``where``), in which order (with a literal LIMIT when capped: see ``_queued_sql``), and
@@ -212,7 +215,10 @@ UPDATE invocations i SET
   queued_at = CASE WHEN e.requeue AND (e.preempted OR NOT e.uncounted)
     THEN clock_timestamp() ELSE i.queued_at END,
   node_id = NULL, gpu_indices = '{{}}', lease_expires_at = NULL,
-  borrowed = false, preempt_at = NULL, attained_gpu_s = i.attained_gpu_s + {ATTAINED}
+  borrowed = false, preempt_at = NULL,
+  -- (A run never delivered gave nothing; a lost node's ran until its lease ran out at most.)
+  attained_gpu_s = i.attained_gpu_s + CASE WHEN i.delivered_at IS NULL THEN 0
+    ELSE {_UNTIL_LOST} END
 FROM e
 WHERE i.id = e.id
 RETURNING i.id, i.state, e.preempted, e.uncounted,

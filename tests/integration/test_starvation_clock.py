@@ -119,6 +119,7 @@ def test_a_call_queued_again_keeps_the_service_it_received(database_url: str) ->
             await conn.execute(
                 "UPDATE invocations SET state = 'running', node_id = $2, epoch = 2, "
                 "gpu_indices = '{0,1}', scheduled_at = clock_timestamp() - interval '5 minutes',"
+                " delivered_at = clock_timestamp() - interval '5 minutes',"
                 " lease_expires_at = clock_timestamp() - interval '1 second' WHERE id = $1",
                 call,
                 NODE,
@@ -127,7 +128,20 @@ def test_a_call_queued_again_keeps_the_service_it_received(database_url: str) ->
             assert run.attained_gpu_s == got  # what its earlier runs gave it
             assert await db.expire_leases(conn) == [(str(call), "queued")]
             (pending,) = await db.queued(conn, 16, 100)
-            assert got + 590 < pending.attained_gpu_s < got + 660
+            assert got + 590 < pending.attained_gpu_s < got + 660  # (till its lease ran out)
+            # Handed to a node that never received it, then lost: it ran nothing.
+            got = pending.attained_gpu_s
+            await conn.execute(
+                "UPDATE invocations SET state = 'assigned', node_id = $2, epoch = 3, "
+                "gpu_indices = '{0,1}', scheduled_at = clock_timestamp() - interval '5 minutes',"
+                " delivered_at = NULL, lease_expires_at = clock_timestamp() - interval '1 second'"
+                " WHERE id = $1",
+                call,
+                NODE,
+            )
+            assert await db.expire_leases(conn) == [(str(call), "queued")]
+            (pending,) = await db.queued(conn, 16, 100)
+            assert pending.attained_gpu_s == got
         finally:
             await conn.close()
 

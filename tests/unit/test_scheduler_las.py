@@ -128,3 +128,28 @@ def test_in_a_replay_short_jobs_stop_waiting_behind_long_ones() -> None:
     fifo_like = queue(Fair(las_thresholds=(), starve_after_s=None))
     las = queue(Fair(las_thresholds=(3_600.0, 36_000.0), min_run_s=600.0, starve_after_s=None))
     assert las < fifo_like / 3, (las, fifo_like)
+
+
+def test_a_call_never_takes_the_place_of_a_call_of_higher_priority() -> None:
+    # ("nice" calls, below 0, go after others: they may not preempt them either.)
+    running = [run("urgent", (0, 1, 2, 3), priority=1000)]
+    assert not preempted(LAS.plan(snap(running, [call("nice", 2, priority=-1000)])))
+    assert preempted(LAS.plan(snap(running, [call("admin", 2, priority=1000)]))) == {"urgent"}
+
+
+def test_a_promise_holds_while_another_group_s_call_leaves_and_reclaim_keeps_off() -> None:
+    # Round 1 swapped out h's borrowed call for "new"; it is still within its grace. Round 2
+    # neither preempts more for "new" nor lets reclaim count the leaving GPUs for group k's
+    # call within its guarantee.
+    quotas = {"g": Quota(0), "h": Quota(0), "k": Quota(4)}
+    running = [run("leaving", (0, 1), "h", borrowed=True, preempting=True),
+               run("mine", (2, 3), "g", attained=0.0),
+               Running("other", 1, (0, 1, 2, 3), "ann", "h", start_time=NOW - 3_600,
+                       borrowed=True)]  # fmt: skip
+    snapshot = Snapshot([node([]), node([], 1)], [call("new", 2), call("nominal", 2, "k")],
+                        running, quotas, now=NOW, promised={"new": (0,)})  # fmt: skip
+    out = LAS.plan(snapshot)
+    assert out.promised == {"new": (0,)}
+    assert not any("least attained" in p.reason for p in out.preemptions)
+    # Reclaim for k's call preempts h's other call rather than count on the promised room.
+    assert preempted(out) == {"other"}
