@@ -94,7 +94,7 @@ class Fair:
     service, cut the average wait of multi-node calls from 32,420 s to 5,077 s (FIFO:
     9,096 s) and of 8-GPU calls from 5,005 s to 3,862 s (FIFO: 7,734 s). With least
     attained service an hour's bound undid its gains (2,923 s average queueing against
-    1,133 s with 12 hours, the default; docs/benchmarks.md). ``las_thresholds`` (GPU-seconds,
+    1,130 s with 12 hours, the default; docs/benchmarks.md). ``las_thresholds`` (GPU-seconds,
     ascending; () turns least attained service off) and ``min_run_s`` shape step 3."""
 
     default_quota: Quota = DEFAULT_QUOTA
