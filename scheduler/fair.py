@@ -49,6 +49,7 @@ GPU model (:mod:`scheduler.quotas`) keep each call to the models its group may s
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Iterable
@@ -108,7 +109,6 @@ class Fair:
     las_thresholds: tuple[float, ...] = DEFAULT_LAS_THRESHOLDS
     #: A call runs at least this long before the LAS step may preempt it.
     min_run_s: float = 0.0
-    #: Experiment knobs (to be settled).
 
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan:
         return _Round(self, snapshot, why).run()
@@ -193,6 +193,10 @@ class _Round:
                 for node_id in still:
                     self.cap.withdraw(node_id)
 
+    @functools.cached_property
+    def by_id(self) -> dict[int, NodeCapacity]:
+        return {n.node_id: n for n in self.snapshot.nodes}
+
     def klass(self, call: Pending) -> int:
         return bisect.bisect_right(self.policy.las_thresholds, call.attained_gpu_s)
 
@@ -229,7 +233,7 @@ class _Round:
                 continue
             if not run.preempting:
                 ran = now - run.start_time
-                got = run.attained_gpu_s + run.gpus * ran
+                got = run.attained_gpu_s + run.gpus * ran  # (run.attained, inlined: hot)
                 if got < bar or ran < min_run or protected(run, after):
                     continue
                 ranks[run.id] = bisect.bisect_right(thresholds, got)
@@ -299,19 +303,8 @@ class _Round:
         self.out.promised[call.id] = tuple(nodes)
         for run in gone:
             book.add(run.group, run.parts, sign=-1, share=run.share)
-        if len(nodes) > 1 or call.gpus > self.cap.largest_for(call):
-            held = {n.node_id: n for n in self.snapshot.nodes}
-            parts = tuple(
-                Part(n, tuple(g.index for g in held[n].gpus) or tuple(range(held[n].size)))
-                for n in nodes
-            )
-        else:
-            on = nodes[0]
-            freed = sorted(
-                i for v in gone for p in v.parts if p.node_id == on for i in p.gpu_indices
-            )
-            parts = (Part(on, tuple(freed[: call.gpus])),)
-        book.add(group, parts, share=kept.share)
+        whole = call.gpus > self.cap.largest_for(call)
+        book.add(group, self.promised(kept, nodes, whole), share=kept.share)
         reason = (
             f"preempted for call {call.id} of group {group}, which received less service "
             f"(least attained service first)"
@@ -509,7 +502,8 @@ class _Round:
             self.stuck.add(shape)
             return False
         self.reclaims += bool(found.victims)
-        book.add(group, self.promised(kept, found), share=kept.share)  # that is spoken for
+        room = self.promised(kept, found.node_ids, found.gpus != kept.gpus)
+        book.add(group, room, share=kept.share)  # that is spoken for
         reason = (
             f"reclaimed for group {group} (within its guarantee of "
             f"{book.quota(group).guaranteed} GPUs) by call {call.id}"
@@ -518,14 +512,15 @@ class _Round:
         note(self.why, call, self.pos.get(call.id, 0), _reclaiming, found)
         return True
 
-    def promised(self, call: Pending, found: Reclaim) -> tuple[Part, ...]:
-        """The GPUs reclaim set aside for ``call``: whole nodes for a gang, else as many of the
-        node's GPUs it may use as it asks for (which ones is settled when it starts; they
-        count against its group, and against the quota of their model)."""
-        nodes = self.reclaimer.nodes
-        if found.gpus != call.gpus or len(found.node_ids) > 1:
-            return tuple(Part(i, tuple(g.index for g in nodes[i].gpus)) for i in found.node_ids)
-        node = nodes[found.node_ids[0]]
+    def promised(self, call: Pending, node_ids: list[int], whole: bool) -> tuple[Part, ...]:
+        """The GPUs reclaim or a swap set aside for ``call`` on ``node_ids``: the ``whole``
+        nodes for a gang, else as many of the node's GPUs it may use as it asks for (which
+        ones is settled when it starts; they count against its group, and against the quota
+        of their model)."""
+        nodes = self.by_id
+        if whole or len(node_ids) > 1:
+            return tuple(Part(i, tuple(g.index for g in nodes[i].gpus)) for i in node_ids)
+        node = nodes[node_ids[0]]
         mine = [g.index for g in node.gpus if placement.gpu_ok(g, call)][: call.gpus]
         return (Part(node.node_id, tuple(mine) if mine else tuple(range(call.gpus))),)
 
