@@ -55,6 +55,13 @@ def test_a_user_request_with_an_unknown_field_gets_422_naming_it(gateway: Cluste
     detail = assert_unknown(user.post("/v1/invocations", json={"calls": [call]}), "$.calls[0].gpuz")
     assert "unknown field `gpuz`" in detail
     assert user.get("/v1/invocations").json() == []  # nothing was submitted
+    # Abuse: the service a call received (least attained service ranks calls by it) and
+    # the scheduler's promises are the gateway's to keep; a submission cannot set them.
+    for forged in ("attained_gpu_s", "promised", "queued_at"):
+        call = {"payload": b64(b"call"), forged: 0}
+        r = user.post("/v1/invocations", json={"calls": [call]})
+        assert_unknown(r, f"$.calls[0].{forged}")
+    assert user.get("/v1/invocations").json() == []
     # At the top, and in the other user messages.
     submit = {"calls": [{"payload": ""}], "dry_run": True}
     assert_unknown(user.post("/v1/invocations", json=submit), "$.dry_run")
