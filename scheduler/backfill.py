@@ -46,19 +46,31 @@ class Reservation:
         end = now + call.expected_s
         return end <= self.start and end < math.inf
 
+    def refuses(
+        self, call: Pending, cap: Capacity, now: float, expected_s: float | None = None
+    ) -> bool:
+        """Whether :meth:`admit` is sure to refuse the call (it would then change nothing);
+        ``expected_s``: judge it as if it were expected to run that long."""
+        n = call.gpus
+        if call.share != 1.0 or n == 0:
+            return True  # parts of a GPU and CPU calls stay off reserved nodes
+        if expected_s is not None:
+            before = now + expected_s <= self.start and now + expected_s < math.inf
+        else:
+            before = self.ends_before(call, now)
+        if (n, call.gpu_model, call.min_memory_mib, before) in self.refused:
+            return True
+        return n > cap.largest_for(call)  # (gangs stay off reserved nodes)
+
     def admit(self, call: Pending, cap: Capacity, now: float) -> Choice | None:
         """Backfill ``call`` onto a reserved node if that cannot delay the reservation: one
         that ends before it starts on any free GPU of a reserved node, another only on its
         spare GPUs (so if a call that ends before it finds no room, none of its kind does)."""
+        if self.refuses(call, cap, now):
+            return None  # (a long backlog is scanned at the cost of a set lookup per call)
         n = call.gpus
-        if call.share != 1.0:
-            return None  # a share of a GPU stays off reserved nodes
         before = self.ends_before(call, now)
         kind = (n, call.gpu_model, call.min_memory_mib, before)
-        if kind in self.refused:
-            return None  # (a long backlog is scanned at the cost of a set lookup per call)
-        if n == 0 or n > cap.largest_for(call):
-            return None  # CPU calls never touch reservations; gangs stay off reserved nodes
         for node_id, spare in self.spare.items():
             state = cap.states.get(node_id)
             if state is None or len(state.free) < n or (not before and n > spare):

@@ -272,6 +272,20 @@ class Capacity:
     def _live(self) -> Iterable[NodeState]:
         return (s for s in self.states.values() if not s.withdrawn)
 
+    def hopeless(self, call: Pending) -> bool:
+        """Whether :meth:`place` is sure to find no room for the call, by what has failed
+        this round already (it would then change nothing): room only shrinks in a round."""
+        n = call.gpus
+        if call.share != 1.0:
+            kind = (None if self.across else call.user, call.gpu_model, call.min_memory_mib)
+            return call.share >= self._share_failed.get(kind, math.inf)
+        if n == 0:
+            return not self.cpu
+        if n > self.free_gpus:
+            return True
+        whole = n > (self.largest if plain_call(call) else self.largest_for(call))
+        return n >= self._failed.get((call.gpu_model, call.min_memory_mib, whole), n + 1)
+
     # ------------------------------------------------------------------ placement
 
     def place(self, call: Pending, limit: float = math.inf) -> tuple[Part, ...] | None:

@@ -5,18 +5,24 @@ Each goes where :mod:`scheduler.placement` ranks best. The first
 call that does not fit gets a reservation (:mod:`scheduler.backfill`); later calls still start
 if they fit outside it or cannot delay it. Quotas are not consulted. With no running calls
 known (no ends to plan by) nothing can be reserved and every call that fits starts.
+
+A round passes over calls that can do nothing, a kind at a time (:meth:`Queue.walk
+<scheduler.queue.Queue.walk>`): once a call found no room and could not backfill, later calls
+of its kind (as many GPUs or more of its model) are not looked at one by one. Explaining a
+round (``why``) and ``max_backfill`` look at every call in turn; what starts is the same.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
 from scheduler.backfill import Release, Reservation, releases, reserve
 from scheduler.capacity import Capacity
 from scheduler.model import Decision, Part, Pending, Plan, Snapshot
+from scheduler.queue import Queue
 from scheduler.reasons import Why, note, rest, shortfall, starting
 
 
@@ -32,24 +38,42 @@ class Fifo:
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan:
         cap = Capacity(snapshot.nodes, snapshot.share_across_users)
         out = Plan()
-        order = queue_order(snapshot.pending)
         if cap.exhausted():  # nothing to place, nothing worth reserving
-            rest(why, order, 1, "no free GPU; {ahead}")
+            if why is not None:
+                rest(why, queue_order(snapshot.pending), 1, "no free GPU; {ahead}")
             return out
+        pending = snapshot.pending
+        queue = pending if isinstance(pending, Queue) else Queue.of(pending)
         now = snapshot.now
         held: Reservation | None = None
         placed: list[tuple[tuple[Part, ...], float]] = []
         unreservable: set[tuple[int, str | None, int]] = set()
         rel: tuple[int, dict[int, list[Release]]] | None = None  # (len(placed), releases)
+
+        def dead(call: Pending, expected_s: float | None = None) -> bool:
+            """Whether nothing can be done for the call this round (nor, with ``expected_s``,
+            for any call of its kind expected to run that long or longer)."""
+            if not cap.hopeless(call):
+                return False
+            if held is None:
+                return (call.gpus, call.gpu_model, call.min_memory_mib) in unreservable
+            return held.refuses(call, cap, now, expected_s)
+
+        # Explaining, or bounding the calls examined: every call in turn. Else calls the
+        # round can do nothing for are passed over, a kind of call at a time where it can.
+        if why is not None or self.max_backfill is not None:
+            calls: Iterable[tuple[int, Pending]] = enumerate(queue, 1)
+        else:
+            calls = ((0, call) for call in queue.walk(dead, dead))
         examined = 0
-        for pos, call in enumerate(order, 1):
+        for pos, call in calls:
             if cap.exhausted() and (held is None or not held.open(cap)):
-                rest(why, order, pos, "no free GPU; {ahead}")
+                rest(why, queue, pos, "no free GPU; {ahead}")
                 break
             if held is not None:
                 examined += 1
                 if self.max_backfill is not None and examined > self.max_backfill:
-                    rest(why, order, pos, "{ahead} (past the backfill depth)")
+                    rest(why, queue, pos, "{ahead} (past the backfill depth)")
                     break
             parts = cap.place(call)
             if parts is None and held is not None:

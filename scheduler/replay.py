@@ -68,6 +68,7 @@ from scheduler.model import (
     Snapshot,
 )
 from scheduler.policies import Policy
+from scheduler.queue import Queue
 from scheduler.traces import Job
 
 FINISH, STOP, DOWN, UP = 0, 1, 2, 3
@@ -165,7 +166,8 @@ class Simulator:
         #: Shared GPUs with room left (node, GPU), and jobs asking for a share pending.
         self.open_shares: set[tuple[int, int]] = set()
         self.pending_shares = 0
-        self.pending: dict[int, Pending] = {}  # by job index
+        #: Pending jobs in queue order (a requeued call keeps its place, as it does live).
+        self.pending = Queue()
         self.running: dict[str, Running] = {}
         self.remaining = [j.duration for j in self.jobs]
         #: GPU-seconds each job received in its runs before the current one.
@@ -175,9 +177,6 @@ class Simulator:
         self.interrupted = [0] * len(self.jobs)
         self.outages = [0] * len(self.nodes)  # outages under way, per node
         self.node_failures = 0
-        #: A job queued again since the last round: the queue is put back in submission
-        #: order (a requeued call keeps its place, as it does live).
-        self.requeued = False
         #: The calls the last round's plan reserved for (the next round's Snapshot.reserved).
         self.reserved: AbstractSet[str] = frozenset()
         self.promised: Mapping[str, tuple[int, ...]] = {}
@@ -311,7 +310,7 @@ class Simulator:
         )
 
     def add_pending(self, i: int, call: Pending) -> None:
-        self.pending[i] = call
+        self.pending.add(call, i)
         self.pending_shares += call.share != 1.0
 
     def never_fits(self, call: Pending) -> str | None:
@@ -363,7 +362,6 @@ class Simulator:
         self.remaining[i] -= now - run.start_time
         self.remaining[i] += self.preemption_cost_s
         self.attained[i] = run.attained(now)
-        self.requeued = True
         self.add_pending(i, self.call(i, self.remaining[i], queued_time=now))
 
     def release(self, i: int, now: float) -> Running:
@@ -409,10 +407,7 @@ class Simulator:
 
     def plan(self, now: float) -> Plan:
         self.plans += 1
-        if self.requeued:
-            self.pending = dict(sorted(self.pending.items()))  # keys are unique: ints compared
-            self.requeued = False
-        pending = list(self.pending.values())
+        pending: Sequence[Pending] = self.pending
         if self.look_ahead is not None:
             pending = lookahead.shown(pending, self.nodes, self.look_ahead)
         snapshot = Snapshot(
@@ -434,7 +429,7 @@ class Simulator:
 
     def apply(self, plan: Plan, now: float) -> None:
         for d in plan:
-            call = self.pending.pop(int(d.invocation_id))
+            call = self.pending.pop(d.invocation_id)
             self.pending_shares -= call.share != 1.0
             i = int(call.id)
             holders: dict[str, Running] = {}

@@ -1,0 +1,152 @@
+"""The pending calls in queue order, indexed by kind of call, kept up to date as calls come
+and go.
+
+A round that scans a long backlog for calls to backfill looks at most of them only to learn
+again what it learnt from the first of their kind: that a call of that many GPUs of that model
+fits nowhere. :class:`Queue` keeps, beside the queue order, one list per kind of call (GPUs,
+model, memory, share), also in queue order, so that a round can pass over a kind at once
+(:meth:`Queue.walk`). The replay keeps one Queue for the whole trace and updates it as jobs
+arrive, start and are requeued; a live round builds one from the calls it read
+(:meth:`Queue.of`), in the order it read them. Either way a policy sees a
+``Sequence[Pending]`` in queue order: higher priority first, then by sequence number.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import overload
+
+from scheduler.model import Pending
+
+#: A call's place in the queue: (-priority, sequence number).
+Key = tuple[int, int]
+#: Calls a round treats alike: GPUs, model, memory, share (and user, for a share: shares are
+#: packed per user).
+Kind = tuple[int, str | None, int, float, str]
+
+
+def kind(call: Pending) -> Kind:
+    user = call.user if call.share != 1.0 else ""
+    return (call.gpus, call.gpu_model, call.min_memory_mib, call.share, user)
+
+
+class _Run:
+    """One kind's calls in queue order, and their expected durations sorted (the shortest
+    says at once whether any of them may backfill before a reservation)."""
+
+    __slots__ = ("calls", "expected", "keys")
+
+    def __init__(self) -> None:
+        self.keys: list[Key] = []
+        self.calls: list[Pending] = []
+        self.expected: list[float] = []
+
+    def add(self, key: Key, call: Pending) -> None:
+        i = bisect.bisect_left(self.keys, key)
+        self.keys.insert(i, key)
+        self.calls.insert(i, call)
+        bisect.insort(self.expected, _expected(call))
+
+    def remove(self, key: Key, call: Pending) -> None:
+        i = bisect.bisect_left(self.keys, key)
+        del self.keys[i], self.calls[i]
+        del self.expected[bisect.bisect_left(self.expected, _expected(call))]
+
+
+def _expected(call: Pending) -> float:
+    return float("inf") if call.expected_s is None else call.expected_s
+
+
+class Queue(Sequence[Pending]):
+    """Pending calls in queue order (higher priority first, then by sequence number), with a
+    list per :func:`kind` of call. Ids are unique; a call is added with its sequence number
+    (the replay: its job's index; live: its place in the order read)."""
+
+    def __init__(self) -> None:
+        self._keys: list[Key] = []
+        self._calls: list[Pending] = []
+        self._by_id: dict[str, Key] = {}
+        self._runs: dict[Kind, _Run] = {}
+
+    @classmethod
+    def of(cls, calls: Iterable[Pending]) -> Queue:
+        """A queue of ``calls`` in the order given (calls of higher priority are moved ahead
+        of lower ones; the order is kept otherwise)."""
+        queue = cls()
+        for seq, call in enumerate(calls):
+            queue.add(call, seq)
+        return queue
+
+    def add(self, call: Pending, seq: int) -> None:
+        if call.id in self._by_id:
+            raise ValueError(f"call {call.id} is queued already")
+        key = (-call.priority, seq)
+        i = bisect.bisect_left(self._keys, key)
+        self._keys.insert(i, key)
+        self._calls.insert(i, call)
+        self._by_id[call.id] = key
+        run = self._runs.get(kind(call))
+        if run is None:
+            run = self._runs[kind(call)] = _Run()
+        run.add(key, call)
+
+    def pop(self, call_id: str) -> Pending:
+        """Take the call out of the queue (KeyError if it is not in it)."""
+        key = self._by_id.pop(call_id)
+        i = bisect.bisect_left(self._keys, key)
+        call = self._calls[i]
+        del self._keys[i], self._calls[i]
+        k = kind(call)
+        run = self._runs[k]
+        run.remove(key, call)
+        if not run.keys:
+            del self._runs[k]
+        return call
+
+    def __contains__(self, call: object) -> bool:
+        return isinstance(call, Pending) and self._by_id.get(call.id) is not None
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def __iter__(self) -> Iterator[Pending]:
+        return iter(self._calls)
+
+    @overload
+    def __getitem__(self, index: int) -> Pending: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Pending]: ...
+    def __getitem__(self, index: int | slice) -> Pending | Sequence[Pending]:
+        return self._calls[index]
+
+    def walk(
+        self, dead: Callable[[Pending], bool], dead_kind: Callable[[Pending, float], bool]
+    ) -> Iterator[Pending]:
+        """The calls in queue order, less calls ``dead`` says nothing can be done for. A
+        kind's calls are passed over together once ``dead_kind(call, shortest)`` says so for
+        one of them (``shortest``: the least expected duration among that kind's calls).
+        Both are asked again before each call is yielded, so the caller may change what
+        they say as it goes; what they say of a call may only ever turn from alive to dead."""
+        heap = [(run.keys[0], 0, k) for k, run in self._runs.items()]
+        heapq.heapify(heap)
+        runs = self._runs
+        while heap:
+            _, i, k = heap[0]
+            run = runs[k]
+            calls = run.calls
+            if dead_kind(calls[i], run.expected[0]):
+                heapq.heappop(heap)  # (the whole kind: none of its calls can be done)
+                continue
+            alive = not dead(calls[i])
+            j = i + 1
+            if not alive:
+                while j < len(calls) and dead(calls[j]):
+                    j += 1
+            if j < len(calls):
+                heapq.heapreplace(heap, (run.keys[j], j, k))
+            else:
+                heapq.heappop(heap)
+            if alive:  # (else the call of kind k found is put back in its turn, above)
+                yield calls[i]

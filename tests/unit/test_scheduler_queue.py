@@ -1,0 +1,103 @@
+"""The pending queue kept in order and by kind of call (scheduler.queue), and FIFO's pass over
+a long backlog that skips what cannot start (it must start exactly what a full scan does)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler import Pending, Snapshot
+from scheduler.fifo import Fifo
+from scheduler.queue import Queue, kind
+from tests.unit.test_scheduler_invariants import snapshots
+
+
+def call(i: int, gpus: int = 1, priority: int = 0, expected: float | None = None) -> Pending:
+    return Pending(str(i), gpus, priority=priority, expected_s=expected)
+
+
+def test_calls_are_kept_by_priority_then_sequence_and_a_requeued_call_keeps_its_place() -> None:
+    queue = Queue()
+    for i in (0, 1, 3):
+        queue.add(call(i), i)
+    queue.add(call(9, priority=1), 9)
+    assert [c.id for c in queue] == ["9", "0", "1", "3"]
+    queue.add(call(2), 2)  # (back after a preemption: its old place, not the end)
+    assert [c.id for c in queue] == ["9", "0", "1", "2", "3"]
+    assert queue.pop("1").id == "1" and len(queue) == 4 and queue[1].id == "0"
+    assert call(1) not in queue and call(2) in queue
+
+
+def test_a_call_is_queued_once() -> None:
+    queue = Queue.of([call(0)])
+    with pytest.raises(ValueError, match="queued already"):
+        queue.add(call(0), 5)
+    with pytest.raises(KeyError):
+        queue.pop("7")
+
+
+def test_a_walk_passes_over_dead_calls_and_whole_kinds() -> None:
+    queue = Queue.of([call(0, 8), call(1, 1, expected=50), call(2, 8), call(3, 2), call(4, 1)])
+    seen = [c.id for c in queue.walk(lambda c: c.id == "4", lambda c, _: c.gpus == 8)]
+    assert seen == ["1", "3"]
+    # A kind is judged by its shortest call: "no 1-GPU call shorter than 60 s can go".
+    quick = list(queue.walk(lambda c: False, lambda c, shortest: shortest >= 60))
+    assert [c.id for c in quick] == ["1", "4"]  # (the 1-GPU kind lives: call 1 is short)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2), st.sampled_from([1, 2, 8]),
+                          st.booleans()), max_size=60))  # fmt: skip
+def test_a_queue_agrees_with_sorting_after_any_adds_and_pops(
+    steps: list[tuple[int, int, int, bool]],
+) -> None:
+    queue, model = Queue(), {}
+    for seq, priority, gpus, take in steps:
+        c = call(seq, gpus, priority, expected=float(seq % 7))
+        if take and str(seq) in model:
+            assert queue.pop(str(seq)) == model.pop(str(seq))
+        elif str(seq) not in model:
+            queue.add(c, seq)
+            model[str(seq)] = c
+        ordered = sorted(model.values(), key=lambda c: (-c.priority, int(c.id)))
+        assert list(queue) == ordered
+        # Each kind's run holds that kind's calls in queue order, and its durations sorted.
+        runs = queue._runs
+        assert set(runs) == {kind(c) for c in ordered}
+        for k, run in runs.items():
+            assert run.calls == [c for c in ordered if kind(c) == k]
+            assert run.expected == sorted(c.expected_s or 0.0 for c in run.calls)
+
+
+@st.composite
+def backlogs(draw: st.DrawFn) -> Snapshot:
+    """A snapshot with a long queue of few kinds of call (and a few priorities): most of it
+    fits nowhere, as in a replay of an overloaded cluster."""
+    snap = draw(snapshots(shares=False))
+    extra = []
+    for j in range(draw(st.integers(0, 120))):
+        extra.append(Pending(
+            f"q{j}", draw(st.sampled_from([1, 1, 2, 4, 8, 16])), "ann", "a",
+            priority=draw(st.sampled_from([0, 0, 0, 1])),
+            gpu_model=draw(st.sampled_from([None, None, "H100"])),
+            expected_s=draw(st.none() | st.floats(1, 200)),
+        ))  # fmt: skip
+    pending = [*snap.pending, *extra]
+    order = draw(st.permutations(range(len(pending))))
+    return dataclasses.replace(snap, pending=[pending[i] for i in order])
+
+
+@settings(max_examples=400, deadline=None)
+@given(backlogs())
+def test_fifo_passing_over_a_backlog_starts_what_a_full_scan_starts(snap: Snapshot) -> None:
+    quick = Fifo().plan(snap)
+    queued = Fifo().plan(dataclasses.replace(snap, pending=Queue.of(snap.pending)))
+    full = Fifo().plan(snap, why={})  # (explaining: every call in turn)
+    for other in (queued, full):
+        assert [(d.invocation_id, d.parts) for d in quick] == [
+            (d.invocation_id, d.parts) for d in other
+        ]
+        assert quick.reserved == other.reserved
