@@ -124,6 +124,11 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         fair: a call runs at least this many seconds before least attained service may
         preempt it.
     """)] = 0.0
+    fair_shelter_whole_nodes: Annotated[bool, doc("""
+        fair: a call on whole nodes gives way to smaller calls under least attained service
+        once at most; sent back to the queue, only calls on whole nodes may take its place
+        (docs/scheduling.md). Off: as often as smaller calls with less service ask.
+    """)] = True
     share_gpus_across_users: Annotated[bool, doc("""
         Calls asking for part of a GPU (gpus=0.25) may share one with other users' calls. Off:
         a GPU is shared only among one user's calls, since its sharers are not isolated from
@@ -204,6 +209,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
                 starve_after_s=self.fair_starve_after_s or None,
                 las_thresholds=DEFAULT_LAS_THRESHOLDS if self.fair_least_attained else (),
                 min_run_s=self.fair_min_run_s,
+                shelter_whole_nodes=self.fair_shelter_whole_nodes,
             )
         return policies.get(self.scheduler_policy)
 

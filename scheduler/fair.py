@@ -34,7 +34,11 @@ Each round takes the pending calls in fair-share order
    first inside each user's calls and among borrowers, and a call still waiting may take the
    place of running calls of a strictly higher class that have run ``min_run_s``: its own
    group's, or other groups' borrowed ones while those hold more than their guarantee. The
-   room is promised to it (``Plan.promised``): the next round places it first (step 0b).
+   room is promised to it (``Plan.promised``): the next round places it first (step 0b). A
+   call on whole nodes gives way to smaller calls once at most (``shelter_whole_nodes``):
+   after it was sent back to the queue, only calls on whole nodes may take its place, for
+   each time it goes back it waits for whole nodes again (without the shelter, 8-GPU calls
+   on the Philly trace waited longer than under FIFO).
 
 How long a call has waited counts from when it last entered the queue
 (:attr:`~scheduler.model.Pending.waiting_since`): a call preempted or requeued starts a new
@@ -109,6 +113,9 @@ class Fair:
     las_thresholds: tuple[float, ...] = DEFAULT_LAS_THRESHOLDS
     #: A call runs at least this long before the LAS step may preempt it.
     min_run_s: float = 0.0
+    #: A call on whole nodes that was sent back to the queue before (preempted, or its node
+    #: lost) gives way under least attained service only to calls on whole nodes too.
+    shelter_whole_nodes: bool = True
 
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan:
         return _Round(self, snapshot, why).run()
@@ -206,8 +213,10 @@ class _Round:
         by ``las_thresholds``) that have run ``min_run_s`` at least and did not start after
         waiting past the starvation bound: calls of its own group (the group holds what it
         held), and borrowed calls of other groups while those hold more than their guarantee
-        (as reclaim). Lower classes ask first, each group's calls in fair order; the room is
-        promised to the call (:attr:`Plan.promised`) and withdrawn from this round."""
+        (as reclaim); with ``shelter_whole_nodes``, not a call on whole nodes that ran
+        before, unless the asking call needs whole nodes too. Lower classes ask first, each
+        group's calls in fair order; the room is promised to the call
+        (:attr:`Plan.promised`) and withdrawn from this round."""
         policy, now, book = self.policy, self.snapshot.now, self.book
         thresholds, after, min_run = policy.las_thresholds, policy.starve_after_s, policy.min_run_s
         limit = policy.max_reclaims  # (swaps share reclaim's bound per round)
@@ -226,6 +235,8 @@ class _Round:
         bar = thresholds[least]  # (a run of a higher class received this much at least)
         chosen = self.reclaimer.chosen
         ranks: dict[str, int] = {}
+        #: Runs on whole nodes that ran before: only calls on whole nodes may take them.
+        sheltered: set[str] = set()
         mine: dict[str, list[Running]] = {}  # per group: its calls that may give way
         lent: list[Running] = []  # borrowed calls of groups above their guarantee
         for run in self.snapshot.running:
@@ -237,6 +248,8 @@ class _Round:
                 if got < bar or ran < min_run or protected(run, after):
                     continue
                 ranks[run.id] = bisect.bisect_right(thresholds, got)
+                if policy.shelter_whole_nodes and run.attained_gpu_s > 0 and self.whole(run):
+                    sheltered.add(run.id)
                 if run.borrowed and book.borrowing(run.group):
                     lent.append(run)
             mine.setdefault(run.group, []).append(run)  # (its own stopping: GPUs coming back)
@@ -247,13 +260,16 @@ class _Round:
             calls.sort(key=lambda kc: kc[0])  # (stable: fair order inside a class)
 
             # The call asking now: whether it may take other groups' calls (it is not at its
-            # ceiling), and its priority (it never takes the place of a higher one).
-            asking: list[float] = [1.0, 0.0]
+            # ceiling), its priority (it never takes the place of a higher one), and whether
+            # it needs whole nodes (it may take sheltered runs).
+            asking: list[float] = [1.0, 0.0, 0.0]
 
             def may(
                 run: Running, taken: Released, group: str = group, a: list[float] = asking
             ) -> bool:
                 if run.priority > a[1] or run.id in self.swapped_out:
+                    return False
+                if run.id in sheltered and not a[2]:
                     return False
                 if run.group == group:
                     return True
@@ -284,11 +300,22 @@ class _Round:
                     not inside or book.quota(group).ceiling != math.inf
                 ):
                     continue  # (a gang takes whole nodes: not past a ceiling, swapped or not)
-                asking[:] = [float(inside), float(call.priority)]
+                whole = call.gpus >= self.cap.largest_for(call)
+                asking[:] = [float(inside), float(call.priority), float(whole)]
                 gone = victims.free_for(kept, k, self.cap, alone=not inside)
                 if not gone:
                     continue
                 self.swapped(call, kept, gone, victims.freed)
+
+    def whole(self, run: Running) -> bool:
+        """Whether the run holds every GPU of each of its nodes (of those whose inventory
+        the round knows)."""
+        nodes = self.by_id
+        for part in run.parts:
+            node = nodes.get(part.node_id)
+            if node is None or not node.gpus or len(part.gpu_indices) < len(node.gpus):
+                return False
+        return True
 
     def swapped(
         self, call: Pending, kept: Pending, gone: list[Running], nodes: list[int]

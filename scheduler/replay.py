@@ -501,6 +501,8 @@ class Options:
     #: a job runs before it may preempt it (None: the policy's default).
     least_attained: bool = True
     min_run_s: float | None = None
+    #: The fair policy's shelter for calls on whole nodes (see scheduler.fair, step 3).
+    shelter_whole_nodes: bool = True
 
 
 def policy_names() -> list[str]:
@@ -541,6 +543,8 @@ def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
         settings["las_thresholds"] = ()
     if options.min_run_s is not None:
         settings["min_run_s"] = options.min_run_s
+    if not options.shelter_whole_nodes:
+        settings["shelter_whole_nodes"] = False
     sim = Simulator(
         jobs,
         get_policy(options.policy, **settings),
@@ -638,6 +642,13 @@ def parser() -> argparse.ArgumentParser:
         help="fair: the least a job runs before least attained service may preempt it "
         "(default 0)",
     )
+    p.add_argument(
+        "--no-whole-node-shelter",
+        dest="shelter_whole_nodes",
+        action="store_false",
+        help="fair: a job on whole nodes gives way to smaller jobs under least attained "
+        "service as often as they ask (default: once at most)",
+    )
     return p
 
 
@@ -660,6 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("--starve-after-s", args.starve_after_s is not None),
             ("--no-least-attained", not args.least_attained),
             ("--min-run-s", args.min_run_s is not None),
+            ("--no-whole-node-shelter", not args.shelter_whole_nodes),
         )
         if given
     ]
@@ -695,6 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.share_across_users,
         args.least_attained,
         args.min_run_s,
+        args.shelter_whole_nodes,
     )
     try:
         metrics = replay(args.trace, options)

@@ -57,6 +57,12 @@ def test_the_fair_starvation_guard_reaches_the_policy() -> None:
     assert off.starve_after_s is None  # type: ignore[attr-defined]
 
 
+def test_the_whole_node_shelter_reaches_the_policy() -> None:
+    assert GatewayConfig(database_url=URL).policy().shelter_whole_nodes  # type: ignore[attr-defined]
+    bare = GatewayConfig(database_url=URL, fair_shelter_whole_nodes=False).policy()
+    assert bare.shelter_whole_nodes is False  # type: ignore[attr-defined]
+
+
 def test_request_handling_defaults() -> None:
     config = GatewayConfig(database_url=URL)
     assert (config.rate_limit_per_s, config.rate_limit_burst) == (500.0, 1000)

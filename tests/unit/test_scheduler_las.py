@@ -132,7 +132,7 @@ def test_in_a_replay_short_jobs_stop_waiting_behind_long_ones() -> None:
 
 def test_a_call_never_takes_the_place_of_a_call_of_higher_priority() -> None:
     # ("nice" calls, below 0, go after others: they may not preempt them either.)
-    running = [run("urgent", (0, 1, 2, 3), priority=1000)]
+    running = [run("urgent", (0, 1, 2, 3), attained=0.0, priority=1000)]  # (never sheltered)
     assert not preempted(LAS.plan(snap(running, [call("nice", 2, priority=-1000)])))
     assert preempted(LAS.plan(snap(running, [call("admin", 2, priority=1000)]))) == {"urgent"}
 
@@ -153,3 +153,20 @@ def test_a_promise_holds_while_another_group_s_call_leaves_and_reclaim_keeps_off
     assert not any("least attained" in p.reason for p in out.preemptions)
     # Reclaim for k's call preempts h's other call rather than count on the promised room.
     assert preempted(out) == {"other"}
+
+
+def test_a_call_on_whole_nodes_gives_way_to_smaller_calls_once_at_most() -> None:
+    # "whole" holds all four GPUs of node 0 and received more service than "new" (1 GPU):
+    # 14,400 GPU-s in its first run.
+    once = run("whole", (0, 1, 2, 3), attained=0.0)
+    assert preempted(LAS.plan(snap([once], [call("new")]))) == {"whole"}
+    # Sent back to the queue once already (service before this run): sheltered from it...
+    again = run("whole", (0, 1, 2, 3), attained=50_000.0)
+    assert not preempted(LAS.plan(snap([again], [call("new")])))
+    # ...but not from a call that needs whole nodes too, nor without the shelter.
+    assert preempted(LAS.plan(snap([again], [call("big", 4)]))) == {"whole"}
+    bare = Fair(las_thresholds=(3_600.0, 36_000.0), min_run_s=600.0, shelter_whole_nodes=False)
+    assert preempted(bare.plan(snap([again], [call("new")]))) == {"whole"}
+    # A call on part of a node is no shelter's: it gives way as often as it is asked.
+    part = run("part", (0, 1), attained=50_000.0)
+    assert preempted(LAS.plan(snap([part], [call("new")]))) == {"part"}

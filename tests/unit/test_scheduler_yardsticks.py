@@ -142,6 +142,8 @@ def test_settings_that_do_not_apply_are_refused(capsys: pytest.CaptureFixture[st
     assert "fair only" in capsys.readouterr().err
     assert replay.main([*args, "--policy", "fifo", "--no-least-attained"]) == 2
     assert "--no-least-attained: settings of --policy fair only" in capsys.readouterr().err
+    assert replay.main([*args, "--policy", "fifo", "--no-whole-node-shelter"]) == 2
+    assert "--no-whole-node-shelter: settings of --policy fair only" in capsys.readouterr().err
     assert replay.main([*args, "--policy", "fair", "--min-run-s", "-5"]) == 2
     assert "--min-run-s cannot be negative" in capsys.readouterr().err
     assert replay.main([*args, "--preemption-cost-s", "-1"]) == 2
@@ -167,3 +169,26 @@ def test_fair_s_least_attained_service_can_be_turned_off_in_the_replay(
     assert runs["las"]["preemptions"] > 0 == runs["off"]["preemptions"]
     assert runs["patient"]["preemptions"] == 0
     assert runs["las"]["avg_queue_s"] < runs["off"]["avg_queue_s"] / 2
+
+
+def test_a_job_on_whole_nodes_gives_way_to_smaller_jobs_once_in_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A 20-hour job holds the one 4-GPU node; three waves of four one-hour 1-GPU jobs arrive.
+    # The first wave takes its place (least attained service); after that it is sheltered,
+    # and without the shelter each wave sends it back to the queue again.
+    trace = tmp_path / "waves.csv"
+    rows = ["submit_time,duration,num_gpus", "0,72000,4"]
+    rows += [f"{wave + i},3600,1" for wave in (7200, 30000, 60000) for i in range(4)]
+    trace.write_text("\n".join(rows) + "\n")
+    args = [str(trace), "--nodes", "1", "--gpus-per-node", "4", "--policy", "fair"]
+    jobs = {}
+    for name, extra in [("shelter", []), ("bare", ["--no-whole-node-shelter"])]:
+        out = tmp_path / f"{name}.csv"
+        assert replay.main([*args, *extra, "--jobs-out", str(out), "--format", "json"]) == 0
+        capsys.readouterr()
+        with out.open() as f:
+            jobs[name] = {row["job"]: row for row in csv.DictReader(f)}
+    assert jobs["shelter"]["0"]["preemptions"] == "1"
+    assert jobs["bare"]["0"]["preemptions"] == "3"
+    assert all(j["fate"] == "completed" for run in jobs.values() for j in run.values())
