@@ -6,10 +6,11 @@ call that does not fit gets a reservation (:mod:`scheduler.backfill`); later cal
 if they fit outside it or cannot delay it. Quotas are not consulted. With no running calls
 known (no ends to plan by) nothing can be reserved and every call that fits starts.
 
-A round passes over calls that can do nothing, a kind at a time (:meth:`Queue.walk
-<scheduler.queue.Queue.walk>`): once a call found no room and could not backfill, later calls
-of its kind (as many GPUs or more of its model) are not looked at one by one. Explaining a
-round (``why``) and ``max_backfill`` look at every call in turn; what starts is the same.
+A round passes over calls that can do nothing: once a call found no room and could not
+backfill, later calls of its kind (as many GPUs or more of its model) are skipped at the cost
+of a lookup, and in a :class:`~scheduler.queue.Queue` (the replay's) a kind at a time
+(:meth:`Queue.walk <scheduler.queue.Queue.walk>`). Explaining a round (``why``) and
+``max_backfill`` look at every call in turn; what starts is the same.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class Fifo:
             if why is not None:
                 rest(why, queue_order(snapshot.pending), 1, "no free GPU; {ahead}")
             return out
-        pending = snapshot.pending
-        queue = pending if isinstance(pending, Queue) else Queue.of(pending)
+        queue = snapshot.pending
+        order = queue if isinstance(queue, Queue) else queue_order(queue)
         now = snapshot.now
         held: Reservation | None = None
         placed: list[tuple[tuple[Part, ...], float]] = []
@@ -60,20 +61,22 @@ class Fifo:
             return held.refuses(call, cap, now, expected_s)
 
         # Explaining, or bounding the calls examined: every call in turn. Else calls the
-        # round can do nothing for are passed over, a kind of call at a time where it can.
+        # round can do nothing for are passed over (a kind of call at a time in a Queue).
         if why is not None or self.max_backfill is not None:
-            calls: Iterable[tuple[int, Pending]] = enumerate(queue, 1)
-        else:
+            calls: Iterable[tuple[int, Pending]] = enumerate(order, 1)
+        elif isinstance(queue, Queue):
             calls = ((0, call) for call in queue.walk(dead, dead))
+        else:
+            calls = ((0, call) for call in order if not dead(call))
         examined = 0
         for pos, call in calls:
             if cap.exhausted() and (held is None or not held.open(cap)):
-                rest(why, queue, pos, "no free GPU; {ahead}")
+                rest(why, order, pos, "no free GPU; {ahead}")
                 break
             if held is not None:
                 examined += 1
                 if self.max_backfill is not None and examined > self.max_backfill:
-                    rest(why, queue, pos, "{ahead} (past the backfill depth)")
+                    rest(why, order, pos, "{ahead} (past the backfill depth)")
                     break
             parts = cap.place(call)
             if parts is None and held is not None:
