@@ -1,7 +1,8 @@
 """``fair``: quotas with borrowing and reclaim, fair share among borrowers, priorities.
 
 Each round takes the pending calls in fair-share order
-(:func:`~scheduler.fairshare.fair_buckets`):
+(:func:`~scheduler.fairshare.fair_buckets`; from the replay's :class:`~scheduler.queue.Queue`
+as it keeps them, split by class of service, without a pass over every call):
 
 0. Starvation guard (``starve_after_s``, one hour by default): the *whole-node* calls (as
    many GPUs as the largest node that may take them, or more) that have waited past the
@@ -56,13 +57,13 @@ import bisect
 import functools
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from scheduler import placement
 from scheduler.backfill import Horizon, Release, Reservation, releases, reserve
 from scheduler.capacity import Capacity
-from scheduler.fairshare import fair_buckets
+from scheduler.fairshare import bucket_rank, fair_buckets
 from scheduler.model import (
     DEFAULT_QUOTA,
     EPSILON,
@@ -76,6 +77,7 @@ from scheduler.model import (
     Running,
     Snapshot,
 )
+from scheduler.queue import Queue
 from scheduler.quotas import Book, Released
 from scheduler.reasons import Why, ahead, note, shortfall, starting
 from scheduler.reclaim import Reclaim, Reclaimer, protected
@@ -130,21 +132,18 @@ class _Round:
         self.why = why
         self.cap = Capacity(snapshot.nodes, snapshot.share_across_users)
         self.book = Book(snapshot.running, snapshot.quotas, policy.default_quota, snapshot.nodes)
-        self.buckets = fair_buckets(
-            snapshot.pending, snapshot.usage, snapshot.user_usage, snapshot.quotas,
-            policy.default_quota,
-        )  # fmt: skip
+        #: The (priority, group, user) buckets in fair-share order, each as its calls per
+        #: class of service received, lowest first, each class in queue order.
+        self.tiers: list[list[list[Pending]]] = []
+        #: The group of each bucket, and its priority.
+        self.groups: list[str] = []
+        self.priorities: list[int] = []
+        self.split(snapshot.pending)
         #: Whether some pending call has received service (else every class is the first).
-        self.served = bool(policy.las_thresholds) and any(
-            c.attained_gpu_s >= policy.las_thresholds[0] for c in snapshot.pending
-        )
-        if self.served:
-            klass = self.klass
-            for bucket in self.buckets:
-                bucket.sort(key=klass)  # (stable: queue order inside a class)
+        self.served = any(tier for tiers in self.tiers for tier in tiers[1:])
         self.pos: dict[str, int] = {}
         if why is not None:
-            self.pos = {c.id: i for i, c in enumerate(itertools.chain(*self.buckets), 1)}
+            self.pos = {c.id: i for i, c in enumerate(self.fair_order(), 1)}
         self.out = Plan()
         self.done: set[str] = set()  # calls this round has dealt with
         #: This round's reservations that still have free GPUs (the others admit nothing: a
@@ -200,6 +199,61 @@ class _Round:
                 for node_id in still:
                     self.cap.withdraw(node_id)
 
+    def split(self, pending: Sequence[Pending]) -> None:
+        """Fill :attr:`tiers` and :attr:`groups`: from the replay's queue as it keeps them
+        (no pass over every call), or from the calls as read."""
+        snapshot, policy, thresholds = self.snapshot, self.policy, self.policy.las_thresholds
+        if isinstance(pending, Queue) and pending.thresholds == thresholds:
+            rank = bucket_rank(
+                snapshot.usage, snapshot.user_usage, snapshot.quotas, policy.default_quota
+            )
+            tiered = pending.buckets()
+            keys = sorted(tiered, key=rank)
+            self.tiers = [tiered[key] for key in keys]
+            self.groups = [key[1] for key in keys]
+            self.priorities = [key[0] for key in keys]
+            return
+        buckets = fair_buckets(
+            pending, snapshot.usage, snapshot.user_usage, snapshot.quotas, policy.default_quota
+        )
+        self.groups = [bucket[0].group for bucket in buckets]
+        self.priorities = [bucket[0].priority for bucket in buckets]
+        if not thresholds or not any(c.attained_gpu_s >= thresholds[0] for c in pending):
+            self.tiers = [[bucket] for bucket in buckets]
+            return
+        klass = self.klass
+        for bucket in buckets:
+            tiers: list[list[Pending]] = [[] for _ in range(len(thresholds) + 1)]
+            for call in bucket:
+                tiers[klass(call)].append(call)
+            self.tiers.append(tiers)
+
+    def fair_order(self) -> Iterator[Pending]:
+        """Every pending call: the buckets in fair-share order, each by class (lowest first)
+        then in queue order."""
+        return itertools.chain.from_iterable(itertools.chain.from_iterable(self.tiers))
+
+    def class_order(self) -> Iterator[Pending]:
+        """Every pending call by priority, then class (lowest first), then fair order."""
+        if not self.served:
+            return self.fair_order()
+        levels: list[list[list[list[Pending]]]] = []  # buckets of one priority, in order
+        last = None
+        for priority, tiers in zip(self.priorities, self.tiers, strict=True):
+            if priority != last:
+                levels.append([])
+                last = priority
+            levels[-1].append(tiers)
+        depth = len(self.policy.las_thresholds) + 1
+        return (
+            call
+            for level in levels
+            for t in range(depth)
+            for tiers in level
+            if t < len(tiers)
+            for call in tiers[t]
+        )
+
     @functools.cached_property
     def by_id(self) -> dict[int, NodeCapacity]:
         return {n.node_id: n for n in self.snapshot.nodes}
@@ -222,14 +276,23 @@ class _Round:
         limit = policy.max_reclaims  # (swaps share reclaim's bound per round)
         if limit is not None and self.reclaims >= limit:
             return
-        waiting: dict[str, list[tuple[int, Pending]]] = {}
+        done = self.done
+
+        def waits(call: Pending) -> bool:
+            return call.id not in done and call.share == 1.0 and call.gpus > 0
+
+        # Per group: its buckets, and the class of its first call still waiting in fair
+        # order (groups ask in that class's order, then in fair order).
+        mine_b: dict[str, list[list[list[Pending]]]] = {}
+        first: dict[str, int] = {}
         least = len(thresholds)
-        for call in itertools.chain(*self.buckets):
-            if call.id in self.done or call.share != 1.0 or not call.gpus:
-                continue
-            k = self.klass(call) if self.served else 0
-            least = min(least, k)
-            waiting.setdefault(call.group, []).append((k, call))
+        for group, tiers in zip(self.groups, self.tiers, strict=True):
+            mine_b.setdefault(group, []).append(tiers)
+            for k, tier in enumerate(tiers):
+                if any(map(waits, tier)):
+                    first.setdefault(group, k)
+                    least = min(least, k)
+                    break
         if least >= len(thresholds):
             return  # nobody waits in a class that may preempt
         bar = thresholds[least]  # (a run of a higher class received this much at least)
@@ -256,8 +319,15 @@ class _Round:
         if not ranks:
             return
         fits: dict[tuple[int, str | None, int], list[NodeCapacity]] = {}
-        for group, calls in sorted(waiting.items(), key=lambda gc: gc[1][0][0]):
-            calls.sort(key=lambda kc: kc[0])  # (stable: fair order inside a class)
+        for group, _ in sorted(first.items(), key=lambda gk: gk[1]):
+            calls = (
+                (k, call)
+                for k in range(len(thresholds) + 1)
+                for tiers in mine_b[group]
+                if k < len(tiers)
+                for call in tiers[k]
+                if waits(call)
+            )  # (by class, fair order inside a class; made as it is asked for)
 
             # The call asking now: whether it may take other groups' calls (it is not at its
             # ceiling), its priority (it never takes the place of a higher one), and whether
@@ -554,10 +624,9 @@ class _Round:
     def guaranteed(self) -> None:
         """Step 1: place, or reclaim room for, the calls within their group's guarantee."""
         book = self.book
-        for bucket in self.buckets:
-            group = bucket[0].group
+        for group, tiers in zip(self.groups, self.tiers, strict=True):
             guaranteed = book.quota(group).guaranteed
-            for call in bucket:
+            for call in itertools.chain.from_iterable(tiers):
                 used = book.used[group]
                 if used >= guaranteed:
                     break  # nothing else of this group is within its guarantee
@@ -594,10 +663,8 @@ class _Round:
         # GPUs, a group's room and the models it may take only shrink in this step, so later
         # ones of the same kind would not start either (only skipped when not explaining).
         blocked: set[tuple[object, ...]] = set()
-        order: Iterable[Pending] = itertools.chain(*self.buckets)
-        if self.served:  # (borrowers too go by least attained service, within a priority)
-            order = sorted(order, key=lambda c: (-c.priority, self.klass(c)))
-        for call in order:
+        # (borrowers too go by least attained service, within a priority)
+        for call in self.class_order():
             if call.id in self.done:
                 continue
             kind: tuple[object, ...] = (call.group, call.gpus, call.gpu_model, call.min_memory_mib)

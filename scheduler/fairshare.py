@@ -13,7 +13,7 @@ calls as they run.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from operator import attrgetter
 from typing import Generic, TypeVar
 
@@ -105,6 +105,18 @@ def fair_buckets(
             buckets[key] = [call]
         else:
             bucket.append(call)
+    rank = bucket_rank(usage, user_usage, quotas, default)
+    return [buckets[key] for key in sorted(buckets, key=rank)]
+
+
+def bucket_rank(
+    usage: Mapping[str, float],
+    user_usage: Mapping[tuple[str, str], float],
+    quotas: Mapping[str, Quota] | None = None,
+    default: Quota = DEFAULT_QUOTA,
+) -> Callable[[tuple[int, str, str]], tuple[int, float, float, str, str]]:
+    """The sort key of a (priority, group, user) bucket in fair-share order (see
+    :func:`fair_buckets`)."""
     quota = quotas or {}
 
     def rank(key: tuple[int, str, str]) -> tuple[int, float, float, str, str]:
@@ -112,7 +124,7 @@ def fair_buckets(
         share = group_key(group, usage, quota.get(group, default))
         return (-priority, share, user_usage.get((group, user), 0.0), group, user)
 
-    return [buckets[key] for key in sorted(buckets, key=rank)]
+    return rank
 
 
 def fair_order(

@@ -5,10 +5,12 @@ A round that scans a long backlog for calls to backfill looks at most of them on
 again what it learnt from the first of their kind: that a call of that many GPUs of that model
 fits nowhere. :class:`Queue` keeps, beside the queue order, one list per kind of call (GPUs,
 model, memory, share), also in queue order, so that a round can pass over a kind at once
-(:meth:`Queue.walk`). The replay keeps one Queue for the whole trace and updates it as jobs
-arrive, start and are requeued; a live round builds one from the calls it read
-(:meth:`Queue.of`), in the order it read them. Either way a policy sees a
-``Sequence[Pending]`` in queue order: higher priority first, then by sequence number.
+(:meth:`Queue.walk`). It also keeps each (priority, group, user)'s calls split into *tiers* by
+the service they received (``thresholds``, the fair policy's least-attained-service classes),
+so that the fair policy's buckets need neither a pass over every call nor a sort per round
+(:meth:`Queue.buckets`). The replay keeps one Queue for the whole trace and updates it as jobs
+arrive, start and are requeued; a live round's calls come as a list. Either way a policy sees
+a ``Sequence[Pending]`` in queue order: higher priority first, then by sequence number.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ Key = tuple[int, int]
 #: Calls a round treats alike: GPUs, model, memory, share (and user, for a share: shares are
 #: packed per user).
 Kind = tuple[int, str | None, int, float, str]
+#: A fair-share bucket: (priority, group, user).
+Bucket = tuple[int, str, str]
 
 
 def kind(call: Pending) -> Kind:
@@ -32,26 +36,41 @@ def kind(call: Pending) -> Kind:
     return (call.gpus, call.gpu_model, call.min_memory_mib, call.share, user)
 
 
-class _Run:
-    """One kind's calls in queue order, and their expected durations sorted (the shortest
-    says at once whether any of them may backfill before a reservation)."""
+class _Seq:
+    """Calls in queue order."""
 
-    __slots__ = ("calls", "expected", "keys")
+    __slots__ = ("calls", "keys")
 
     def __init__(self) -> None:
         self.keys: list[Key] = []
         self.calls: list[Pending] = []
-        self.expected: list[float] = []
 
     def add(self, key: Key, call: Pending) -> None:
         i = bisect.bisect_left(self.keys, key)
         self.keys.insert(i, key)
         self.calls.insert(i, call)
-        bisect.insort(self.expected, _expected(call))
 
-    def remove(self, key: Key, call: Pending) -> None:
+    def remove(self, key: Key) -> None:
         i = bisect.bisect_left(self.keys, key)
         del self.keys[i], self.calls[i]
+
+
+class _Run(_Seq):
+    """One kind's calls in queue order, and their expected durations sorted (the shortest
+    says at once whether any of them may backfill before a reservation)."""
+
+    __slots__ = ("expected",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expected: list[float] = []
+
+    def add(self, key: Key, call: Pending) -> None:
+        super().add(key, call)
+        bisect.insort(self.expected, _expected(call))
+
+    def drop(self, key: Key, call: Pending) -> None:
+        self.remove(key)
         del self.expected[bisect.bisect_left(self.expected, _expected(call))]
 
 
@@ -61,20 +80,25 @@ def _expected(call: Pending) -> float:
 
 class Queue(Sequence[Pending]):
     """Pending calls in queue order (higher priority first, then by sequence number), with a
-    list per :func:`kind` of call. Ids are unique; a call is added with its sequence number
-    (the replay: its job's index; live: its place in the order read)."""
+    list per :func:`kind` of call, and per bucket per tier of service received (a call's tier:
+    how many of ``thresholds``, GPU-seconds ascending, its ``attained_gpu_s`` has reached).
+    Ids are unique; a call is added with its sequence number (the replay: its job's index;
+    live: its place in the order read)."""
 
-    def __init__(self) -> None:
+    def __init__(self, thresholds: tuple[float, ...] = ()) -> None:
+        self.thresholds = thresholds
         self._keys: list[Key] = []
         self._calls: list[Pending] = []
         self._by_id: dict[str, Key] = {}
         self._runs: dict[Kind, _Run] = {}
+        self._tiers: dict[Bucket, list[_Seq]] = {}
+        self._sizes: dict[Bucket, int] = {}
 
     @classmethod
-    def of(cls, calls: Iterable[Pending]) -> Queue:
+    def of(cls, calls: Iterable[Pending], thresholds: tuple[float, ...] = ()) -> Queue:
         """A queue of ``calls`` in the order given (calls of higher priority are moved ahead
         of lower ones; the order is kept otherwise)."""
-        queue = cls()
+        queue = cls(thresholds)
         for seq, call in enumerate(calls):
             queue.add(call, seq)
         return queue
@@ -91,6 +115,16 @@ class Queue(Sequence[Pending]):
         if run is None:
             run = self._runs[kind(call)] = _Run()
         run.add(key, call)
+        bucket = (call.priority, call.group, call.user)
+        tiers = self._tiers.get(bucket)
+        if tiers is None:
+            tiers = self._tiers[bucket] = [_Seq() for _ in range(len(self.thresholds) + 1)]
+            self._sizes[bucket] = 0
+        tiers[self.tier(call)].add(key, call)
+        self._sizes[bucket] += 1
+
+    def tier(self, call: Pending) -> int:
+        return bisect.bisect_right(self.thresholds, call.attained_gpu_s)
 
     def pop(self, call_id: str) -> Pending:
         """Take the call out of the queue (KeyError if it is not in it)."""
@@ -100,10 +134,21 @@ class Queue(Sequence[Pending]):
         del self._keys[i], self._calls[i]
         k = kind(call)
         run = self._runs[k]
-        run.remove(key, call)
+        run.drop(key, call)
         if not run.keys:
             del self._runs[k]
+        bucket = (call.priority, call.group, call.user)
+        self._tiers[bucket][self.tier(call)].remove(key)
+        self._sizes[bucket] -= 1
+        if not self._sizes[bucket]:
+            del self._tiers[bucket], self._sizes[bucket]
         return call
+
+    def buckets(self) -> dict[Bucket, list[list[Pending]]]:
+        """Per (priority, group, user) with calls queued: its calls of each tier, lowest
+        first, each in queue order. The lists are the queue's own: read them, never change
+        them."""
+        return {b: [seq.calls for seq in tiers] for b, tiers in self._tiers.items()}
 
     def __contains__(self, call: object) -> bool:
         return isinstance(call, Pending) and self._by_id.get(call.id) is not None

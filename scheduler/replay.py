@@ -166,8 +166,9 @@ class Simulator:
         #: Shared GPUs with room left (node, GPU), and jobs asking for a share pending.
         self.open_shares: set[tuple[int, int]] = set()
         self.pending_shares = 0
-        #: Pending jobs in queue order (a requeued call keeps its place, as it does live).
-        self.pending = Queue()
+        #: Pending jobs in queue order (a requeued call keeps its place, as it does live),
+        #: in tiers by the policy's classes of service where it has them (scheduler.fair).
+        self.pending = Queue(getattr(policy, "las_thresholds", ()))
         self.running: dict[str, Running] = {}
         self.remaining = [j.duration for j in self.jobs]
         #: GPU-seconds each job received in its runs before the current one.

@@ -10,13 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import Pending, Snapshot
+from scheduler.fair import Fair, _Round
+from scheduler.fairshare import fair_buckets
 from scheduler.fifo import Fifo
 from scheduler.queue import Queue, kind
-from tests.unit.test_scheduler_invariants import snapshots
+from tests.unit.test_scheduler_invariants import POLICIES, snapshots, starving_snapshots
 
 
-def call(i: int, gpus: int = 1, priority: int = 0, expected: float | None = None) -> Pending:
-    return Pending(str(i), gpus, priority=priority, expected_s=expected)
+def call(
+    i: int, gpus: int = 1, priority: int = 0, expected: float | None = None, **kw: object
+) -> Pending:
+    return Pending(str(i), gpus, priority=priority, expected_s=expected, **kw)  # type: ignore[arg-type]
 
 
 def test_calls_are_kept_by_priority_then_sequence_and_a_requeued_call_keeps_its_place() -> None:
@@ -54,9 +58,10 @@ def test_a_walk_passes_over_dead_calls_and_whole_kinds() -> None:
 def test_a_queue_agrees_with_sorting_after_any_adds_and_pops(
     steps: list[tuple[int, int, int, bool]],
 ) -> None:
-    queue, model = Queue(), {}
+    queue, model = Queue((10.0, 100.0)), {}
     for seq, priority, gpus, take in steps:
-        c = call(seq, gpus, priority, expected=float(seq % 7))
+        c = call(seq, gpus, priority, expected=float(seq % 7), group="ab"[seq % 2],
+                 user="xyz"[seq % 3], attained_gpu_s=float(seq % 4 * 40))  # fmt: skip
         if take and str(seq) in model:
             assert queue.pop(str(seq)) == model.pop(str(seq))
         elif str(seq) not in model:
@@ -70,6 +75,15 @@ def test_a_queue_agrees_with_sorting_after_any_adds_and_pops(
         for k, run in runs.items():
             assert run.calls == [c for c in ordered if kind(c) == k]
             assert run.expected == sorted(c.expected_s or 0.0 for c in run.calls)
+        # Each bucket's calls by tier of service received (0-9, 10-99, 100 and more).
+        buckets = queue.buckets()
+        assert set(buckets) == {(c.priority, c.group, c.user) for c in ordered}
+        for (priority, group, user), tiers in buckets.items():
+            mine = [c for c in ordered if (c.priority, c.group, c.user) == (priority, group, user)]
+            assert tiers == [
+                [c for c in mine if lo <= c.attained_gpu_s < hi]
+                for lo, hi in ((0, 10), (10, 100), (100, float("inf")))
+            ]
 
 
 @st.composite
@@ -101,3 +115,44 @@ def test_fifo_passing_over_a_backlog_starts_what_a_full_scan_starts(snap: Snapsh
             (d.invocation_id, d.parts) for d in other
         ]
         assert quick.reserved == other.reserved
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(snapshots(), starving_snapshots()),
+       st.sampled_from([p for p in POLICIES if isinstance(p, Fair)] + [Fair()]))  # fmt: skip
+def test_fair_plans_the_same_from_the_replay_s_queue_as_from_a_list(
+    snap: Snapshot, policy: Fair
+) -> None:
+    # The replay hands fair its queue, split into classes of service as it goes; a live
+    # round hands it a list that the round splits itself.
+    listed = policy.plan(snap)
+    queued = policy.plan(
+        dataclasses.replace(snap, pending=Queue.of(snap.pending, policy.las_thresholds))
+    )
+    assert [(d.invocation_id, d.parts, d.borrowed) for d in listed] == [
+        (d.invocation_id, d.parts, d.borrowed) for d in queued
+    ]
+    assert listed.preemptions == queued.preemptions
+    assert listed.reserved == queued.reserved and listed.promised == queued.promised
+    assert listed.more == queued.more
+
+
+@settings(max_examples=300, deadline=None)
+@given(snapshots(), st.lists(st.sampled_from([0, 0, 1, -1]), min_size=40, max_size=40),
+       st.booleans())  # fmt: skip
+def test_fair_orders_calls_by_class_without_sorting_them(
+    snap: Snapshot, priorities: list[int], queued: bool
+) -> None:
+    # Inside each bucket by class then queue order; borrowers by priority, then class, then
+    # fair order: what a stable sort of the fair order by (-priority, class) gives.
+    pairs = zip(snap.pending, priorities, strict=False)  # (more priorities than calls)
+    pending = [dataclasses.replace(c, priority=p) for c, p in pairs]
+    policy = Fair(las_thresholds=(10.0, 100.0))
+    source = Queue.of(pending, policy.las_thresholds) if queued else pending
+    order = Queue.of(pending) if queued else pending  # (a queue puts priorities first)
+    r = _Round(policy, dataclasses.replace(snap, pending=source), None)
+    klass = r.klass
+    expected = [c for bucket in fair_buckets(order, snap.usage, snap.user_usage, snap.quotas)
+                for c in sorted(bucket, key=klass)]  # fmt: skip
+    assert list(r.fair_order()) == expected
+    assert list(r.class_order()) == sorted(expected, key=lambda c: (-c.priority, klass(c)))
