@@ -181,7 +181,10 @@ class _Round:
         promised = self.snapshot.promised
         leaving = {part.node_id for run in self.snapshot.running if run.preempting
                    for part in run.parts}  # fmt: skip
-        for call in self.snapshot.pending:
+        pending = self.snapshot.pending
+        if isinstance(pending, Queue):  # (the promised calls alone, in queue order)
+            pending = pending.among(promised)
+        for call in pending:
             nodes = promised.get(call.id)
             if nodes is None or call.id in self.done:
                 continue

@@ -144,6 +144,11 @@ class Queue(Sequence[Pending]):
             del self._tiers[bucket], self._sizes[bucket]
         return call
 
+    def among(self, ids: Iterable[str]) -> list[Pending]:
+        """The queued calls of these ids, in queue order (ids not queued are left out)."""
+        keys = sorted(key for key in map(self._by_id.get, ids) if key is not None)
+        return [self._calls[bisect.bisect_left(self._keys, key)] for key in keys]
+
     def buckets(self) -> dict[Bucket, list[list[Pending]]]:
         """Per (priority, group, user) with calls queued: its calls of each tier, lowest
         first, each in queue order. The lists are the queue's own: read them, never change

@@ -33,6 +33,7 @@ def test_calls_are_kept_by_priority_then_sequence_and_a_requeued_call_keeps_its_
     assert [c.id for c in queue] == ["9", "0", "1", "2", "3"]
     assert queue.pop("1").id == "1" and len(queue) == 4 and queue[1].id == "0"
     assert call(1) not in queue and call(2) in queue
+    assert [c.id for c in queue.among(["3", "7", "9", "0"])] == ["9", "0", "3"]
 
 
 def test_a_call_is_queued_once() -> None:
@@ -119,12 +120,19 @@ def test_fifo_passing_over_a_backlog_starts_what_a_full_scan_starts(snap: Snapsh
 
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(snapshots(), starving_snapshots()),
-       st.sampled_from([p for p in POLICIES if isinstance(p, Fair)] + [Fair()]))  # fmt: skip
+       st.sampled_from([p for p in POLICIES if isinstance(p, Fair)] + [Fair()]),
+       st.data())  # fmt: skip
 def test_fair_plans_the_same_from_the_replay_s_queue_as_from_a_list(
-    snap: Snapshot, policy: Fair
+    snap: Snapshot, policy: Fair, data: st.DataObject
 ) -> None:
     # The replay hands fair its queue, split into classes of service as it goes; a live
-    # round hands it a list that the round splits itself.
+    # round hands it a list that the round splits itself. (Some calls were promised room.)
+    ids = [c.id for c in snap.pending]
+    nodes = [n.node_id for n in snap.nodes]
+    chosen = data.draw(st.lists(st.sampled_from(ids), unique=True)) if ids else []
+    promised = {i: tuple(data.draw(st.lists(st.sampled_from(nodes), min_size=1, max_size=2,
+                                            unique=True))) for i in chosen}  # fmt: skip
+    snap = dataclasses.replace(snap, promised=promised)
     listed = policy.plan(snap)
     queued = policy.plan(
         dataclasses.replace(snap, pending=Queue.of(snap.pending, policy.las_thresholds))
