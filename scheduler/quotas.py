@@ -154,10 +154,10 @@ class Book:
     def _run_counts(self, run: Running) -> dict[str, float]:
         """A running call's GPUs per listed model of its group (from its own ``gpu_models``
         when it has them, else from the nodes' inventories)."""
-        if not run.gpu_models:
-            return self._counts(run.group, run.parts, run.share)
         if not self.per_model or not self.quota(run.group).models:
             return {}
+        if not run.gpu_models:
+            return self._counts(run.group, run.parts, run.share)
         counts: dict[str, float] = defaultdict(int)
         for name in run.gpu_models:
             model = self._model(run.group, name)

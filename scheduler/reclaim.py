@@ -296,8 +296,8 @@ class Reclaimer:
 
     @staticmethod
     def _gpus_on(run: Running, node_id: int) -> int:
-        if run.node_id == node_id and not run.more:
-            return len(run.gpu_indices)
+        if not run.more:  # (the common case, without building the parts: this is hot)
+            return len(run.gpu_indices) if run.node_id == node_id else 0
         return sum(len(p.gpu_indices) for p in run.parts if p.node_id == node_id)
 
     def _walk_for(self, call: Pending) -> Reclaim | None:

@@ -105,15 +105,17 @@ class Victims:
         for node in fitting:
             if node.node_id in gone or node.node_id not in self.nodes:
                 continue
-            if not self.by_node.get(node.node_id):
+            held = self.by_node.get(node.node_id)
+            if not held:
                 continue  # nothing to preempt there
             have = 0
             if not alone:
                 have = len(cap.free_of(node.node_id)) + self.leaving.get(node.node_id, 0)
             runs: list[Running] = []
             taken: Released = {}
-            for run in self._lower(node.node_id, klass):
-                if have >= call.gpus:
+            self._sort(node.node_id)
+            for k, _, _, run in held:  # (worst first: those of a lower class than the call's)
+                if k <= klass or have >= call.gpus:
                     break
                 if not self._may(run, taken):
                     continue
@@ -162,10 +164,13 @@ class Victims:
         held = self.by_node.get(node)
         if not held:
             return []
-        if node not in self.sorted:
-            held.sort(reverse=True)
-            self.sorted.add(node)
+        self._sort(node)
         return [e[3] for e in held if e[0] > klass]
+
+    def _sort(self, node: int) -> None:
+        if node not in self.sorted:
+            self.by_node[node].sort(reverse=True)
+            self.sorted.add(node)
 
     def _may(self, run: Running, taken: Released) -> bool:
         """Whether ``run`` may be taken besides ``taken`` (then counted in it)."""
@@ -194,6 +199,8 @@ class Victims:
 
 
 def _on(run: Running, node: int) -> int:
+    if not run.more:  # (the common case, without building the parts: this is hot)
+        return len(run.gpu_indices) if run.node_id == node else 0
     return sum(len(p.gpu_indices) for p in run.parts if p.node_id == node)
 
 
