@@ -471,21 +471,33 @@ class _Round:
         more) that have waited ``after_s`` or longer, oldest first (higher priority first),
         and the GPUs asked by every call, whole-node or not, that has waited that long."""
         cap, largest, since = self.cap, self.cap.largest, self.snapshot.now - after_s
-        found, waited = [], 0.0
-        for call in self.snapshot.pending:  # (waiting_since inlined: this loop is hot)
+        pending = self.snapshot.pending
+        if isinstance(pending, Queue):  # (the queue keeps count: no pass over every call)
+            waited = pending.waited(since)
+            if waited is not None:
+                found = [
+                    call
+                    for call in pending.waiting_large(since, largest)
+                    if call.gpus and call.gpus >= cap.largest_for(call) > 0
+                    and call.id not in self.done
+                ]  # (in queue order among equals, as a pass over the queue finds them)
+                return sorted(found, key=lambda c: (_age_key(c), pending.key(c.id))), waited
+        found, whole, parts = [], 0, []
+        for call in pending:  # (waiting_since inlined: this loop is hot)
             queued = call.queued_time
             if (call.submit_time if queued is None else queued) > since:
                 continue
             gpus = call.gpus
             if call.share != 1.0:
-                waited += call.share
+                parts.append(call.share)
                 continue  # part of a GPU: never a whole-node call
-            waited += gpus
+            whole += gpus
             if gpus < largest and call.gpu_model is None and not call.min_memory_mib:
                 continue  # the common case first: an unconstrained call smaller than a node
             if gpus and gpus >= cap.largest_for(call) > 0 and call.id not in self.done:
                 found.append(call)  # (largest_for 0: no node may take it)
-        return sorted(found, key=_age_key), waited
+        # (shares summed exactly, in any order: the queue's count gives the same figure)
+        return sorted(found, key=_age_key), whole + math.fsum(parts)
 
     def guard(self, after_s: float) -> None:
         """Step 0: the starving whole-node calls, oldest first, start now, reclaim room

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import overload
 
@@ -93,6 +94,7 @@ class Queue(Sequence[Pending]):
         self._runs: dict[Kind, _Run] = {}
         self._tiers: dict[Bucket, list[_Seq]] = {}
         self._sizes: dict[Bucket, int] = {}
+        self._waits = _Waits()
 
     @classmethod
     def of(cls, calls: Iterable[Pending], thresholds: tuple[float, ...] = ()) -> Queue:
@@ -122,6 +124,7 @@ class Queue(Sequence[Pending]):
             self._sizes[bucket] = 0
         tiers[self.tier(call)].add(key, call)
         self._sizes[bucket] += 1
+        self._waits.add(call)
 
     def tier(self, call: Pending) -> int:
         return bisect.bisect_right(self.thresholds, call.attained_gpu_s)
@@ -142,7 +145,28 @@ class Queue(Sequence[Pending]):
         self._sizes[bucket] -= 1
         if not self._sizes[bucket]:
             del self._tiers[bucket], self._sizes[bucket]
+        self._waits.remove(call)
         return call
+
+    def key(self, call_id: str) -> Key:
+        """The call's place in the queue (KeyError if it is not queued)."""
+        return self._by_id[call_id]
+
+    def waited(self, since: float) -> float | None:
+        """GPUs asked by the queued calls that have waited since ``since`` or earlier
+        (:attr:`Pending.waiting_since`), shares of a GPU included; None when calls did not
+        enter the queue in the order of those times (then count them one by one)."""
+        return self._waits.total(since)
+
+    def waiting_large(self, since: float, largest: int) -> Iterator[Pending]:
+        """The queued calls of whole GPUs that have waited since ``since`` or earlier and ask
+        for ``largest`` GPUs or more, or for a model or memory; in no particular order."""
+        for (gpus, model, memory, share, _), run in self._runs.items():
+            if share != 1.0 or (gpus < largest and model is None and not memory):
+                continue
+            for call in run.calls:
+                if call.waiting_since <= since:
+                    yield call
 
     def among(self, ids: Iterable[str]) -> list[Pending]:
         """The queued calls of these ids, in queue order (ids not queued are left out)."""
@@ -200,3 +224,65 @@ class Queue(Sequence[Pending]):
                 heapq.heappop(heap)
             if alive:  # (else the call of kind k found is put back in its turn, above)
                 yield calls[i]
+
+
+class _Waits:
+    """Whole GPUs queued by when their calls entered the queue, summed in a Fenwick tree over
+    the order they entered it (which is the order of those times for as long as each call
+    enters no earlier than the last, as in the replay); and the calls asking for a share."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []  # per slot: when its call entered
+        self.gpus: list[int] = []  # per slot: its GPUs, 0 once it left
+        self.tree: list[int] = [0]
+        self.slots: dict[str, int] = {}
+        self.shares: dict[str, Pending] = {}
+        self.timely = True
+
+    def add(self, call: Pending) -> None:
+        t = call.waiting_since
+        if self.times and t < self.times[-1]:
+            self.timely = False
+        slot = len(self.times)
+        self.slots[call.id] = slot
+        self.times.append(t)
+        self.gpus.append(0)
+        if len(self.times) >= len(self.tree):
+            self._grow()
+        if call.share != 1.0:
+            self.shares[call.id] = call
+        else:
+            self._bump(slot, call.gpus)
+
+    def remove(self, call: Pending) -> None:
+        slot = self.slots.pop(call.id)
+        if self.shares.pop(call.id, None) is None:
+            self._bump(slot, -call.gpus)
+
+    def total(self, since: float) -> float | None:
+        if not self.timely:
+            return None
+        i, whole = bisect.bisect_right(self.times, since), 0
+        while i > 0:
+            whole += self.tree[i]
+            i -= i & -i
+        parts = [c.share for c in self.shares.values() if c.waiting_since <= since]
+        return whole + math.fsum(parts)
+
+    def _bump(self, slot: int, gpus: int) -> None:
+        self.gpus[slot] += gpus
+        i = slot + 1
+        while i < len(self.tree):
+            self.tree[i] += gpus
+            i += i & -i
+
+    def _grow(self) -> None:
+        size = 2 * len(self.tree)
+        tree = [0] * size
+        for slot, gpus in enumerate(self.gpus):  # (linear-time Fenwick build)
+            i = slot + 1
+            tree[i] += gpus
+            parent = i + (i & -i)
+            if parent < size:
+                tree[parent] += tree[i]
+        self.tree = tree

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from scheduler import Pending, Snapshot
+from scheduler import Gpu, NodeCapacity, Pending, Snapshot
 from scheduler.fair import Fair, _Round
 from scheduler.fairshare import fair_buckets
 from scheduler.fifo import Fifo
@@ -36,6 +36,16 @@ def test_calls_are_kept_by_priority_then_sequence_and_a_requeued_call_keeps_its_
     assert [c.id for c in queue.among(["3", "7", "9", "0"])] == ["9", "0", "3"]
 
 
+def test_a_queue_counts_waiting_gpus_only_while_calls_enter_in_time_order() -> None:
+    queue = Queue()
+    queue.add(call(0, 2, queued_time=10.0), 0)
+    queue.add(call(1, 4, queued_time=20.0), 1)
+    queue.add(call(2, 1, queued_time=20.0, share=0.25), 2)
+    assert (queue.waited(15.0), queue.waited(20.0)) == (2, 6.25)
+    queue.add(call(3, 8, queued_time=5.0), 3)  # (earlier than the last: no count kept)
+    assert queue.waited(20.0) is None
+
+
 def test_a_call_is_queued_once() -> None:
     queue = Queue.of([call(0)])
     with pytest.raises(ValueError, match="queued already"):
@@ -60,9 +70,10 @@ def test_a_queue_agrees_with_sorting_after_any_adds_and_pops(
     steps: list[tuple[int, int, int, bool]],
 ) -> None:
     queue, model = Queue((10.0, 100.0)), {}
-    for seq, priority, gpus, take in steps:
+    for step, (seq, priority, gpus, take) in enumerate(steps):
         c = call(seq, gpus, priority, expected=float(seq % 7), group="ab"[seq % 2],
-                 user="xyz"[seq % 3], attained_gpu_s=float(seq % 4 * 40))  # fmt: skip
+                 user="xyz"[seq % 3], attained_gpu_s=float(seq % 4 * 40),
+                 queued_time=float(step))  # fmt: skip
         if take and str(seq) in model:
             assert queue.pop(str(seq)) == model.pop(str(seq))
         elif str(seq) not in model:
@@ -76,6 +87,10 @@ def test_a_queue_agrees_with_sorting_after_any_adds_and_pops(
         for k, run in runs.items():
             assert run.calls == [c for c in ordered if kind(c) == k]
             assert run.expected == sorted(c.expected_s or 0.0 for c in run.calls)
+        # GPUs waiting since a time: counted as calls entered the queue, in order of that.
+        for since in (-1.0, 3.0, 20.0, 1e9):
+            want = sum(c.gpus for c in ordered if (c.queued_time or 0.0) <= since)
+            assert queue.waited(since) == want
         # Each bucket's calls by tier of service received (0-9, 10-99, 100 and more).
         buckets = queue.buckets()
         assert set(buckets) == {(c.priority, c.group, c.user) for c in ordered}
@@ -134,15 +149,21 @@ def test_fair_plans_the_same_from_the_replay_s_queue_as_from_a_list(
                                             unique=True))) for i in chosen}  # fmt: skip
     snap = dataclasses.replace(snap, promised=promised)
     listed = policy.plan(snap)
-    queued = policy.plan(
-        dataclasses.replace(snap, pending=Queue.of(snap.pending, policy.las_thresholds))
-    )
-    assert [(d.invocation_id, d.parts, d.borrowed) for d in listed] == [
-        (d.invocation_id, d.parts, d.borrowed) for d in queued
-    ]
-    assert listed.preemptions == queued.preemptions
-    assert listed.reserved == queued.reserved and listed.promised == queued.promised
-    assert listed.more == queued.more
+    # A queue whose calls entered it in the order they started waiting keeps count of the
+    # GPUs waiting (the replay's); one built from a list in queue order cannot.
+    timely = Queue(policy.las_thresholds)
+    by_wait = sorted(enumerate(snap.pending), key=lambda ic: ic[1].waiting_since)
+    for seq, c in by_wait:
+        timely.add(c, seq)
+    assert timely.waited(snap.now) is not None
+    for queue in (Queue.of(snap.pending, policy.las_thresholds), timely):
+        queued = policy.plan(dataclasses.replace(snap, pending=queue))
+        assert [(d.invocation_id, d.parts, d.borrowed) for d in listed] == [
+            (d.invocation_id, d.parts, d.borrowed) for d in queued
+        ]
+        assert listed.preemptions == queued.preemptions
+        assert listed.reserved == queued.reserved and listed.promised == queued.promised
+        assert listed.more == queued.more
 
 
 @settings(max_examples=300, deadline=None)
@@ -164,3 +185,28 @@ def test_fair_orders_calls_by_class_without_sorting_them(
                 for c in sorted(bucket, key=klass)]  # fmt: skip
     assert list(r.fair_order()) == expected
     assert list(r.class_order()) == sorted(expected, key=lambda c: (-c.priority, klass(c)))
+
+
+TIES = Snapshot(
+    [NodeCapacity(0, [], 0, tuple(Gpu(g, "A100") for g in range(8)))],
+    [Pending("a", 8), Pending("b", 16), Pending("c", 8)],  # (all waiting since 0)
+    now=50.0,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(snapshots(), starving_snapshots()), st.sampled_from([0.0, 10.0, 100.0]))
+@example(TIES, 0.0)  # (kinds interleaved, ages equal: queue order, not kind by kind)
+def test_the_guard_finds_the_same_starving_calls_in_the_same_order_from_a_queue(
+    snap: Snapshot, after: float
+) -> None:
+    # The replay's queue counts the GPUs waiting and looks only at big or constrained calls;
+    # ties in age go in queue order, as in a pass over the queue.
+    timely = Queue()
+    for seq, c in sorted(enumerate(snap.pending), key=lambda ic: ic[1].waiting_since):
+        timely.add(c, seq)
+    policy = Fair(starve_after_s=after)
+    listed = _Round(policy, snap, None).starving(after)
+    queued = _Round(policy, dataclasses.replace(snap, pending=timely), None).starving(after)
+    assert [c.id for c in listed[0]] == [c.id for c in queued[0]]
+    assert listed[1] == queued[1]
