@@ -301,8 +301,9 @@ class _Round:
         bar = thresholds[least]  # (a run of a higher class received this much at least)
         chosen = self.reclaimer.chosen
         ranks: dict[str, int] = {}
-        #: Runs on whole nodes that ran before: only calls on whole nodes may take them.
-        sheltered: set[str] = set()
+        #: Runs on whole nodes that ran before, with the GPUs of their largest node: only a
+        #: call of that many GPUs or more may take them.
+        sheltered: dict[str, int] = {}
         mine: dict[str, list[Running]] = {}  # per group: its calls that may give way
         lent: list[Running] = []  # borrowed calls of groups above their guarantee
         for run in self.snapshot.running:
@@ -314,8 +315,10 @@ class _Round:
                 if got < bar or ran < min_run or protected(run, after):
                     continue
                 ranks[run.id] = bisect.bisect_right(thresholds, got)
-                if policy.shelter_whole_nodes and run.attained_gpu_s > 0 and self.whole(run):
-                    sheltered.add(run.id)
+                if policy.shelter_whole_nodes and run.attained_gpu_s > 0:
+                    size = self.whole(run)
+                    if size:
+                        sheltered[run.id] = size
                 if run.borrowed and book.borrowing(run.group):
                     lent.append(run)
             mine.setdefault(run.group, []).append(run)  # (its own stopping: GPUs coming back)
@@ -333,8 +336,8 @@ class _Round:
             )  # (by class, fair order inside a class; made as it is asked for)
 
             # The call asking now: whether it may take other groups' calls (it is not at its
-            # ceiling), its priority (it never takes the place of a higher one), and whether
-            # it needs whole nodes (it may take sheltered runs).
+            # ceiling), its priority (it never takes the place of a higher one), and its GPUs
+            # (it may take sheltered runs on nodes no bigger than that).
             asking: list[float] = [1.0, 0.0, 0.0]
 
             def may(
@@ -342,7 +345,7 @@ class _Round:
             ) -> bool:
                 if run.priority > a[1] or run.id in self.swapped_out:
                     return False
-                if run.id in sheltered and not a[2]:
+                if sheltered.get(run.id, 0) > a[2]:
                     return False
                 if run.group == group:
                     return True
@@ -358,6 +361,10 @@ class _Round:
             victims = Victims(
                 self.snapshot.nodes, runs, lambda r: ranks.get(r.id, 0), may, count, 16, fits
             )
+            # (what a call may take depends on its priority and, with sheltered runs, its
+            # size: a failure is remembered only for calls that may take no more)
+            top = max((r.priority for r in runs), default=0)
+            sizes = sorted({sheltered[r.id] for r in runs if r.id in sheltered})
             for k, call in calls:
                 if limit is not None and self.reclaims >= limit:
                     return  # (the next round goes on)
@@ -373,22 +380,26 @@ class _Round:
                     not inside or book.quota(group).ceiling != math.inf
                 ):
                     continue  # (a gang takes whole nodes: not past a ceiling, swapped or not)
-                whole = call.gpus >= self.cap.largest_for(call)
-                asking[:] = [float(inside), float(call.priority), float(whole)]
-                gone = victims.free_for(kept, k, self.cap, alone=not inside)
+                asking[:] = [float(inside), float(call.priority), float(call.gpus)]
+                level = bisect.bisect_right(sizes, call.gpus)
+                widest = call.priority >= top and level == len(sizes) and bool(inside)
+                gone = victims.free_for(
+                    kept, k, self.cap, not inside, (call.priority, level, inside), widest
+                )
                 if not gone:
                     continue
                 self.swapped(call, kept, gone, victims.freed)
 
-    def whole(self, run: Running) -> bool:
-        """Whether the run holds every GPU of each of its nodes (of those whose inventory
-        the round knows)."""
-        nodes = self.by_id
+    def whole(self, run: Running) -> int:
+        """The GPUs of the run's largest node if it holds every GPU of each of its nodes
+        (of those whose inventory the round knows), else 0."""
+        nodes, size = self.by_id, 0
         for part in run.parts:
             node = nodes.get(part.node_id)
             if node is None or not node.gpus or len(part.gpu_indices) < len(node.gpus):
-                return False
-        return True
+                return 0
+            size = max(size, len(node.gpus))
+        return size
 
     def swapped(
         self, call: Pending, kept: Pending, gone: list[Running], nodes: list[int]

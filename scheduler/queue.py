@@ -110,6 +110,8 @@ class Queue(Sequence[Pending]):
             raise ValueError(f"call {call.id} is queued already")
         key = (-call.priority, seq)
         i = bisect.bisect_left(self._keys, key)
+        if i < len(self._keys) and self._keys[i] == key:
+            raise ValueError(f"call {call.id} has the place of call {self._calls[i].id}")
         self._keys.insert(i, key)
         self._calls.insert(i, call)
         self._by_id[call.id] = key

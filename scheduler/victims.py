@@ -55,7 +55,11 @@ class Victims:
         #: the indexes of one round.
         self.fits = {} if fits is None else fits
         self.worst = -math.inf
-        self.failed = math.inf
+        #: Per kind of asker (what ``may`` lets it take: see :meth:`free_for`), the fewest GPUs
+        #: a call of that kind asked for and got nothing.
+        self.failed: dict[object, float] = {}
+        #: A call that may take whatever any later one may found nothing for one GPU.
+        self.exhausted = False
         by_node = self.by_node
         for run in running:
             if run.share != 1.0:
@@ -76,20 +80,31 @@ class Victims:
 
     def spent(self, klass: float) -> bool:
         """Whether no call of this class or after it can free anything by preempting."""
-        return klass >= self.worst or self.failed <= 1
+        return klass >= self.worst or self.exhausted
 
     def free_for(
-        self, call: Pending, klass: float, cap: Capacity, alone: bool = False
+        self,
+        call: Pending,
+        klass: float,
+        cap: Capacity,
+        alone: bool = False,
+        asker: object = None,
+        widest: bool = True,
     ) -> list[Running]:
         """Running calls to preempt so that ``call`` fits (none if it cannot be done). The
         nodes they free are withdrawn from ``cap`` for the rest of the round: what they free
         is the call's, not a later one's. ``alone``: the victims alone must free all the
-        call asks for, on one node (it takes their GPUs only, no free ones)."""
-        if call.gpus <= 0 or klass >= self.worst or call.gpus >= self.failed:
+        call asks for, on one node (it takes their GPUs only, no free ones). ``asker``: what
+        ``may`` lets the call take (a failure says nothing of calls that may take other
+        runs); ``widest``: it may take whatever any later call may."""
+        if call.gpus <= 0 or klass >= self.worst:
+            return []
+        if call.gpus >= self.failed.get(asker, math.inf):
             return []
         chosen = self._free_for(call, klass, cap, alone)
         if not chosen and not alone and call.gpu_model is None and not call.min_memory_mib:
-            self.failed = call.gpus  # (a constrained call's failure says nothing of others)
+            self.failed[asker] = call.gpus  # (a constrained call's failure says nothing)
+            self.exhausted = self.exhausted or (widest and call.gpus <= 1)
         return chosen
 
     def _free_for(self, call: Pending, klass: float, cap: Capacity, alone: bool) -> list[Running]:

@@ -237,10 +237,10 @@ def check_preemptions(snap: Snapshot, out: Plan, policy: str | Policy) -> None:
             assert run.group == call.group or run.borrowed
             assert call.id in out.promised and not protected(run, chosen.starve_after_s)
             sizes = {n.node_id: len(n.gpus) for n in snap.nodes}
-            whole = all(len(part.gpu_indices) >= sizes[part.node_id] for part in run.parts)
+            whole = all(0 < sizes[p.node_id] <= len(p.gpu_indices) for p in run.parts)
             if chosen.shelter_whole_nodes and whole and run.attained_gpu_s > 0:
-                # (sheltered: only a call on whole nodes may take its place)
-                assert call.gpus >= placement.largest_for(snap.nodes, call)
+                # (sheltered: only a call as big as its nodes may take its place)
+                assert call.gpus >= max(sizes[p.node_id] for p in run.parts)
     for v in victims:
         after[running[v].group] -= running[v].amount
     for d in out:

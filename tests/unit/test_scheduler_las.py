@@ -170,3 +170,28 @@ def test_a_call_on_whole_nodes_gives_way_to_smaller_calls_once_at_most() -> None
     # A call on part of a node is no shelter's: it gives way as often as it is asked.
     part = run("part", (0, 1), attained=50_000.0)
     assert preempted(LAS.plan(snap([part], [call("new")]))) == {"part"}
+
+
+def test_a_smaller_call_kept_off_a_sheltered_run_leaves_it_to_a_bigger_one() -> None:
+    # "small" may not take the sheltered run and finds nothing; that says nothing of "big",
+    # which may (a failure is remembered only for calls that may take no more).
+    again = run("whole", (0, 1, 2, 3), attained=50_000.0)
+    out = LAS.plan(snap([again], [call("small", 1), call("big", 4)]))
+    assert preempted(out) == {"whole"} and set(out.promised) == {"big"}
+    # Likewise a call of lower priority that found nothing, before one that may take more.
+    urgent = run("urgent", (0, 1, 2, 3), attained=0.0, priority=5)
+    out = LAS.plan(snap([urgent], [call("nice", 1, priority=-1), call("admin", 1, priority=5)]))
+    assert preempted(out) == {"urgent"} and set(out.promised) == {"admin"}
+
+
+def test_on_mixed_nodes_a_sheltered_run_gives_way_to_a_call_of_its_node_s_size() -> None:
+    small = NodeCapacity(0, [], 0, GPUS)  # 4 GPUs
+    big = NodeCapacity(1, [], 0, tuple(Gpu(g, "A100", 40960) for g in range(8)))
+    held = [run("small-node", (0, 1, 2, 3), attained=50_000.0),
+            Running("big-node", 1, tuple(range(8)), "ann", "g", start_time=NOW - 3_600,
+                    attained_gpu_s=50_000.0, queued_time=NOW - 3_700)]  # fmt: skip
+    quotas = {"g": Quota(12), "h": Quota(2)}
+    four = Snapshot([small, big], [call("four", 4)], held, quotas, now=NOW)
+    assert preempted(LAS.plan(four)) == {"small-node"}
+    one = Snapshot([small, big], [call("one", 1)], held, quotas, now=NOW)
+    assert not preempted(LAS.plan(one))

@@ -52,6 +52,8 @@ def test_a_call_is_queued_once() -> None:
         queue.add(call(0), 5)
     with pytest.raises(KeyError):
         queue.pop("7")
+    with pytest.raises(ValueError, match="has the place of call 0"):
+        queue.add(call(1), 0)  # (one sequence number, one call)
 
 
 def test_a_walk_passes_over_dead_calls_and_whole_kinds() -> None:
