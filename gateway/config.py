@@ -126,7 +126,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """)] = 0.0
     fair_shelter_whole_nodes: Annotated[bool, doc("""
         fair: a call on whole nodes gives way to smaller calls under least attained service
-        once at most; sent back to the queue, only calls on whole nodes may take its place
+        once at most; sent back to the queue, only calls as big as its nodes may take its place
         (docs/scheduling.md). Off: as often as smaller calls with less service ask.
     """)] = True
     share_gpus_across_users: Annotated[bool, doc("""

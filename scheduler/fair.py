@@ -37,7 +37,7 @@ as it keeps them, split by class of service, without a pass over every call):
    group's, or other groups' borrowed ones while those hold more than their guarantee. The
    room is promised to it (``Plan.promised``): the next round places it first (step 0b). A
    call on whole nodes gives way to smaller calls once at most (``shelter_whole_nodes``):
-   after it was sent back to the queue, only calls on whole nodes may take its place, for
+   after it was sent back to the queue, only a call of its nodes' size may take its place, for
    each time it goes back it waits for whole nodes again (without the shelter, 8-GPU calls
    on the Philly trace waited longer than under FIFO).
 
@@ -116,7 +116,7 @@ class Fair:
     #: A call runs at least this long before the LAS step may preempt it.
     min_run_s: float = 0.0
     #: A call on whole nodes that was sent back to the queue before (preempted, or its node
-    #: lost) gives way under least attained service only to calls on whole nodes too.
+    #: lost) gives way under least attained service only to calls as big as its nodes.
     shelter_whole_nodes: bool = True
 
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan:
@@ -271,7 +271,7 @@ class _Round:
         waiting past the starvation bound: calls of its own group (the group holds what it
         held), and borrowed calls of other groups while those hold more than their guarantee
         (as reclaim); with ``shelter_whole_nodes``, not a call on whole nodes that ran
-        before, unless the asking call needs whole nodes too. Lower classes ask first, each
+        before, unless the asking call is as big as its nodes. Lower classes ask first, each
         group's calls in fair order; the room is promised to the call
         (:attr:`Plan.promised`) and withdrawn from this round."""
         policy, now, book = self.policy, self.snapshot.now, self.book
