@@ -76,6 +76,7 @@ from scheduler.model import (
     Quota,
     Running,
     Snapshot,
+    service_class,
 )
 from scheduler.queue import Queue
 from scheduler.quotas import Book, Released
@@ -262,7 +263,7 @@ class _Round:
         return {n.node_id: n for n in self.snapshot.nodes}
 
     def klass(self, call: Pending) -> int:
-        return bisect.bisect_right(self.policy.las_thresholds, call.attained_gpu_s)
+        return service_class(self.policy.las_thresholds, call.attained_gpu_s)
 
     def swaps(self) -> None:
         """Step 3, least attained service (Tiresias's 2D-LAS): a call still waiting may take
@@ -314,7 +315,7 @@ class _Round:
                 got = run.attained_gpu_s + run.gpus * ran  # (run.attained, inlined: hot)
                 if got < bar or ran < min_run or protected(run, after):
                     continue
-                ranks[run.id] = bisect.bisect_right(thresholds, got)
+                ranks[run.id] = service_class(thresholds, got)
                 if policy.shelter_whole_nodes and run.attained_gpu_s > 0:
                     size = self.whole(run)
                     if size:

@@ -1,7 +1,9 @@
 """What a scheduling round sees (:class:`Snapshot`) and what it decides (:class:`Plan`).
 
-Plain dataclasses, no behaviour beyond small derived properties. Fields added since the
-walking skeleton all have defaults, so ``NodeCapacity(node_id, free_gpus, free_cpu_slots)``,
+Plain dataclasses, no behaviour beyond small derived properties (and a call's class of
+service, :func:`service_class`, which the policies and the replay's queue must agree on).
+Fields added since the walking skeleton all have defaults, so ``NodeCapacity(node_id,
+free_gpus, free_cpu_slots)``,
 ``Pending(id, gpus)`` and ``Snapshot(nodes, pending)`` still describe a valid round.
 
 Exceptions::
@@ -13,6 +15,7 @@ Exceptions::
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -43,6 +46,12 @@ class Gpu:
 
 #: Shares of one GPU are compared with this much slack (they are sums of floats).
 EPSILON = 1e-9
+def service_class(thresholds: Sequence[float], gpu_s: float) -> int:
+    """A call's class under least attained service (Tiresias's 2D-LAS): how many of
+    ``thresholds`` (GPU-seconds, ascending) the service it received has reached."""
+    return bisect.bisect_right(thresholds, gpu_s)
+
+
 #: The least share of a GPU a call may ask for (``bulletin_core.wire.MIN_GPU_SHARE``): at
 #: most 20 calls, each a process, share one GPU.
 MIN_SHARE = 0.05

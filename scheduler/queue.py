@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import overload
 
-from scheduler.model import Pending
+from scheduler.model import Pending, service_class
 
 #: A call's place in the queue: (-priority, sequence number).
 Key = tuple[int, int]
@@ -129,7 +129,7 @@ class Queue(Sequence[Pending]):
         self._waits.add(call)
 
     def tier(self, call: Pending) -> int:
-        return bisect.bisect_right(self.thresholds, call.attained_gpu_s)
+        return service_class(self.thresholds, call.attained_gpu_s)
 
     def pop(self, call_id: str) -> Pending:
         """Take the call out of the queue (KeyError if it is not in it)."""

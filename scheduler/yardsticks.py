@@ -24,13 +24,20 @@ backfills: every call that fits starts. Calls holding a share of a GPU are never
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler.capacity import Capacity
-from scheduler.model import Decision, Pending, Plan, Preemption, Running, Snapshot
+from scheduler.model import (
+    Decision,
+    Pending,
+    Plan,
+    Preemption,
+    Running,
+    Snapshot,
+    service_class,
+)
 from scheduler.reasons import Why
 from scheduler.victims import Victims
 
@@ -82,11 +89,11 @@ class Las(_Preemptive):
     uses_quotas: bool = False
 
     def rank(self, call: Pending, now: float) -> Rank:
-        return (float(bisect.bisect_right(self.thresholds, call.attained_gpu_s)),
+        return (float(service_class(self.thresholds, call.attained_gpu_s)),
                 call.submit_time, call.id)  # fmt: skip
 
     def running_class(self, run: Running, now: float) -> float:
-        return float(bisect.bisect_right(self.thresholds, run.attained(now)))
+        return float(service_class(self.thresholds, run.attained(now)))
 
 
 @dataclass
