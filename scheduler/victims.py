@@ -60,6 +60,8 @@ class Victims:
         self.failed: dict[object, float] = {}
         #: A call that may take whatever any later one may found nothing for one GPU.
         self.exhausted = False
+        #: Per kind of call, the nodes of ``fits`` where some run of this index is.
+        self._holding: dict[tuple[int, str | None, int], list[NodeCapacity]] = {}
         by_node = self.by_node
         for run in running:
             if run.share != 1.0:
@@ -117,7 +119,11 @@ class Victims:
                 n for n in self.all_nodes if placement.node_fits_ever(n, call)
             ]
         single, found = bool(fitting), 0  # (a call some node may hold is never a gang)
-        for node in fitting:
+        holding = self._holding.get(kind)
+        if holding is None:  # (the nodes where this index has runs, in the same order)
+            by_node = self.by_node
+            holding = self._holding[kind] = [n for n in fitting if n.node_id in by_node]
+        for node in holding:
             if node.node_id in gone or node.node_id not in self.nodes:
                 continue
             held = self.by_node.get(node.node_id)
