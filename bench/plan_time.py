@@ -85,7 +85,7 @@ def snapshot(
     quotas = {f"g{g}": Quota(share, None, per_model if models else ()) for g in range(GROUPS)}
     usage = {f"g{g}": rng.uniform(0, 1e7) for g in range(GROUPS)}
     now = PENDING + 3600.0 if starving else 0.0
-    kept = frozenset(c.id for c in pending if c.gpus >= GPUS) if starving else frozenset()
+    kept = {c.id: now for c in pending if c.gpus >= GPUS} if starving else {}
     return Snapshot(nodes, pending, running, quotas, usage, {}, now=now, reserved=kept)
 
 

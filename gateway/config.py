@@ -106,8 +106,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         again.
     """)] = 30.0
     fair_starve_after_s: Annotated[float, AT_LEAST_0, doc("""
-        fair: a whole-node call (as many GPUs as the largest node that may take it, or more)
-        that has waited this many seconds gets a reservation, and is not reclaimed once it
+        fair: each group's longest-waiting whole-node call (as many GPUs as the largest node
+        that may take it, or more) that has waited this many seconds gets a reservation, and
+        a whole-node call that waited this long is not reclaimed or swapped out once it
         starts, so it cannot wait for ever behind smaller calls that take every GPU that frees
         up; starved whole-node calls hold about the share of the cluster their GPUs make of
         all GPUs asked for or held by calls that waited this long, so they cannot starve the

@@ -12,7 +12,6 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 
 import asyncpg
 
@@ -135,7 +134,7 @@ async def plan_round(
     config: GatewayConfig,
     *,
     explain: bool = False,
-    reserved: set[str] | None = None,
+    reserved: dict[str, float] | None = None,
     promised: dict[str, tuple[int, ...]] | None = None,
 ) -> int:
     """One planning round in one transaction; returns how many calls were placed or
@@ -162,7 +161,7 @@ async def plan_round(
         # until such a node is back (it fitted a registered node when it was submitted).
         queued, too_big = one_node_calls(queued, free)
         snapshot = _snapshot(
-            config, free, queued, held, held.now, frozenset(reserved or ()), dict(promised or {})
+            config, free, queued, held, held.now, dict(reserved or {}), dict(promised or {})
         )
         why: dict[str, tuple[int, str]] | None = {} if explain else None
         result = config.policy().plan(snapshot, why)
@@ -224,7 +223,7 @@ def _snapshot(
     pending: list[Pending],
     held: db.Holdings,
     now: float,
-    reserved: AbstractSet[str] = frozenset(),
+    reserved: Mapping[str, float] | None = None,
     promised: Mapping[str, tuple[int, ...]] | None = None,
 ) -> Snapshot:
     """What a policy plans on."""
@@ -239,7 +238,7 @@ def _snapshot(
         usage=held.usage,
         user_usage=held.user_usage,
         now=now,
-        reserved=reserved,
+        reserved=reserved or {},
         share_across_users=config.share_gpus_across_users,
         promised=promised or {},
     )
@@ -375,7 +374,7 @@ async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig, leases
     last_explain = 0.0
     # The calls the last round reserved for: the fair guard keeps their reservations. Only
     # this leadership's rounds: a new leader works them out afresh.
-    reserved: set[str] = set()
+    reserved: dict[str, float] = {}
     # The calls the last round preempted others for by least attained service: they start
     # first. Likewise only this leadership's.
     promised: dict[str, tuple[int, ...]] = {}

@@ -4,12 +4,14 @@ Each round takes the pending calls in fair-share order
 (:func:`~scheduler.fairshare.fair_buckets`; from the replay's :class:`~scheduler.queue.Queue`
 as it keeps them, split by class of service, without a pass over every call):
 
-0. Starvation guard (``starve_after_s``, one hour by default): the *whole-node* calls (as
-   many GPUs as the largest node that may take them, or more) that have waited past the
-   bound, oldest first, each start now if they fit, else reclaim room (if within their
-   guarantee), else get a reservation: the earliest room by the running calls' expected ends
-   (:mod:`scheduler.backfill`) on nodes no older call holds; at the first that can get none,
-   the guard stops, so no call is promised room an older one will take. Starved whole-node
+0. Starvation guard (``starve_after_s``, twelve hours by default): per group, the
+   *whole-node* call (as many GPUs as the largest node that may take it, or more) that has
+   waited longest past the bound (or the one reserved for last round: it keeps its turn);
+   these, the reserved ones first then oldest first, each start now if they fit, else
+   reclaim room (if within their guarantee), else get a reservation: the earliest room by
+   the running calls' expected ends (:mod:`scheduler.backfill`) on nodes no earlier call
+   holds; at the first that can get none, the guard stops, so no call is promised room an
+   earlier one will take. Starved whole-node
    calls (those it serves, and those running after a wait past the bound) hold about their
    share of the cluster: the share their GPUs make of all GPUs asked for or held by calls that
    waited past the bound. On a cluster that keeps up few other calls wait that long and the
@@ -21,7 +23,9 @@ as it keeps them, split by class of service, without a pass over every call):
    later call, guaranteed or borrowing, may use reserved GPUs only if it ends before the
    reservation is due. A guaranteed call kept out only by a reservation waits for it
    instead of reclaiming elsewhere, and borrowers may no longer backfill into that one. A
-   call that waited past the bound is never reclaimed once it starts. Without the guard,
+   whole-node call (holding every GPU of its nodes) that waited past the bound is never
+   reclaimed or swapped out once it starts; a smaller call that waited as long may be (on an
+   overloaded cluster every call waits past the bound). Without the guard,
    borrowers that need less than a node take every GPU that frees up and a whole-node call
    can wait for days.
 1. Guaranteed: calls that keep their group within its guarantee start if they fit; one that
@@ -57,7 +61,7 @@ import bisect
 import functools
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler import placement
@@ -81,7 +85,7 @@ from scheduler.model import (
 from scheduler.queue import Queue
 from scheduler.quotas import Book, Released
 from scheduler.reasons import Why, ahead, note, shortfall, starting
-from scheduler.reclaim import Reclaim, Reclaimer, protected
+from scheduler.reclaim import Reclaim, Reclaimer, protected, starved
 from scheduler.victims import Victims
 
 #: A whole-node call that has waited this long gets a reservation (fair's default).
@@ -268,12 +272,12 @@ class _Round:
     def swaps(self) -> None:
         """Step 3, least attained service (Tiresias's 2D-LAS): a call still waiting may take
         the place of running calls of a higher class (more GPU-seconds of service received,
-        by ``las_thresholds``) that have run ``min_run_s`` at least and did not start after
-        waiting past the starvation bound: calls of its own group (the group holds what it
-        held), and borrowed calls of other groups while those hold more than their guarantee
-        (as reclaim); with ``shelter_whole_nodes``, not a call on whole nodes that ran
-        before, unless the asking call is as big as its nodes. Lower classes ask first, each
-        group's calls in fair order; the room is promised to the call
+        by ``las_thresholds``) that have run ``min_run_s`` at least (and did not start in this
+        very instant) and are not the guard's (:func:`~scheduler.reclaim.protected`): calls of
+        its own group (the group holds what it held), and borrowed calls of other groups that
+        leave those groups at least their guarantee; with ``shelter_whole_nodes``, not a call
+        on whole nodes that ran before, unless the asking call is as big as its nodes. Lower
+        classes ask first, each group's calls in fair order; the room is promised to the call
         (:attr:`Plan.promised`) and withdrawn from this round."""
         policy, now, book = self.policy, self.snapshot.now, self.book
         thresholds, after, min_run = policy.las_thresholds, policy.starve_after_s, policy.min_run_s
@@ -313,11 +317,11 @@ class _Round:
             if not run.preempting:
                 ran = now - run.start_time
                 got = run.attained_gpu_s + run.gpus * ran  # (run.attained, inlined: hot)
-                if got < bar or ran < min_run or protected(run, after):
+                if got < bar or ran < min_run or ran <= 0 or protected(run, after, self.by_id):
                     continue
                 ranks[run.id] = service_class(thresholds, got)
                 if policy.shelter_whole_nodes and run.attained_gpu_s > 0:
-                    size = self.whole(run)
+                    size = run.whole_size(self.by_id)
                     if size:
                         sheltered[run.id] = size
                 if run.borrowed and book.borrowing(run.group):
@@ -350,7 +354,7 @@ class _Round:
                     return False
                 if run.group == group:
                     return True
-                return bool(a[0]) and run.borrowed and book.reclaimable(run, taken)
+                return bool(a[0]) and run.borrowed and book.reclaimable(run, taken, keep=True)
 
             def count(taken: Released, run: Running, group: str = group) -> None:
                 if run.group != group:
@@ -390,17 +394,6 @@ class _Round:
                 if not gone:
                     continue
                 self.swapped(call, kept, gone, victims.freed)
-
-    def whole(self, run: Running) -> int:
-        """The GPUs of the run's largest node if it holds every GPU of each of its nodes
-        (of those whose inventory the round knows), else 0."""
-        nodes, size = self.by_id, 0
-        for part in run.parts:
-            node = nodes.get(part.node_id)
-            if node is None or not node.gpus or len(part.gpu_indices) < len(node.gpus):
-                return 0
-            size = max(size, len(node.gpus))
-        return size
 
     def swapped(
         self, call: Pending, kept: Pending, gone: list[Running], nodes: list[int]
@@ -512,15 +505,18 @@ class _Round:
         return sorted(found, key=_age_key), whole + math.fsum(parts)
 
     def guard(self, after_s: float) -> None:
-        """Step 0: the starving whole-node calls, oldest first, start now, reclaim room
-        (within their guarantee) or get reservations, before anything else is placed, until
-        one can be given none (younger ones then wait their turn, so that none is promised
-        room an older one will take); later calls of every group, guaranteed or not, may use
-        reserved GPUs only if they end before the reservation is due (backfill)."""
+        """Step 0: the oldest starving whole-node call of each group, oldest first, starts
+        now, reclaims room (within its guarantee) or gets a reservation, before anything
+        else is placed, until one can be given none (younger ones then wait their turn, so
+        that none is promised room an older one will take); later calls of every group,
+        guaranteed or not, may use reserved GPUs only if they end before the reservation is
+        due (backfill). A group's other starving calls wait for its first to start; a call
+        reserved for last round goes before the others (its promise holds)."""
         rel: tuple[int, dict[int, list[Release]]] | None = None  # (len(placed), releases)
         fast = Horizon.serves(self.snapshot.nodes, self.cap)
         horizon: Horizon | None = None
         starving, waited = self.starving(after_s)
+        starving = _served(starving, self.snapshot.reserved)
         budget = self.guard_budget(after_s, starving, waited)
         full = False  # the share is spoken for: only calls reserved for last round go on
         for call in starving:
@@ -574,7 +570,7 @@ class _Round:
         held = 0  # GPUs of whole-node calls running after a wait past the bound
         for run in self.snapshot.running:
             n = size.get(run.node_id)  # (None: a node this round does not see)
-            if n and len(run.gpu_indices) >= n and protected(run, after_s):
+            if n and len(run.gpu_indices) >= n and starved(run, after_s):
                 held += run.gpus
         return (asked + held) / (waited + held) * sum(size.values()) - held
 
@@ -732,6 +728,21 @@ class _Round:
             if taking is not None and taking > self.book.room(call.group):
                 return self.book.ceiling_reason(call, taking)
         return _borrowing(call, self.cap, pos)
+
+
+def _served(starving: list[Pending], reserved: Mapping[str, float]) -> list[Pending]:
+    """The starving calls the guard serves this round: those it reserved for last round, in
+    the order it reserved them (they keep their turn), then the first of each other group's
+    in the order given. (A group's first call may be older than another group's reserved
+    call: served first, it could take the room promised to that one.)"""
+    order = {call_id: i for i, call_id in enumerate(reserved)}
+    kept = sorted((call for call in starving if call.id in order), key=lambda c: order[c.id])
+    seen = {call.group for call in kept}
+    for call in starving:
+        if call.group not in seen:
+            seen.add(call.group)
+            kept.append(call)
+    return kept
 
 
 def _age_key(call: Pending) -> tuple[int, float]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 
@@ -209,6 +208,17 @@ class Running:
             return math.inf
         return max(now, self.start_time + self.expected_s)
 
+    def whole_size(self, nodes: Mapping[int, NodeCapacity]) -> int:
+        """The GPUs of its largest node if it holds every GPU of each of its nodes, else 0
+        (also 0 when one of its nodes is missing from ``nodes`` or reports no inventory)."""
+        size = 0
+        for part in self.parts:
+            node = nodes.get(part.node_id)
+            if node is None or not node.gpus or len(part.gpu_indices) < len(node.gpus):
+                return 0
+            size = max(size, len(node.gpus))
+        return size
+
 
 @dataclass(frozen=True, slots=True)
 class Quota:
@@ -246,9 +256,10 @@ class Snapshot:
     usage: Mapping[str, float] = field(default_factory=dict)
     user_usage: Mapping[tuple[str, str], float] = field(default_factory=dict)
     now: float = 0.0
-    #: Calls the previous round's plan reserved for (its ``Plan.reserved``; the leader keeps
-    #: them between rounds): the fair guard keeps their reservations beyond its share.
-    reserved: AbstractSet[str] = frozenset()
+    #: Calls the previous round's plan reserved for, with when each was due, in the order it
+    #: reserved them (its ``Plan.reserved``; the leader keeps them between rounds): the fair
+    #: guard serves them first, in that order, and beyond its share.
+    reserved: Mapping[str, float] = field(default_factory=dict)
     #: Whether calls of different users may share one GPU (:attr:`Pending.share`); by
     #: default a GPU is shared only among one user's calls.
     share_across_users: bool = False

@@ -257,19 +257,26 @@ class Book:
             self._limits[key] = room
         return self._limits[key]
 
-    def reclaimable(self, run: Running, released: Mapping[str | tuple[str, str], float]) -> bool:
+    def reclaimable(
+        self, run: Running, released: Mapping[str | tuple[str, str], float], keep: bool = False
+    ) -> bool:
         """Whether reclaim may take ``run`` back, ``released`` being taken already. A run on
         GPUs of listed models: if its group still holds more than its guarantee of each of
         them (its guarantee in all aside: those GPUs are borrowed); any other run: if its
-        group still holds more than its guarantee."""
+        group still holds more than its guarantee. ``keep``: only if the group still holds
+        at least its guarantee (of each model) once ``run`` is taken too."""
         group = run.group
         counts = self._run_counts(run)
         if counts:
             return all(
                 self.model_used[(group, model)] - released.get((group, model), 0)
-                > self._model_quota(group, model).guaranteed + EPSILON
-                for model in counts
+                - (n if keep else 0)
+                > self._model_quota(group, model).guaranteed + (-EPSILON if keep else EPSILON)
+                for model, n in counts.items()
             )
+        if keep:
+            left = self.used[group] - released.get(group, 0) - run.amount
+            return left > self.quota(group).guaranteed - EPSILON
         return self.used[group] - released.get(group, 0) > self.quota(group).guaranteed + EPSILON
 
     def count_release(self, released: Released, run: Running) -> None:

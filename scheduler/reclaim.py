@@ -1,7 +1,8 @@
 """Reclaim: make room for a group's guaranteed work by preempting other groups' borrowing.
 
-A running call is a candidate if it is preemptible, not already stopping, not protected (it
-waited past the starvation bound before it started: see :mod:`scheduler.fair`), of another
+A running call is a candidate if it is preemptible, not already stopping, not protected (a
+whole-node call that waited past the starvation bound before it started, the guard's: see
+:mod:`scheduler.fair`), of another
 group, and its group holds more than its guarantee when it is picked (for a run on GPUs of
 models its group's quota lists: more than its guarantee of each of them, see
 :meth:`scheduler.quotas.Book.reclaimable`), so reclaim never eats into anyone's guarantee.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from scheduler import placement
@@ -62,8 +64,8 @@ class Reclaimer:
         self.snapshot = snapshot
         self.cap = cap
         self.book = book
-        #: Runs that waited this long before they started are never victims (None: none is
-        #: protected).
+        #: Whole-node runs that waited this long before they started are never victims
+        #: (None: none is protected; see :func:`protected`).
         self.protect_after_s = protect_after_s
         #: Nodes held for reservations: no room is sought there (the caller may add to it).
         self.reserved: set[int] = set()
@@ -127,7 +129,7 @@ class Reclaimer:
 
     def _victim_ok(self, run: Running) -> bool:
         """Whether the run may ever be preempted by reclaim."""
-        return run.preemptible and not protected(run, self.protect_after_s)
+        return run.preemptible and not protected(run, self.protect_after_s, self.nodes)
 
     def reclaim(self, call: Pending, limit: float = math.inf) -> Reclaim | None:
         """Pick room for ``call`` (victims possibly none), withdraw it, charge the groups;
@@ -378,9 +380,19 @@ def _walk_key(run: Running) -> tuple[bool, float]:
     return (not run.borrowed, -run.start_time)
 
 
-def protected(run: Running, after_s: float | None) -> bool:
-    """Whether ``run`` waited ``after_s`` or longer in the queue before this start (a call
-    that starved is not sent back to the queue by reclaim). Unknown wait: no."""
+def starved(run: Running, after_s: float | None) -> bool:
+    """Whether ``run`` waited ``after_s`` or longer in the queue before this start. Unknown
+    wait: no."""
     if after_s is None or run.queued_time is None:
         return False
     return run.start_time - run.queued_time >= after_s
+
+
+def protected(run: Running, after_s: float | None, nodes: Mapping[int, NodeCapacity]) -> bool:
+    """Whether ``run`` is one of the starvation guard's calls, which neither reclaim nor least
+    attained service sends back to the queue: it holds every GPU of each of its nodes (a
+    whole-node call, the kind the guard serves) and waited ``after_s`` or longer before this
+    start. A smaller call that waited as long is not protected: on an overloaded cluster
+    every call waits past the bound, and protecting them all would leave guarantees and
+    least attained service nothing to take."""
+    return starved(run, after_s) and run.whole_size(nodes) > 0

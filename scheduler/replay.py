@@ -47,7 +47,6 @@ import json
 import sys
 import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -179,7 +178,7 @@ class Simulator:
         self.outages = [0] * len(self.nodes)  # outages under way, per node
         self.node_failures = 0
         #: The calls the last round's plan reserved for (the next round's Snapshot.reserved).
-        self.reserved: AbstractSet[str] = frozenset()
+        self.reserved: dict[str, float] = {}
         self.promised: Mapping[str, tuple[int, ...]] = {}
         self.generation = [0] * len(self.jobs)
         self.events: list[tuple[float, int, int, int, int]] = []  # (t, seq, kind, job, gen)
@@ -424,7 +423,7 @@ class Simulator:
             share_across_users=self.share_across_users,
         )
         out = self.policy.plan(snapshot)
-        self.reserved = out.reserved.keys()
+        self.reserved = dict(out.reserved)
         self.promised = out.promised
         return out
 

@@ -14,7 +14,7 @@ import asyncpg
 from bulletin_core import wire
 from gateway import db, scheduling
 from gateway.config import GatewayConfig
-from scheduler.reclaim import protected
+from scheduler.reclaim import starved
 
 NODE = 7
 
@@ -54,7 +54,7 @@ def test_a_call_queued_again_starts_a_new_wait(database_url: str) -> None:
             start, queued = await _lease(conn, call)
             assert 7100 < start - queued < 7300
             run = next(r for r in await db.leases(conn) if r.id == str(call))
-            assert protected(run, 3600) and not protected(run, 3 * 3600)
+            assert starved(run, 3600) and not starved(run, 3 * 3600)
             # Its node hands it back (stopping, or preempted): it queues again, from now.
             before = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp())")
             assert await db.release(conn, NODE, str(call), 1)
@@ -197,20 +197,20 @@ def test_the_leader_keeps_last_round_s_reservations_beyond_the_guard_s_share(
             big = await queue(4, 10)  # a whole node, waited two hours: reserved (node 1)
             # (The guard at an hour: these calls waited two.)
             config = GatewayConfig(database_url=database_url, fair_starve_after_s=3600.0)
-            reserved: set[str] = set()
+            reserved: dict[str, float] = {}
             await scheduling.plan_round(conn, config, reserved=reserved)
-            assert reserved == {big}
+            assert reserved.keys() == {big}
             # Three 3-GPU calls that also waited two hours: starved whole-node calls (big, and
             # node 1's) may now hold 8 / 17 of the 8 GPUs, less than node 1's call holds.
             # Planned afresh, big gets no reservation; after the round that reserved for it,
             # it keeps it.
             for seq in (11, 12, 13):
                 await queue(3, seq)
-            fresh: set[str] = set()
+            fresh: dict[str, float] = {}
             await scheduling.plan_round(conn, config, reserved=fresh)
-            assert fresh == set()
+            assert fresh == {}
             await scheduling.plan_round(conn, config, reserved=reserved)
-            assert reserved == {big}
+            assert reserved.keys() == {big}
         finally:
             await conn.close()
 

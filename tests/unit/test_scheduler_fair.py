@@ -218,6 +218,31 @@ def test_the_guard_holds_a_starving_whole_node_call_s_room_against_guaranteed_ca
     assert [(d.invocation_id, d.node_id) for d in free] == [("a1", 2), ("a2", 1)]
 
 
+def test_the_guard_reserves_for_the_oldest_starving_call_of_each_group() -> None:
+    # Three busy 4-GPU nodes free up one after the other. Group a has two whole-node calls
+    # that starved, c one, younger than both: a's first and c's get the first two nodes; a's
+    # second waits for a's first to start (before, a's two took the first two nodes and c's
+    # call, stuck behind another group's calls, came last).
+    now = 20_000
+    running = [run(f"x{i}", i, (0, 1, 2, 3), "b", start=0, expected_s=now + 100.0 * i)
+               for i in (1, 2, 3)]  # fmt: skip
+    pending = [Pending("a1", 4, group="a", submit_time=now - 9000),
+               Pending("a2", 4, group="a", submit_time=now - 8000),
+               Pending("c1", 4, group="c", submit_time=now - 7200)]  # fmt: skip
+    quotas = {"a": Quota(0), "b": Quota(0), "c": Quota(0)}
+    nodes = [node(i, []) for i in (1, 2, 3)]
+    out = plan(Snapshot(nodes, pending, running, quotas=quotas, now=now), GUARD)
+    assert out.reserved == {"a1": now + 100.0, "c1": now + 200.0}
+    # Once a's first has started, its second is the group's oldest; older than c's call, but
+    # c's was reserved for last round and keeps its turn (else the older call, served first,
+    # would take the room promised to it).
+    running = [*running[1:], run("a1", 1, (0, 1, 2, 3), "a", start=now + 100,
+                                 expected_s=1000.0)]  # fmt: skip
+    snap = Snapshot(nodes, pending[1:], running, quotas=quotas, now=now + 100,
+                    reserved={"c1": now + 200.0})  # fmt: skip
+    assert plan(snap, GUARD).reserved == {"c1": now + 200.0, "a2": now + 300.0}
+
+
 def test_a_call_that_ends_before_the_reservation_may_use_its_gpus() -> None:
     quick = Pending("quick", 2, group="b", submit_time=9_500, expected_s=50.0)
     slow = Pending("slow", 1, group="b", submit_time=9_600, expected_s=500.0)
@@ -304,7 +329,7 @@ def test_a_call_reserved_for_last_round_keeps_its_reservation_beyond_the_share()
     snap = starved_share_cluster(now, threes, 8000)
     assert "big" not in plan(snap, GUARD).reserved
     kept = Snapshot(snap.nodes, snap.pending, snap.running, snap.quotas, now=now,
-                    reserved=frozenset({"big"}))  # fmt: skip
+                    reserved={"big": 0.0})  # fmt: skip
     out = plan(kept, GUARD)
     assert "big" in out.reserved and "small" not in [d.invocation_id for d in out]
 
@@ -323,9 +348,28 @@ def test_a_call_bigger_than_its_share_still_gets_its_turn() -> None:
     assert plan(snap, GUARD).reserved == {"gang": now + 200.0}
 
 
-def test_a_call_that_starved_is_not_reclaimed_once_it_runs() -> None:
-    # Group a (guarantee 4) wants its GPUs back from b's borrowers: the one that waited
-    # two hours before it started is left alone, the one that started at once is preempted.
+def test_a_whole_node_call_that_starved_is_not_reclaimed_once_it_runs() -> None:
+    # Group a (guarantee 2) wants its GPUs back from b's borrowers, each on a whole 2-GPU
+    # node: the one that waited two hours before it started (the guard's kind of call) is
+    # left alone, the one that started at once is preempted.
+    running = [
+        Running("old", 1, (0, 1), group="b", start_time=10_000, borrowed=True,
+                queued_time=10_000 - 7200),
+        Running("new", 2, (0, 1), group="b", start_time=9_000, borrowed=True,
+                queued_time=9_000),
+    ]  # fmt: skip
+    quotas = {"a": Quota(2), "b": Quota(0)}
+    snap = Snapshot([node(1, [], size=2), node(2, [], size=2)], [Pending("a1", 2, group="a")],
+                    running, quotas=quotas, now=10_100)  # fmt: skip
+    assert [p.invocation_id for p in plan(snap, GUARD).preemptions] == ["new"]
+    unguarded = plan(snap, Fair(starve_after_s=None)).preemptions
+    assert [p.invocation_id for p in unguarded] == ["old"]  # the youngest, without the guard
+
+
+def test_a_smaller_call_that_waited_as_long_may_be_reclaimed() -> None:
+    # The same two borrowers on half of 4-GPU nodes: not the guard's kind of call, so the
+    # wait does not protect them (overloaded, every call waits past the bound, and a
+    # guarantee must still be honoured): the youngest goes, as without the guard.
     running = [
         Running("old", 1, (0, 1), group="b", start_time=10_000, borrowed=True,
                 queued_time=10_000 - 7200),
@@ -335,9 +379,7 @@ def test_a_call_that_starved_is_not_reclaimed_once_it_runs() -> None:
     quotas = {"a": Quota(4), "b": Quota(0)}
     snap = Snapshot([node(1, [2, 3]), node(2, [2, 3])], [Pending("a1", 4, group="a")], running,
                     quotas=quotas, now=10_100)  # fmt: skip
-    assert [p.invocation_id for p in plan(snap, GUARD).preemptions] == ["new"]
-    unguarded = plan(snap, Fair(starve_after_s=None)).preemptions
-    assert [p.invocation_id for p in unguarded] == ["old"]  # the youngest, without the guard
+    assert [p.invocation_id for p in plan(snap, GUARD).preemptions] == ["old"]
 
 
 def gang_cluster(busy_small: bool) -> list[NodeCapacity]:

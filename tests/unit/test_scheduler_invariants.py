@@ -31,7 +31,7 @@ from scheduler.backfill import Horizon, releases, reserve
 from scheduler.capacity import Capacity
 from scheduler.core import resolve
 from scheduler.fair import Fair
-from scheduler.reclaim import protected
+from scheduler.reclaim import protected, starved
 from scheduler.replay import Cluster, Simulator
 from scheduler.traces import Job
 from scheduler.yardsticks import Las, Srtf
@@ -219,8 +219,9 @@ def check_preemptions(snap: Snapshot, out: Plan, policy: str | Policy) -> None:
     for v in victims:
         assert running[v].preemptible and not running[v].preempting
     chosen = resolve(policy)
-    if isinstance(chosen, Fair):  # a call that starved is never sent back by reclaim
-        assert not any(protected(running[v], chosen.starve_after_s) for v in victims)
+    nodes = {n.node_id: n for n in snap.nodes}
+    if isinstance(chosen, Fair):  # the guard's calls are never sent back
+        assert not any(protected(running[v], chosen.starve_after_s, nodes) for v in victims)
     after = held(snap)
     before = dict(after)
     calls = {c.id: c for c in snap.pending}
@@ -235,7 +236,7 @@ def check_preemptions(snap: Snapshot, out: Plan, policy: str | Policy) -> None:
                 rank, call.attained_gpu_s
             )
             assert run.group == call.group or run.borrowed
-            assert call.id in out.promised and not protected(run, chosen.starve_after_s)
+            assert call.id in out.promised and not protected(run, chosen.starve_after_s, nodes)
             sizes = {n.node_id: len(n.gpus) for n in snap.nodes}
             whole = all(0 < sizes[p.node_id] <= len(p.gpu_indices) for p in run.parts)
             if chosen.shelter_whole_nodes and whole and run.attained_gpu_s > 0:
@@ -243,6 +244,11 @@ def check_preemptions(snap: Snapshot, out: Plan, policy: str | Policy) -> None:
                 assert call.gpus >= max(sizes[p.node_id] for p in run.parts)
     for v in victims:
         after[running[v].group] -= running[v].amount
+    if isinstance(chosen, Fair):  # least attained service never takes a group's calls for
+        for p in out.preemptions:  # another group's below its guarantee
+            run = running[p.invocation_id]
+            if "least attained service" in p.reason and f"of group {run.group}," not in p.reason:
+                assert after[run.group] >= snap.quotas[run.group].guaranteed - 1e-9, run.group
     for d in out:
         call = calls[d.invocation_id]
         after[call.group] += call.share * sum(len(p.gpu_indices) for p in d.parts)
@@ -332,16 +338,16 @@ def test_starved_calls_take_the_cluster_in_proportion_to_their_demand(snap: Snap
     cap = Capacity(snap.nodes)
     waiting = [c for c in snap.pending if c.waiting_since <= snap.now]
     whole = sum(c.gpus for c in waiting if c.gpus and c.gpus >= cap.largest_for(c))
-    starved = sum(
+    held = sum(
         r.gpus for r in snap.running
-        if len(r.gpu_indices) >= size[r.node_id] and protected(r, 0.0)
+        if len(r.gpu_indices) >= size[r.node_id] and starved(r, 0.0)
     )  # fmt: skip
     gpus = {c.id: c.gpus for c in snap.pending}
     if whole >= sum(c.gpus for c in waiting):
         return  # nobody else waited past the bound
-    share = (whole + starved) / (sum(c.gpus for c in waiting) + starved)
+    share = (whole + held) / (sum(c.gpus for c in waiting) + held)
     reserved = [gpus[c] for c in out.reserved]
-    assert starved + sum(reserved) - max(reserved) < share * sum(size.values()) + 1e-9
+    assert held + sum(reserved) - max(reserved) < share * sum(size.values()) + 1e-9
 
 
 @settings(max_examples=150, deadline=None)

@@ -62,6 +62,28 @@ def test_no_swap_within_a_class_for_a_fresh_run_or_a_call_that_starved() -> None
     assert not preempted(LAS.plan(snap([starved], [call("new")])))
 
 
+def test_a_call_is_not_swapped_out_in_the_instant_it_started() -> None:
+    # Without a minimum run time, a call that starts in this instant (in the replay, a victim
+    # that went straight back onto other room) stays: swapping it out again at once is how
+    # swaps and reclaim chased each other round after round at one instant.
+    eager = Fair(las_thresholds=(3_600.0, 36_000.0))
+    idle = Running("other", 0, (2, 3), "ann", "g", start_time=NOW - 60)  # (class 0)
+    now = Running("now", 0, (0, 1), "ann", "g", start_time=NOW, attained_gpu_s=50_000.0)
+    assert not preempted(eager.plan(snap([now, idle], [call("new")])))
+    before = Running("before", 0, (0, 1), "ann", "g", start_time=NOW - 1,
+                     attained_gpu_s=50_000.0)  # fmt: skip
+    assert preempted(eager.plan(snap([before, idle], [call("new")]))) == {"before"}
+
+
+def test_a_smaller_call_that_waited_past_the_bound_may_still_give_way() -> None:
+    # Only the guard's kind of call (on whole nodes) is kept in place after a long wait: on an
+    # overloaded cluster every call waits past the bound, and least attained service would
+    # have nothing left to take.
+    waited = run("waited", (0, 1), queued_time=NOW - 3_600 - 13 * 3_600)
+    idle = run("other", (2, 3), attained=0.0)
+    assert preempted(LAS.plan(snap([waited, idle], [call("new", 2)]))) == {"waited"}
+
+
 def test_other_groups_give_way_only_with_borrowed_calls_above_their_guarantee() -> None:
     held = [run("h1", (0, 1), "h"), run("h2", (2, 3), "h")]
     quotas = {"g": Quota(0), "h": Quota(4)}  # (g borrows: reclaim has no say)
@@ -75,6 +97,17 @@ def test_other_groups_give_way_only_with_borrowed_calls_above_their_guarantee() 
     both = [run("h1", (0, 1), "h", borrowed=True), run("h2", (2, 3), "h", borrowed=True)]
     out = LAS.plan(snap(both, [call("a", 2), call("b", 2)], quotas=quotas))
     assert len(preempted(out)) == 1
+
+
+def test_a_swap_never_takes_another_group_below_its_guarantee() -> None:
+    # h holds 4 GPUs, guaranteed 3: one more than its guarantee, but its borrowed run holds
+    # two. Taking it would leave h short, and h would reclaim them at once, round after
+    # round (the replay found such a loop): it stays. Guaranteed 2, h may lose it.
+    borrowed = [run("h1", (0, 1), "h", borrowed=True), run("h2", (2, 3), "h")]
+    short = {"g": Quota(0), "h": Quota(3)}
+    assert not preempted(LAS.plan(snap(borrowed, [call("new", 2)], quotas=short)))
+    enough = {"g": Quota(0), "h": Quota(2)}
+    assert preempted(LAS.plan(snap(borrowed, [call("new", 2)], quotas=enough))) == {"h1"}
 
 
 def test_the_group_s_ceiling_holds_for_the_swapped_room() -> None:
