@@ -348,16 +348,22 @@ def test_a_call_bigger_than_its_share_still_gets_its_turn() -> None:
     assert plan(snap, GUARD).reserved == {"gang": now + 200.0}
 
 
-def test_a_whole_node_call_that_starved_is_not_reclaimed_once_it_runs() -> None:
-    # Group a (guarantee 2) wants its GPUs back from b's borrowers, each on a whole 2-GPU
-    # node: the one that waited two hours before it started (the guard's kind of call) is
-    # left alone, the one that started at once is preempted.
-    running = [
+def two_borrowers() -> list[Running]:
+    """b's borrowers on GPUs 0-1 of nodes 1 and 2: "old" started after waiting two hours,
+    "new" (the older run) at once."""
+    return [
         Running("old", 1, (0, 1), group="b", start_time=10_000, borrowed=True,
                 queued_time=10_000 - 7200),
         Running("new", 2, (0, 1), group="b", start_time=9_000, borrowed=True,
                 queued_time=9_000),
     ]  # fmt: skip
+
+
+def test_a_whole_node_call_that_starved_is_not_reclaimed_once_it_runs() -> None:
+    # Group a (guarantee 2) wants its GPUs back from b's borrowers, each on a whole 2-GPU
+    # node: the one that waited two hours before it started (the guard's kind of call) is
+    # left alone, the one that started at once is preempted.
+    running = two_borrowers()
     quotas = {"a": Quota(2), "b": Quota(0)}
     snap = Snapshot([node(1, [], size=2), node(2, [], size=2)], [Pending("a1", 2, group="a")],
                     running, quotas=quotas, now=10_100)  # fmt: skip
@@ -370,12 +376,7 @@ def test_a_smaller_call_that_waited_as_long_may_be_reclaimed() -> None:
     # The same two borrowers on half of 4-GPU nodes: not the guard's kind of call, so the
     # wait does not protect them (overloaded, every call waits past the bound, and a
     # guarantee must still be honoured): the youngest goes, as without the guard.
-    running = [
-        Running("old", 1, (0, 1), group="b", start_time=10_000, borrowed=True,
-                queued_time=10_000 - 7200),
-        Running("new", 2, (0, 1), group="b", start_time=9_000, borrowed=True,
-                queued_time=9_000),
-    ]  # fmt: skip
+    running = two_borrowers()
     quotas = {"a": Quota(4), "b": Quota(0)}
     snap = Snapshot([node(1, [2, 3]), node(2, [2, 3])], [Pending("a1", 4, group="a")], running,
                     quotas=quotas, now=10_100)  # fmt: skip
