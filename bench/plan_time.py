@@ -10,9 +10,11 @@ equal guarantees summing to the cluster. ``balanced``: the running calls are spr
 groups (no one borrows); ``reclaim``: three groups hold them all, so the seven others reclaim
 (the worst case for ``fair``, which then preempts up to ``max_reclaims`` = 128 times);
 ``starving``: ``balanced`` with every free GPU taken (a call per node) and the clock an hour
-past the last submission, so every whole-node call has waited past fair's starvation bound
-and none fits, each one reserved for by the previous round (so kept beyond the guard's share
-of the cluster): the worst case for the guard, which then reserves (``reserved``);
+past the last submission plus fair's starvation bound (12 hours; before session 17 only the
+hour, so nobody starved there once the bound had become 12 hours), so every whole-node call
+has waited past fair's starvation bound and none fits, each one reserved for by the
+previous round (so kept beyond the guard's share of the cluster): the worst case for the
+guard, which then reserves (``reserved``);
 ``per model``: ``balanced`` with quotas per GPU model as well (each group guaranteed its
 share of the A100s and of the H100s, and borrowing at most 80 H100s), so every placement
 is kept to the models its group may still take.
@@ -26,6 +28,7 @@ import statistics
 import time
 
 from scheduler import Gpu, NodeCapacity, Pending, Quota, Running, Snapshot, plan
+from scheduler.fair import DEFAULT_STARVE_AFTER_S
 
 NODES, GPUS, RUNNING, PENDING, GROUPS = 1000, 8, 5000, 10000, 10
 
@@ -84,7 +87,7 @@ def snapshot(
     per_model = (("A100", Quota(share * 4 // 5)), ("H100", Quota(share // 5, 80)))
     quotas = {f"g{g}": Quota(share, None, per_model if models else ()) for g in range(GROUPS)}
     usage = {f"g{g}": rng.uniform(0, 1e7) for g in range(GROUPS)}
-    now = PENDING + 3600.0 if starving else 0.0
+    now = PENDING + DEFAULT_STARVE_AFTER_S + 3600.0 if starving else 0.0
     kept = {c.id: now for c in pending if c.gpus >= GPUS} if starving else {}
     return Snapshot(nodes, pending, running, quotas, usage, {}, now=now, reserved=kept)
 

@@ -82,6 +82,8 @@ class Book:
         self._names: dict[int, dict[int, str]] = {}
         self._listed: dict[str, dict[str, Quota]] = {}  # group -> its models' quotas
         self._model_memo: dict[tuple[str, str], str | None] = {}  # (group, name) -> model
+        #: Per running call: its GPUs per listed model (fixed for a round; read-only).
+        self._run_memo: dict[str, dict[str, float]] = {}
         #: Per group, a count bumped whenever what it holds changes (keys of the memo below).
         self._version: dict[str, int] = defaultdict(int)
         self._kept: dict[tuple[str, int, float, str | None, bool], str | None] = {}
@@ -156,13 +158,18 @@ class Book:
         when it has them, else from the nodes' inventories)."""
         if not self.per_model or not self.quota(run.group).models:
             return {}
+        counts = self._run_memo.get(run.id)
+        if counts is not None:
+            return counts
         if not run.gpu_models:
-            return self._counts(run.group, run.parts, run.share)
-        counts: dict[str, float] = defaultdict(int)
-        for name in run.gpu_models:
-            model = self._model(run.group, name)
-            if model is not None:
-                counts[model] += run.share
+            counts = self._counts(run.group, run.parts, run.share)
+        else:
+            counts = defaultdict(int)
+            for name in run.gpu_models:
+                model = self._model(run.group, name)
+                if model is not None:
+                    counts[model] += run.share
+        self._run_memo[run.id] = counts
         return counts
 
     def _model_quota(self, group: str, model: str) -> Quota:
