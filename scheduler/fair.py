@@ -85,7 +85,7 @@ from scheduler.model import (
 from scheduler.queue import Queue
 from scheduler.quotas import Book, Released
 from scheduler.reasons import Why, ahead, note, shortfall, starting
-from scheduler.reclaim import Reclaim, Reclaimer, protected, starved
+from scheduler.reclaim import Reclaim, Reclaimer, protected
 from scheduler.victims import Victims
 
 #: A whole-node call that has waited this long gets a reservation (fair's default).
@@ -566,13 +566,10 @@ class _Round:
         asked = sum(call.gpus for call in starving)
         if asked >= waited:
             return math.inf  # nobody else waited that long: nobody to keep room for
-        size = {node.node_id: len(node.gpus) for node in self.snapshot.nodes}
-        held = 0  # GPUs of whole-node calls running after a wait past the bound
-        for run in self.snapshot.running:
-            n = size.get(run.node_id)  # (None: a node this round does not see)
-            if n and len(run.gpu_indices) >= n and starved(run, after_s):
-                held += run.gpus
-        return (asked + held) / (waited + held) * sum(size.values()) - held
+        # GPUs of whole-node calls running after a wait past the bound (the guard's calls)
+        held = sum(r.gpus for r in self.snapshot.running if protected(r, after_s, self.by_id))
+        total = sum(len(node.gpus) for node in self.snapshot.nodes)
+        return (asked + held) / (waited + held) * total - held
 
     def held_for(self, call: Pending) -> Reservation | None:
         """The reservation whose idle GPUs would hold ``call`` (with free nodes outside any

@@ -340,7 +340,7 @@ def test_starved_calls_take_the_cluster_in_proportion_to_their_demand(snap: Snap
     whole = sum(c.gpus for c in waiting if c.gpus and c.gpus >= cap.largest_for(c))
     held = sum(
         r.gpus for r in snap.running
-        if len(r.gpu_indices) >= size[r.node_id] and starved(r, 0.0)
+        if all(len(p.gpu_indices) >= size[p.node_id] > 0 for p in r.parts) and starved(r, 0.0)
     )  # fmt: skip
     gpus = {c.id: c.gpus for c in snap.pending}
     if whole >= sum(c.gpus for c in waiting):
