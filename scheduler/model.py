@@ -211,6 +211,11 @@ class Running:
     def whole_size(self, nodes: Mapping[int, NodeCapacity]) -> int:
         """The GPUs of its largest node if it holds every GPU of each of its nodes, else 0
         (also 0 when one of its nodes is missing from ``nodes`` or reports no inventory)."""
+        if not self.more:  # (the common case, without building the parts: this is hot)
+            node = nodes.get(self.node_id)
+            if node is None or not node.gpus or len(self.gpu_indices) < len(node.gpus):
+                return 0
+            return len(node.gpus)
         size = 0
         for part in self.parts:
             node = nodes.get(part.node_id)

@@ -164,6 +164,8 @@ def node_fits_ever(node: NodeCapacity, call: Pending) -> bool:
 def whole_node_ok(node: NodeCapacity, call: Pending) -> bool:
     """Whether a node may be one of a multi-node gang's whole nodes: known size, all GPUs
     qualify."""
+    if not constrained(call):  # (every GPU qualifies: this runs per node, per round)
+        return bool(node.gpus)
     return bool(node.gpus) and all(gpu_ok(g, call) for g in node.gpus)
 
 

@@ -99,15 +99,15 @@ class Reclaimer:
             if run.share != 1.0:
                 shares[(run.node_id, run.gpu_indices[0])].append(run)
                 continue
-            for part in run.parts:
-                if run.preempting:
-                    self._stopping[part.node_id].append(part.gpu_indices)
-                    self._back[part.node_id] = self._back.get(part.node_id, 0) + len(
-                        part.gpu_indices
-                    )
-                    self._returning[part.node_id] = None
-                else:
+            if not run.preempting:
+                self._by_node[run.node_id].append(run)
+                for part in run.more:
                     self._by_node[part.node_id].append(run)
+                continue
+            for part in run.parts:
+                self._stopping[part.node_id].append(part.gpu_indices)
+                self._back[part.node_id] = self._back.get(part.node_id, 0) + len(part.gpu_indices)
+                self._returning[part.node_id] = None
         queue = [
             r
             for r in self.snapshot.running
