@@ -99,26 +99,33 @@ class Reservation:
 def releases(
     snapshot: Snapshot, placed: Iterable[tuple[tuple[Part, ...], float]]
 ) -> dict[int, list[Release]]:
-    """Per node, when which of its busy GPUs are expected back. A GPU that calls share comes
-    back when the last of them ends."""
-    out: dict[int, list[Release]] = defaultdict(list)
-    now = snapshot.now
-    shared = False
-    for run in snapshot.running:
-        limit = run.expected_s
-        end = math.inf if limit is None else max(now, run.start_time + limit)
-        out[run.node_id].append((end, run.gpu_indices))
-        for part in run.more:
-            out[part.node_id].append((end, part.gpu_indices))
-        shared = shared or run.share != 1.0
-    ones: set[tuple[int, int]] = set()  # (a GPU shares placed this round may share)
-    for parts, end in placed:
-        for part in parts:
-            out[part.node_id].append((end, part.gpu_indices))
-            if len(part.gpu_indices) == 1 and not shared:
-                one = (part.node_id, part.gpu_indices[0])
-                shared = one in ones
-                ones.add(one)
+    """Per node, when which of its busy GPUs are expected back, in order of those times (a
+    time already past means now). A GPU that calls share comes back when the last of them
+    ends. Read the lists, never change them (they may be ``Snapshot.ends``'s own)."""
+    out: dict[int, list[Release]]
+    if snapshot.ends is not None:
+        out, shared = snapshot.ends.by_node, snapshot.ends.shared > 0
+    else:
+        out, shared = defaultdict(list), False
+        for run in snapshot.running:
+            limit = run.expected_s
+            end = math.inf if limit is None else run.start_time + limit
+            out[run.node_id].append((end, run.gpu_indices))
+            for part in run.more:
+                out[part.node_id].append((end, part.gpu_indices))
+            shared = shared or run.share != 1.0
+        for entries in out.values():
+            entries.sort()
+    if placed:
+        out = dict(out)
+        ones: set[tuple[int, int]] = set()  # (a GPU shares placed this round may share)
+        for parts, end in placed:
+            for part in parts:
+                out[part.node_id] = sorted([*out.get(part.node_id, ()), (end, part.gpu_indices)])
+                if len(part.gpu_indices) == 1 and not shared:
+                    one = (part.node_id, part.gpu_indices[0])
+                    shared = one in ones
+                    ones.add(one)
     return _last_ends(out) if shared else out
 
 
@@ -130,7 +137,7 @@ def _last_ends(rel: dict[int, list[Release]]) -> dict[int, list[Release]]:
         for end, gpus in entries:
             for g in gpus:
                 last[g] = max(end, last.get(g, end))
-        out[node_id] = [(end, (g,)) for g, end in last.items()]
+        out[node_id] = sorted((end, (g,)) for g, end in last.items())
     return out
 
 
@@ -165,8 +172,7 @@ def _one_node(
     plain = not placement.constrained(call)
     best: tuple[float, int, int] | None = None  # (start, -spare, node id)
     for node in _usable(snapshot.nodes, call, cap):
-        ends = rel.get(node.node_id, [])
-        ends.sort()
+        ends = rel.get(node.node_id, ())
         free = cap.free_of(node.node_id)
         have = len(free) if plain else len(placement.usable(node, free, call))
         start = snapshot.now
@@ -189,8 +195,9 @@ def _whole_nodes(
     rel: dict[int, list[Release]],
     limit: float,
 ) -> Reservation | None:
+    now = snapshot.now
     ready = sorted(
-        (max((end for end, _ in rel.get(n.node_id, ())), default=snapshot.now), order, n)
+        (_ready(rel.get(n.node_id), now), order, n)
         for order, n in enumerate(_usable(snapshot.nodes, call, cap))
         if placement.whole_node_ok(n, call)
     )
@@ -204,6 +211,11 @@ def _whole_nodes(
         if total >= call.gpus:
             return Reservation(call.id, start, dict.fromkeys(chosen, 0))
     return None
+
+
+def _ready(ends: list[Release] | None, now: float) -> float:
+    """When all of a node's busy GPUs are expected back (its last release), not before now."""
+    return max(ends[-1][0], now) if ends else now
 
 
 def _usable(nodes: Iterable[NodeCapacity], call: Pending, cap: Capacity) -> Iterable[NodeCapacity]:
@@ -231,7 +243,7 @@ class Horizon:
         now = snapshot.now
         self.order = sorted(
             (
-                (max((end for end, _ in rel.get(node.node_id, ())), default=now), i, node)
+                (_ready(rel.get(node.node_id), now), i, node)
                 for i, node in enumerate(snapshot.nodes)
                 if not node.draining
             ),

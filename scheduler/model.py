@@ -272,6 +272,42 @@ class Snapshot:
     #: ``Plan.promised``, kept by the leader between rounds), with the nodes that room is on:
     #: the fair policy places them first.
     promised: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    #: The running calls' expected ends per node, kept up to date by the caller (the
+    #: replay); None: derived from ``running`` when a round needs them.
+    ends: Ends | None = None
+
+
+class Ends:
+    """Per node, when the running calls' GPUs are expected back: ``(end, GPUs)`` pairs in
+    order, ``end`` being start + expected duration (inf without one; possibly already past).
+    A round derives it from the running calls (:func:`scheduler.backfill.releases`); the
+    replay keeps one up to date as calls start and stop (``Snapshot.ends``) so that its rounds
+    need not. It must list exactly the snapshot's running calls."""
+
+    __slots__ = ("_entries", "by_node", "shared")
+
+    def __init__(self, running: Iterable[Running] = ()) -> None:
+        self.by_node: dict[int, list[tuple[float, tuple[int, ...]]]] = {}
+        #: How many of the calls hold a share of a GPU (a shared GPU comes back last).
+        self.shared = 0
+        self._entries: dict[str, list[tuple[int, tuple[float, tuple[int, ...]]]]] = {}
+        for run in running:
+            self.add(run)
+
+    def add(self, run: Running) -> None:
+        end = math.inf if run.expected_s is None else run.start_time + run.expected_s
+        entries = []
+        for part in run.parts:
+            entry = (end, part.gpu_indices)
+            bisect.insort(self.by_node.setdefault(part.node_id, []), entry)
+            entries.append((part.node_id, entry))
+        self._entries[run.id] = entries
+        self.shared += run.share != 1.0
+
+    def remove(self, run: Running) -> None:
+        for node_id, entry in self._entries.pop(run.id):
+            self.by_node[node_id].remove(entry)  # (an equal entry is as good as its own)
+        self.shared -= run.share != 1.0
 
 
 @dataclass(frozen=True, slots=True)

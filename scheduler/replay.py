@@ -56,6 +56,7 @@ from scheduler.fairshare import DEFAULT_HALF_LIFE_S, UsageMeter
 from scheduler.metrics import Recorder
 from scheduler.model import (
     EPSILON,
+    Ends,
     Gpu,
     NodeCapacity,
     Pending,
@@ -169,6 +170,8 @@ class Simulator:
         #: in tiers by the policy's classes of service where it has them (scheduler.fair).
         self.pending = Queue(getattr(policy, "las_thresholds", ()))
         self.running: dict[str, Running] = {}
+        #: The running calls' expected ends per node (Snapshot.ends), kept as they change.
+        self.ends = Ends()
         self.remaining = [j.duration for j in self.jobs]
         #: GPU-seconds each job received in its runs before the current one.
         self.attained = [0.0] * len(self.jobs)
@@ -366,6 +369,7 @@ class Simulator:
 
     def release(self, i: int, now: float) -> Running:
         run = self.running.pop(str(i))
+        self.ends.remove(run)
         self.generation[i] += 1
         if run.share != 1.0:
             node_id, index = run.node_id, run.gpu_indices[0]
@@ -421,6 +425,7 @@ class Simulator:
             reserved=self.reserved,
             promised=self.promised,
             share_across_users=self.share_across_users,
+            ends=self.ends,
         )
         out = self.policy.plan(snapshot)
         self.reserved = dict(out.reserved)
@@ -456,6 +461,7 @@ class Simulator:
                 share=call.share,
             )
             self.running[call.id] = run
+            self.ends.add(run)
             if call.share != 1.0:
                 holders[call.id] = run
                 self.reshare(d.node_id)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import Quota, replay, traces
+from scheduler import Plan, Quota, Snapshot, replay, traces
+from scheduler.backfill import releases
 from scheduler.replay import Cluster, Simulator
 from scheduler.traces import Job, TraceError
 
@@ -300,3 +301,33 @@ def test_a_negative_starvation_bound_is_refused(
     assert replay.main([path, "--policy", "fair", "--starve-after-s", "-60"]) == 2
     assert "--starve-after-s cannot be negative" in capsys.readouterr().err
     assert replay.main([path, "--policy", "fair", "--starve-after-s", "3600"]) == 0
+
+
+@pytest.mark.parametrize("policy", ["fifo", "fair", "las"])
+def test_the_replay_keeps_each_node_s_expected_ends_as_its_running_calls_say(
+    policy: str,
+) -> None:
+    # The replay hands rounds the running calls' expected ends kept up to date (Snapshot.ends)
+    # rather than derived each round: through starts, ends, preemptions, a node failure and
+    # calls sharing a GPU, every round must see what deriving them would give.
+    jobs = [
+        Job(str(i), float(3 * i), float(20 + 7 * (i % 5)), gpus, group=f"g{i % 3}",
+            user=f"u{i % 2}")
+        for i, gpus in enumerate([1, 2, 4, 0.5, 8, 0.25, 1, 3, 4, 0.5, 2, 8, 1, 1, 0.25, 4] * 3)
+    ]  # fmt: skip
+    quotas = {"g0": Quota(4), "g1": Quota(2), "g2": Quota(2)}
+    sim = Simulator(jobs, replay.get_policy(policy), Cluster.uniform(3, 4), quotas,
+                    preemption_cost_s=5.0, failures=[(1, 30.0, 90.0)])  # fmt: skip
+    planner, rounds = sim.plan, []
+
+    def checked(now: float) -> Plan:
+        derived = releases(Snapshot(sim.nodes, [], list(sim.running.values()), now=now), [])
+        kept = releases(Snapshot(sim.nodes, [], [], now=now, ends=sim.ends), [])
+        assert {n: e for n, e in kept.items() if e} == {n: e for n, e in derived.items() if e}
+        rounds.append(now)
+        return planner(now)
+
+    sim.plan = checked  # type: ignore[method-assign]
+    sim.run()
+    assert len(sim.completed) == len(jobs) and len(rounds) > len(jobs) // 2
+    assert not any(sim.ends.by_node.values())  # (everything ended: nothing left listed)
