@@ -204,7 +204,10 @@ class Queue(Sequence[Pending]):
         kind's calls are passed over together once ``dead_kind(call, shortest)`` says so for
         one of them (``shortest``: the least expected duration among that kind's calls).
         Both are asked again before each call is yielded, so the caller may change what
-        they say as it goes; what they say of a call may only ever turn from alive to dead."""
+        they say as it goes; what they say of a call may only ever turn from alive to dead.
+        ``dead`` must say of a kind's calls that it is dead of each one expected to run as
+        long as a dead one, or longer (as backfill does: one that ends later fits no
+        better), so that such calls are passed over without asking."""
         heap = [(run.keys[0], 0, k) for k, run in self._runs.items()]
         heapq.heapify(heap)
         runs = self._runs
@@ -218,7 +221,13 @@ class Queue(Sequence[Pending]):
             alive = not dead(calls[i])
             j = i + 1
             if not alive:
-                while j < len(calls) and dead(calls[j]):
+                longest = _expected(calls[i])  # (a call expected this long or longer is dead)
+                while j < len(calls):
+                    expected = _expected(calls[j])
+                    if expected < longest:
+                        if not dead(calls[j]):
+                            break
+                        longest = expected
                     j += 1
             if j < len(calls):
                 heapq.heapreplace(heap, (run.keys[j], j, k))

@@ -4,6 +4,7 @@ a long backlog that skips what cannot start (it must start exactly what a full s
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import example, given, settings
@@ -212,3 +213,21 @@ def test_the_guard_finds_the_same_starving_calls_in_the_same_order_from_a_queue(
     queued = _Round(policy, dataclasses.replace(snap, pending=timely), None).starving(after)
     assert [c.id for c in listed[0]] == [c.id for c in queued[0]]
     assert listed[1] == queued[1]
+
+
+def test_a_walk_passes_over_calls_at_least_as_long_as_a_dead_one_without_asking() -> None:
+    # Backfill says a call of a kind is dead when calls of its expected duration cannot end
+    # before the reservation: those as long or longer are dead too, and are not asked about.
+    durations = [90, 120, 90, 200, 30, 60, 100, 45]
+    queue = Queue.of([call(i, 1, expected=d) for i, d in enumerate(durations)])
+    asked: list[str] = []
+
+    def dead(c: Pending) -> bool:
+        asked.append(c.id)
+        return (c.expected_s or math.inf) > 50
+
+    seen = [c.id for c in queue.walk(dead, lambda c, shortest: False)]
+    assert seen == ["4", "7"]  # every call of 50 s or less, in queue order
+    # 0 (90 s) is dead: 1 (120 s), 2 (90 s) and 3 (200 s) are passed over unasked; so is 6
+    # (100 s) after 5 (60 s) was found dead.
+    assert set(asked) == {"0", "4", "5", "7"}
