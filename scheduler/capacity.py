@@ -387,8 +387,15 @@ class Capacity:
         fewest nodes, largest first (:func:`scheduler.placement.fewest_whole`); None if too
         few. Several sets may hold the call: 12 GPUs fit on two free 8-GPU nodes (16) or on
         an 8 and a 4 (12), and the gang takes every GPU of its nodes, so the second is what
-        it gets: no GPU is held idle, and its group is charged no more than needed."""
-        nodes = sorted(self.whole_free(call), key=lambda s: (-len(s.free), s.order))
+        it gets: no GPU is held idle, and its group is charged no more than needed. Among
+        nodes of one size, those of the most plentiful model go first (as for a call on one
+        node: the scarce ones stay free for the calls that need them)."""
+        many = self.many
+
+        def key(s: NodeState) -> tuple[int, int, int]:
+            return (-len(s.free), -placement.node_plenty(s.node, many) if many else 0, s.order)
+
+        nodes = sorted(self.whole_free(call), key=key)
         picked = placement.fewest_whole([len(s.free) for s in nodes], call.gpus)
         if picked is None:
             return None

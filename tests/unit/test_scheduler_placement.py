@@ -67,6 +67,16 @@ def test_a_call_any_model_will_do_for_leaves_the_scarce_model_free() -> None:
     assert pl.plenty([node(0, [], draining=True), node(1, [], model="H100")]) == {"h100": 8}
 
 
+def test_a_gang_any_model_will_do_for_leaves_the_scarce_model_free() -> None:
+    # Free: an H100 node first in order, then two A100 nodes. A 16-GPU gang that takes any
+    # model goes to the A100s, so the H100 call starts too.
+    nodes = [node(0, list(range(8)), model="H100")] + [node(i, list(range(8))) for i in (1, 2)]
+    nodes.append(node(3, [], model="A100"))  # (busy: the A100s are the plenty, 24 against 8)
+    out = plan(Snapshot(nodes, [Pending("gang", 16), Pending("h100", 8, gpu_model="H100")]))
+    assert sorted((d.invocation_id, d.node_id, *(p.node_id for p in d.more)) for d in out) == [
+        ("gang", 1, 2), ("h100", 0)]  # fmt: skip
+
+
 def test_usable_gpus_skip_draining_nodes_and_unknown_inventory_for_constrained_calls() -> None:
     assert pl.usable(node(1, [3, 1], draining=True), [3, 1], Pending("a", 1)) == []
     bare = NodeCapacity(2, [0, 1])
