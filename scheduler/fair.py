@@ -85,7 +85,7 @@ from scheduler.model import (
 from scheduler.queue import Queue
 from scheduler.quotas import Book, Released
 from scheduler.reasons import Why, ahead, note, shortfall, starting
-from scheduler.reclaim import Reclaim, Reclaimer, protected
+from scheduler.reclaim import Reclaim, Reclaimer, Sizes, protected, whole_sizes
 from scheduler.victims import Victims
 
 #: A whole-node call that has waited this long gets a reservation (fair's default).
@@ -266,6 +266,10 @@ class _Round:
     def by_id(self) -> dict[int, NodeCapacity]:
         return {n.node_id: n for n in self.snapshot.nodes}
 
+    @functools.cached_property
+    def whole_sizes(self) -> Sizes:
+        return whole_sizes(self.snapshot.nodes)
+
     def klass(self, call: Pending) -> int:
         return service_class(self.policy.las_thresholds, call.attained_gpu_s)
 
@@ -317,7 +321,9 @@ class _Round:
             if not run.preempting:
                 ran = now - run.start_time
                 got = run.attained_gpu_s + run.gpus * ran  # (run.attained, inlined: hot)
-                if got < bar or ran < min_run or ran <= 0 or protected(run, after, self.by_id):
+                if got < bar or ran < min_run or ran <= 0:
+                    continue
+                if protected(run, after, self.by_id, self.whole_sizes):
                     continue
                 ranks[run.id] = service_class(thresholds, got)
                 if policy.shelter_whole_nodes and run.attained_gpu_s > 0:
@@ -516,13 +522,17 @@ class _Round:
         fast = Horizon.serves(self.snapshot.nodes, self.cap)
         horizon: Horizon | None = None
         starving, waited = self.starving(after_s)
-        starving = _served(starving, self.snapshot.reserved)
-        budget = self.guard_budget(after_s, starving, waited)
+        starving, heads = _served(starving, self.snapshot.reserved)
+        budget = self.guard_budget(after_s, heads, waited)
         full = False  # the share is spoken for: only calls reserved for last round go on
+        turns: set[str] = set()  # groups that had their call served this round
         for call in starving:
+            if call.group in turns and call.id not in self.snapshot.reserved:
+                continue  # (a group's next call waits for its first to start)
             kept = self.keep(call)
             if kept is None or not self.book.within_ceiling(call):
-                continue
+                continue  # (its group's next call may go instead)
+            turns.add(call.group)
             if call.id not in self.snapshot.reserved:  # (those keep their reservations)
                 full = full or budget <= 0  # (the last one in may overrun it: a call bigger
                 if full:  # than the share would never get in)
@@ -535,6 +545,9 @@ class _Round:
                 continue
             if self.book.nominal(call) and self.held_for(kept) is None and self.try_reclaim(call):
                 self.done.add(call.id)
+                due = self.snapshot.reserved.get(call.id)
+                if due is not None:  # it keeps its turn (the room it reclaimed is next round's)
+                    self.out.reserved[call.id] = due
                 continue
             if rel is None or rel[0] != len(self.placed):
                 rel = (len(self.placed), releases(self.snapshot, self.placed))
@@ -557,8 +570,9 @@ class _Round:
 
     def guard_budget(self, after_s: float, starving: list[Pending], waited: float) -> float:
         """GPUs the guard may give starved calls this round. Starved whole-node calls (those
-        waiting past the bound, and those running after such a wait) may hold their share of
-        the GPUs that all such calls ask for or hold, as a share of the cluster's GPUs. On an
+        it means to serve, ``starving``, and those running after such a wait) may hold their
+        share of the GPUs that all such calls ask for or hold, as a share of the cluster's
+        GPUs (the GPUs asked by every call that waited that long: ``waited``). On an
         overloaded cluster, where every call waits that long, whole-node calls then take the
         cluster in proportion to what they ask for, not all of it (the small calls starved);
         a cluster that keeps up has few others waiting that long, and gives them what they
@@ -567,7 +581,8 @@ class _Round:
         if asked >= waited:
             return math.inf  # nobody else waited that long: nobody to keep room for
         # GPUs of whole-node calls running after a wait past the bound (the guard's calls)
-        held = sum(r.gpus for r in self.snapshot.running if protected(r, after_s, self.by_id))
+        nodes, sizes = self.by_id, self.whole_sizes
+        held = sum(r.gpus for r in self.snapshot.running if protected(r, after_s, nodes, sizes))
         total = sum(len(node.gpus) for node in self.snapshot.nodes)
         return (asked + held) / (waited + held) * total - held
 
@@ -727,19 +742,23 @@ class _Round:
         return _borrowing(call, self.cap, pos)
 
 
-def _served(starving: list[Pending], reserved: Mapping[str, float]) -> list[Pending]:
-    """The starving calls the guard serves this round: those it reserved for last round, in
-    the order it reserved them (they keep their turn), then the first of each other group's
-    in the order given. (A group's first call may be older than another group's reserved
-    call: served first, it could take the room promised to that one.)"""
+def _served(
+    starving: list[Pending], reserved: Mapping[str, float]
+) -> tuple[list[Pending], list[Pending]]:
+    """The order the guard takes the starving calls in: those it reserved for last round, in
+    the order it reserved them (they keep their turn), then the others in the order given
+    (a group's first call may be older than another group's reserved call: served first, it
+    could take the room promised to that one); and the calls it means to serve, each
+    reserved one and each other group's first."""
     order = {call_id: i for i, call_id in enumerate(reserved)}
     kept = sorted((call for call in starving if call.id in order), key=lambda c: order[c.id])
+    heads = list(kept)
     seen = {call.group for call in kept}
     for call in starving:
         if call.group not in seen:
             seen.add(call.group)
-            kept.append(call)
-    return kept
+            heads.append(call)
+    return kept + [call for call in starving if call.id not in order], heads
 
 
 def _age_key(call: Pending) -> tuple[int, float]:

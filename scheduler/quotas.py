@@ -271,8 +271,12 @@ class Book:
         GPUs of listed models: if its group still holds more than its guarantee of each of
         them (its guarantee in all aside: those GPUs are borrowed); any other run: if its
         group still holds more than its guarantee. ``keep``: only if the group still holds
-        at least its guarantee (of each model) once ``run`` is taken too."""
+        at least its guarantee in all and of each model once ``run`` is taken too."""
         group = run.group
+        if keep:
+            left = self.used[group] - released.get(group, 0) - run.amount
+            if left < self.quota(group).guaranteed - EPSILON:
+                return False
         counts = self._run_counts(run)
         if counts:
             return all(
@@ -282,8 +286,7 @@ class Book:
                 for model, n in counts.items()
             )
         if keep:
-            left = self.used[group] - released.get(group, 0) - run.amount
-            return left > self.quota(group).guaranteed - EPSILON
+            return True
         return self.used[group] - released.get(group, 0) > self.quota(group).guaranteed + EPSILON
 
     def count_release(self, released: Released, run: Running) -> None:

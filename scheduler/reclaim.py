@@ -22,11 +22,11 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from scheduler import placement
-from scheduler.capacity import Capacity
+from scheduler.capacity import Capacity, kind
 from scheduler.model import NodeCapacity, Pending, Running, Snapshot
 from scheduler.quotas import Book, Released
 
@@ -89,6 +89,7 @@ class Reclaimer:
         self._back: dict[int, int] = {}
         #: GPUs of each node set aside for calls that reclaimed there this round.
         self._promised: dict[int, int] = {}
+        self._sizes: Sizes | None = None  # (see protected)
 
     def _prepare(self) -> None:
         """Index the running calls, once per round and only if some call needs reclaim."""
@@ -129,7 +130,11 @@ class Reclaimer:
 
     def _victim_ok(self, run: Running) -> bool:
         """Whether the run may ever be preempted by reclaim."""
-        return run.preemptible and not protected(run, self.protect_after_s, self.nodes)
+        if self._sizes is None:
+            self._sizes = whole_sizes(self.nodes.values())
+        return run.preemptible and not protected(
+            run, self.protect_after_s, self.nodes, self._sizes
+        )
 
     def reclaim(self, call: Pending, limit: float = math.inf) -> Reclaim | None:
         """Pick room for ``call`` (victims possibly none), withdraw it, charge the groups;
@@ -388,11 +393,41 @@ def starved(run: Running, after_s: float | None) -> bool:
     return run.start_time - run.queued_time >= after_s
 
 
-def protected(run: Running, after_s: float | None, nodes: Mapping[int, NodeCapacity]) -> bool:
+#: Per kind of node (model, memory; None for a node mixing models), its largest live size.
+Sizes = dict[tuple[str | None, int] | None, int]
+
+
+def whole_sizes(nodes: Iterable[NodeCapacity]) -> Sizes:
+    """The GPUs of the largest live node of each kind (model, memory): a call of as many GPUs
+    on a node of that kind is a whole-node call, the starvation guard's kind."""
+    out: Sizes = {}
+    for node in nodes:
+        if not node.draining and node.gpus:
+            shape = kind(node)
+            out[shape] = max(out.get(shape, 0), len(node.gpus))
+    return out
+
+
+def protected(
+    run: Running,
+    after_s: float | None,
+    nodes: Mapping[int, NodeCapacity],
+    sizes: Sizes | None = None,
+) -> bool:
     """Whether ``run`` is one of the starvation guard's calls, which neither reclaim nor least
-    attained service sends back to the queue: it holds every GPU of each of its nodes (a
-    whole-node call, the kind the guard serves) and waited ``after_s`` or longer before this
-    start. A smaller call that waited as long is not protected: on an overloaded cluster
-    every call waits past the bound, and protecting them all would leave guarantees and
-    least attained service nothing to take."""
-    return starved(run, after_s) and run.whole_size(nodes) > 0
+    attained service sends back to the queue: a whole-node call (it holds every GPU of each
+    of its nodes: whole nodes for a gang, else a node as big as the largest of its kind) that
+    waited ``after_s`` or longer before this start. A smaller call that waited as long is
+    not protected (nor one that happens to fill a node smaller than others of its kind): on
+    an overloaded cluster every call waits past the bound, and protecting them all would
+    leave guarantees and least attained service nothing to take. ``sizes``: the nodes'
+    :func:`whole_sizes` (worked out if not given)."""
+    if not starved(run, after_s):
+        return False
+    size = run.whole_size(nodes)
+    if not size or run.more:
+        return size > 0
+    if sizes is None:
+        sizes = whole_sizes(nodes.values())
+    shape = kind(nodes[run.node_id])
+    return shape is None or size >= sizes.get(shape, 0)
