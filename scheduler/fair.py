@@ -85,7 +85,7 @@ from scheduler.model import (
 from scheduler.queue import Queue
 from scheduler.quotas import Book, Released
 from scheduler.reasons import Why, ahead, note, shortfall, starting
-from scheduler.reclaim import Reclaim, Reclaimer, Sizes, protected, whole_sizes
+from scheduler.reclaim import Reclaim, Reclaimer, WholeSizes, protected
 from scheduler.victims import Victims
 
 #: A whole-node call that has waited this long gets a reservation (fair's default).
@@ -267,8 +267,8 @@ class _Round:
         return {n.node_id: n for n in self.snapshot.nodes}
 
     @functools.cached_property
-    def whole_sizes(self) -> Sizes:
-        return whole_sizes(self.snapshot.nodes)
+    def whole_sizes(self) -> WholeSizes:
+        return WholeSizes(self.snapshot.nodes)
 
     def klass(self, call: Pending) -> int:
         return service_class(self.policy.las_thresholds, call.attained_gpu_s)

@@ -89,7 +89,7 @@ class Reclaimer:
         self._back: dict[int, int] = {}
         #: GPUs of each node set aside for calls that reclaimed there this round.
         self._promised: dict[int, int] = {}
-        self._sizes: Sizes | None = None  # (see protected)
+        self._sizes: WholeSizes | None = None  # (see protected)
 
     def _prepare(self) -> None:
         """Index the running calls, once per round and only if some call needs reclaim."""
@@ -131,7 +131,7 @@ class Reclaimer:
     def _victim_ok(self, run: Running) -> bool:
         """Whether the run may ever be preempted by reclaim."""
         if self._sizes is None:
-            self._sizes = whole_sizes(self.nodes.values())
+            self._sizes = WholeSizes(self.nodes.values())
         return run.preemptible and not protected(
             run, self.protect_after_s, self.nodes, self._sizes
         )
@@ -393,26 +393,35 @@ def starved(run: Running, after_s: float | None) -> bool:
     return run.start_time - run.queued_time >= after_s
 
 
-#: Per kind of node (model, memory; None for a node mixing models), its largest live size.
-Sizes = dict[tuple[str | None, int] | None, int]
+class WholeSizes:
+    """The GPUs of the largest live node of each kind (model, memory; None for a node mixing
+    models): a call of as many GPUs on a node of that kind is a whole-node call, the
+    starvation guard's kind. Kinds are looked at only if some node is smaller than the
+    largest."""
 
+    def __init__(self, nodes: Iterable[NodeCapacity]) -> None:
+        self.nodes = [node for node in nodes if not node.draining and node.gpus]
+        self.largest = max((len(node.gpus) for node in self.nodes), default=0)
+        self._by_kind: dict[tuple[str | None, int] | None, int] | None = None
 
-def whole_sizes(nodes: Iterable[NodeCapacity]) -> Sizes:
-    """The GPUs of the largest live node of each kind (model, memory): a call of as many GPUs
-    on a node of that kind is a whole-node call, the starvation guard's kind."""
-    out: Sizes = {}
-    for node in nodes:
-        if not node.draining and node.gpus:
-            shape = kind(node)
-            out[shape] = max(out.get(shape, 0), len(node.gpus))
-    return out
+    def whole(self, node: NodeCapacity, size: int) -> bool:
+        """Whether ``size`` GPUs on ``node`` are as many as the largest node of its kind."""
+        if size >= self.largest:
+            return True
+        if self._by_kind is None:
+            self._by_kind = {}
+            for other in self.nodes:
+                shape = kind(other)
+                self._by_kind[shape] = max(self._by_kind.get(shape, 0), len(other.gpus))
+        shape = kind(node)
+        return shape is None or size >= self._by_kind.get(shape, 0)
 
 
 def protected(
     run: Running,
     after_s: float | None,
     nodes: Mapping[int, NodeCapacity],
-    sizes: Sizes | None = None,
+    sizes: WholeSizes | None = None,
 ) -> bool:
     """Whether ``run`` is one of the starvation guard's calls, which neither reclaim nor least
     attained service sends back to the queue: a whole-node call (it holds every GPU of each
@@ -421,13 +430,12 @@ def protected(
     not protected (nor one that happens to fill a node smaller than others of its kind): on
     an overloaded cluster every call waits past the bound, and protecting them all would
     leave guarantees and least attained service nothing to take. ``sizes``: the nodes'
-    :func:`whole_sizes` (worked out if not given)."""
+    :class:`WholeSizes` (worked out if not given)."""
     if not starved(run, after_s):
         return False
     size = run.whole_size(nodes)
     if not size or run.more:
         return size > 0
     if sizes is None:
-        sizes = whole_sizes(nodes.values())
-    shape = kind(nodes[run.node_id])
-    return shape is None or size >= sizes.get(shape, 0)
+        sizes = WholeSizes(nodes.values())
+    return sizes.whole(nodes[run.node_id], size)
