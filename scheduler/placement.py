@@ -35,6 +35,7 @@ def constrained(call: Pending) -> bool:
     return call.gpu_model is not None or call.min_memory_mib > 0
 
 
+@functools.lru_cache(maxsize=4096)  # (few names and wishes, asked per GPU per call: hot)
 def model_ok(model: str, wanted: str | None) -> bool:
     """Whether a GPU model name satisfies a call's ``gpu_model``: a case-insensitive part of
     it, or of one of several separated by ``|`` (any of them); None: any."""

@@ -60,6 +60,8 @@ class Victims:
         self.failed: dict[object, float] = {}
         #: A call that may take whatever any later one may found nothing for one GPU.
         self.exhausted = False
+        #: Per (model, memory) of a gang, the nodes that may be one of its whole nodes.
+        self._wholes: dict[tuple[str | None, int], set[int]] = {}
         #: Per kind of call, the nodes of ``fits`` where some run of this index is.
         self._holding: dict[tuple[int, str | None, int], list[NodeCapacity]] = {}
         by_node = self.by_node
@@ -155,8 +157,14 @@ class Victims:
         # A gang: whole nodes whose every running call is of a lower class.
         whole: list[tuple[int, int, list[Running]]] = []
         took: Released = {}
+        shape = (call.gpu_model, call.min_memory_mib)
+        wholes = self._wholes.get(shape)
+        if wholes is None:
+            wholes = self._wholes[shape] = {
+                n.node_id for n in self.all_nodes if placement.whole_node_ok(n, call)
+            }
         for node in self.nodes.values():
-            if node.node_id in gone or not placement.whole_node_ok(node, call):
+            if node.node_id in gone or node.node_id not in wholes:
                 continue
             runs = self._lower(node.node_id, klass)
             if self.may is not None:
