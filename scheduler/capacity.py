@@ -434,18 +434,6 @@ class Capacity:
         if state.cpu <= 0:
             self.cpu.pop(state.node.node_id, None)
 
-    def restore(self, node_id: int) -> None:
-        """Undo :meth:`withdraw` of a node withdrawn a moment ago, for the same call (its
-        free GPUs, fewer than before if the call took some, are placeable again)."""
-        self.withdrawn.discard(node_id)
-        state = self.states.get(node_id)
-        if state is None or not state.withdrawn:
-            return
-        state.withdrawn = False
-        self.free_gpus += len(state.free)
-        if state.pool is not None:
-            state.pool.add(state)
-
     def withdraw(self, node_id: int) -> NodeState | None:
         """Hide a node's free GPUs from :meth:`place` (it is reserved), free GPUs or not;
         returns its state."""

@@ -526,16 +526,6 @@ class _Round:
         budget = self.guard_budget(after_s, heads, waited)
         full = False  # the share is spoken for: only calls reserved for last round go on
         turns: set[str] = set()  # groups that had their call served this round
-
-        def reserve_for(kept: Pending, room: float) -> Reservation | None:
-            nonlocal rel, horizon
-            if rel is None or rel[0] != len(self.placed):
-                rel = (len(self.placed), releases(self.snapshot, self.placed))
-                horizon = Horizon(self.snapshot, rel[1]) if fast else None
-            if horizon is not None:
-                return horizon.reserve(kept, self.cap, limit=room)
-            return reserve(kept, self.cap, self.snapshot, rel[1], limit=room)
-
         for call in starving:
             if call.group in turns and call.id not in self.snapshot.reserved:
                 continue  # (a group's next call waits for its first to start)
@@ -549,12 +539,7 @@ class _Round:
                     continue  # younger ones wait in line too, as in fair order
             budget -= call.gpus
             room = self.book.limit(call, kept)
-            parts = None
-            due = self.snapshot.reserved.get(call.id)
-            if due is not None and due <= self.snapshot.now:  # (see take_reserved)
-                parts = self.take_reserved(kept, reserve_for(kept, room))
-            if parts is None:
-                parts = self.place(call, kept)
+            parts = self.place(call, kept)
             if parts is not None:
                 self.start(call, parts)
                 continue
@@ -564,7 +549,13 @@ class _Round:
                 if due is not None:  # it keeps its turn (the room it reclaimed is next round's)
                     self.out.reserved[call.id] = due
                 continue
-            held = reserve_for(kept, room)
+            if rel is None or rel[0] != len(self.placed):
+                rel = (len(self.placed), releases(self.snapshot, self.placed))
+                horizon = Horizon(self.snapshot, rel[1]) if fast else None
+            if horizon is not None:
+                held = horizon.reserve(kept, self.cap, limit=room)
+            else:
+                held = reserve(kept, self.cap, self.snapshot, rel[1], limit=room)
             if held is None:
                 break  # younger calls may not take room it will need (it keeps its turn)
             if held.open(self.cap):
@@ -576,40 +567,6 @@ class _Round:
                 wait = held.start - self.snapshot.now
                 self.note(call, f"waited over {after_s:.0f} s: {shortfall(call, self.cap)}; "
                           f"GPUs reserved for it from in about {wait:.0f} s")  # fmt: skip
-
-    def take_reserved(self, call: Pending, held: Reservation | None) -> tuple[Part, ...] | None:
-        """Start a call whose reservation is due on the room its reservation takes now (the
-        earliest ready nodes, as when it was reserved), if that room is free: placed anywhere
-        else, it could take nodes a call reserved after it counts on (on nodes of mixed
-        sizes, a gang best placed on an 8-GPU and a 4-GPU node where it was reserved three
-        4-GPU nodes). None, and the nodes handed back, if the room is not free yet."""
-        if held is None:
-            return None
-        cap, parts = self.cap, []
-        if held.start <= self.snapshot.now:
-            whole = call.gpus > cap.largest_for(call)
-            for node_id in held.spare:
-                state = cap.states.get(node_id)
-                if state is None:
-                    break
-                free = placement.usable(state.node, state.free, call)
-                if whole:
-                    if len(free) < len(state.node.gpus):
-                        break
-                    parts.append((state, tuple(free)))
-                elif len(free) >= call.gpus:
-                    parts.append((state, placement.choose(state.node, free, call.gpus)[0]))
-                else:
-                    break
-            else:
-                for state, gpus in parts:
-                    cap.take(state, gpus)
-        taken = len(parts) == len(held.spare) and held.start <= self.snapshot.now
-        for node_id in held.spare:
-            cap.restore(node_id)  # (what the call leaves there, others may take)
-        if not taken:
-            return None
-        return tuple(Part(state.node.node_id, gpus) for state, gpus in parts)
 
     def guard_budget(self, after_s: float, starving: list[Pending], waited: float) -> float:
         """GPUs the guard may give starved calls this round. Starved whole-node calls (those
