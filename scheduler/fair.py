@@ -6,7 +6,8 @@ as it keeps them, split by class of service, without a pass over every call):
 
 0. Starvation guard (``starve_after_s``, twelve hours by default): per group, the
    *whole-node* call (as many GPUs as the largest node that may take it, or more) that has
-   waited longest past the bound (or the one reserved for last round: it keeps its turn);
+   waited longest past the bound and that it may serve (within its ceiling, a model left
+   to it), or the one reserved for last round: it keeps its turn;
    these, the reserved ones first then oldest first, each start now if they fit, else
    reclaim room (if within their guarantee), else get a reservation: the earliest room by
    the running calls' expected ends (:mod:`scheduler.backfill`) on nodes no earlier call
