@@ -12,6 +12,7 @@ from scheduler import Gpu, NodeCapacity, Pending, Plan, Quota, Running, Snapshot
 from scheduler.fair import Fair, _served
 from scheduler.replay import Cluster, Simulator
 from scheduler.traces import Job
+from tests.unit.test_scheduler_invariants import reservations_kept
 
 NOW = 100_000.0
 GUARD = Fair(starve_after_s=3600.0, las_thresholds=())
@@ -24,23 +25,6 @@ def node(i: int, free: list[int], size: int = 4, model: str = "A100") -> NodeCap
 
 def preempted(out: Plan) -> set[str]:
     return {p.invocation_id for p in out.preemptions}
-
-
-def reservations_kept(sim: Simulator) -> dict[int, tuple[float, float]]:
-    """Replay ``sim``; the calls that started later than the first reservation promised them
-    (call -> (started, promised))."""
-    promised: dict[int, float] = {}
-    planner = sim.plan
-
-    def plan_and_note(now: float) -> Plan:
-        out = planner(now)
-        for call_id, start in out.reserved.items():
-            promised.setdefault(int(call_id), start)
-        return out
-
-    sim.plan = plan_and_note  # type: ignore[method-assign]
-    sim.run()
-    return {i: (sim.started[i], s) for i, s in promised.items() if sim.started[i] > s + 1e-6}
 
 
 # --- only whole-node calls of their kind are kept in place (reclaim.protected) -------------
@@ -122,44 +106,40 @@ def test_the_guard_serves_reserved_calls_first_then_each_group_s_first() -> None
 # --- a group's call the guard cannot serve does not block the group's next -----------------
 
 
-def test_a_group_s_starving_call_past_its_ceiling_does_not_block_the_next() -> None:
-    # Two busy 8-GPU nodes (b's borrowers, ending at now+100 and now+200) and a's own 4 GPUs
-    # on a third. Group a (ceiling 16, holds 4) has two starving calls: a 16-GPU gang (4 + 16
-    # > 16: skipped this round, `continue`) and a younger 8-GPU call that fits the ceiling.
-    # Before b28f91f the guard went on to the 8-GPU call; now _served only hands it a's
-    # first starving call, the gang, and a gets no reservation at all.
-    now = 20_000.0
-    running = [
-        Running("x1", 1, tuple(range(8)), group="b", start_time=0, borrowed=True,
-                expected_s=now + 100.0),
-        Running("x2", 2, tuple(range(8)), group="b", start_time=0, borrowed=True,
-                expected_s=now + 200.0),
-        Running("mine", 3, tuple(range(4)), group="a", start_time=0, borrowed=True,
-                expected_s=now + 5000.0),
-    ]
-    pending = [Pending("gang", 16, group="a", submit_time=now - 9000),
-               Pending("a8", 8, group="a", submit_time=now - 8000)]
-    quotas = {"a": Quota(0, 16), "b": Quota(0)}
-    nodes = [node(1, [], 8), node(2, [], 8), node(3, [4, 5, 6, 7], 8)]
-    out = plan(Snapshot(nodes, pending, running, quotas=quotas, now=now), GUARD)
-    assert "a8" in out.reserved, out.reserved
+LATER = 20_000.0
+#: Group a's first starving call cannot be served this round, its second can: (its calls,
+#: what runs, quotas, nodes). First, a 16-GPU gang past a's ceiling (a holds 4 of 16);
+#: second, an H100 call while a holds its H100 ceiling (no model left to it).
+BLOCKED_HEADS = {
+    "past its ceiling": (
+        [Pending("gang", 16, group="a", submit_time=LATER - 9000),
+         Pending("a8", 8, group="a", submit_time=LATER - 8000)],
+        [Running("x1", 1, tuple(range(8)), group="b", borrowed=True, expected_s=LATER + 100),
+         Running("x2", 2, tuple(range(8)), group="b", borrowed=True, expected_s=LATER + 200),
+         Running("mine", 3, tuple(range(4)), group="a", borrowed=True,
+                 expected_s=LATER + 5000)],
+        {"a": Quota(0, 16), "b": Quota(0)},
+        [node(1, [], 8), node(2, [], 8), node(3, [4, 5, 6, 7], 8)],
+    ),
+    "no model left to it": (
+        [Pending("h8", 8, group="a", submit_time=LATER - 9000, gpu_model="H100"),
+         Pending("a8", 8, group="a", submit_time=LATER - 8000, gpu_model="A100")],
+        [Running("x1", 1, tuple(range(8)), group="b", borrowed=True, expected_s=LATER + 100),
+         Running("h", 2, tuple(range(8)), group="a", borrowed=True, expected_s=LATER + 5000)],
+        {"a": Quota(0, None, (("H100", Quota(0, 8)),)), "b": Quota(0)},
+        [node(1, [], 8, "A100"), node(2, [], 8, "H100")],
+    ),
+}  # fmt: skip
 
 
-def test_a_group_s_starving_call_on_a_model_at_its_ceiling_does_not_block_the_next() -> None:
-    # The same with quotas per model: a's oldest starving call wants H100, and a holds its
-    # H100 ceiling (restrict -> None: skipped); its younger A100 call gets no reservation.
-    now = 20_000.0
-    running = [
-        Running("x1", 1, tuple(range(8)), group="b", start_time=0, borrowed=True,
-                expected_s=now + 100.0),
-        Running("h", 2, tuple(range(8)), group="a", start_time=0, borrowed=True,
-                expected_s=now + 5000.0),
-    ]
-    pending = [Pending("h8", 8, group="a", submit_time=now - 9000, gpu_model="H100"),
-               Pending("a8", 8, group="a", submit_time=now - 8000, gpu_model="A100")]
-    quotas = {"a": Quota(0, None, (("H100", Quota(0, 8)),)), "b": Quota(0)}
-    nodes = [node(1, [], 8, "A100"), node(2, [], 8, "H100")]
-    out = plan(Snapshot(nodes, pending, running, quotas=quotas, now=now), GUARD)
+@pytest.mark.parametrize("case", list(BLOCKED_HEADS))
+def test_a_group_s_starving_call_the_guard_cannot_serve_does_not_block_the_next(
+    case: str,
+) -> None:
+    # The guard must serve a's younger call, a8 (session 17's guard per group served each
+    # group's first starving call only: skipped, a got no reservation at all).
+    pending, running, quotas, nodes = BLOCKED_HEADS[case]
+    out = plan(Snapshot(nodes, pending, running, quotas=quotas, now=LATER), GUARD)
     assert "a8" in out.reserved, out.reserved
 
 

@@ -427,6 +427,14 @@ def test_a_reserved_call_starts_no_later_than_its_reservation(
     policy: Policy = Fair(starve_after_s=30.0) if name == "fair" else resolve("fifo")
     quotas = {g: Quota(n) for g, n in zip(GROUPS, guarantees, strict=True)}
     sim = Simulator(jobs, policy, Cluster.uniform(nodes, 4), quotas)
+    late = reservations_kept(sim)
+    assert len(sim.completed) + len(sim.rejected) == len(jobs)
+    assert not late, {i: (jobs[i], started, due) for i, (started, due) in late.items()}
+
+
+def reservations_kept(sim: Simulator) -> dict[int, tuple[float, float]]:
+    """Replay ``sim``; the calls that started later than the first reservation promised them
+    (call -> (started, promised))."""
     promised: dict[int, float] = {}
     planner = sim.plan
 
@@ -438,9 +446,7 @@ def test_a_reserved_call_starts_no_later_than_its_reservation(
 
     sim.plan = plan_and_note  # type: ignore[method-assign]
     sim.run()
-    assert len(sim.completed) + len(sim.rejected) == len(jobs)
-    for i, start in promised.items():
-        assert sim.started[i] <= start + 1e-6, (i, jobs[i], sim.started[i], start)
+    return {i: (sim.started[i], s) for i, s in promised.items() if sim.started[i] > s + 1e-6}
 
 
 @settings(max_examples=300, deadline=None)
