@@ -136,13 +136,15 @@ async def plan_round(
     explain: bool = False,
     reserved: dict[str, float] | None = None,
     promised: dict[str, tuple[int, ...]] | None = None,
+    reserved_on: dict[str, tuple[int, ...]] | None = None,
 ) -> int:
     """One planning round in one transaction; returns how many calls were placed or
     preempted (non-zero also when the policy asks for another round at once). With
     ``explain``, also stores where each pending call stands and why. ``reserved``: the calls
     the previous round reserved for, which the leader keeps between rounds (the policy
     reads them, and this round's replace them); ``promised`` likewise, the calls it preempted
-    others for by least attained service, with the nodes of that room."""
+    others for by least attained service, with the nodes of that room; ``reserved_on``
+    likewise, the nodes of each reservation."""
     async with conn.transaction():
         # The live nodes, locked: capacity is read and committed under the same locks.
         nodes = await db.live_nodes(conn, config.node_timeout_s, lock=True)
@@ -161,7 +163,14 @@ async def plan_round(
         # until such a node is back (it fitted a registered node when it was submitted).
         queued, too_big = one_node_calls(queued, free)
         snapshot = _snapshot(
-            config, free, queued, held, held.now, dict(reserved or {}), dict(promised or {})
+            config,
+            free,
+            queued,
+            held,
+            held.now,
+            dict(reserved or {}),
+            dict(promised or {}),
+            dict(reserved_on or {}),
         )
         why: dict[str, tuple[int, str]] | None = {} if explain else None
         result = config.policy().plan(snapshot, why)
@@ -171,6 +180,9 @@ async def plan_round(
         if promised is not None:
             promised.clear()
             promised.update(result.promised)
+        if reserved_on is not None:
+            reserved_on.clear()
+            reserved_on.update(result.reserved_on)
         placed, _ = await _assign(conn, config, result)
         preempted = await db.preempt(
             conn, [(p.invocation_id, p.reason) for p in result.preemptions]
@@ -225,6 +237,7 @@ def _snapshot(
     now: float,
     reserved: Mapping[str, float] | None = None,
     promised: Mapping[str, tuple[int, ...]] | None = None,
+    reserved_on: Mapping[str, tuple[int, ...]] | None = None,
 ) -> Snapshot:
     """What a policy plans on."""
     return Snapshot(
@@ -241,6 +254,7 @@ def _snapshot(
         reserved=reserved or {},
         share_across_users=config.share_gpus_across_users,
         promised=promised or {},
+        reserved_on=reserved_on or {},
     )
 
 
@@ -378,6 +392,7 @@ async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig, leases
     # The calls the last round preempted others for by least attained service: they start
     # first. Likewise only this leadership's.
     promised: dict[str, tuple[int, ...]] = {}
+    reserved_on: dict[str, tuple[int, ...]] = {}  # (the nodes of each reservation)
     while True:
         async with hub.subscribe(["q"], stoppable=False) as sub:
             if leases.due():
@@ -389,7 +404,12 @@ async def lead(conn: asyncpg.Connection, hub: Hub, config: GatewayConfig, leases
             if explain:
                 last_explain = time.monotonic()
             placed = await plan_round(
-                conn, config, explain=explain, reserved=reserved, promised=promised
+                conn,
+                config,
+                explain=explain,
+                reserved=reserved,
+                promised=promised,
+                reserved_on=reserved_on,
             )
             if placed:
                 log.debug("placed %d calls", placed)

@@ -540,7 +540,9 @@ class _Round:
                     continue  # younger ones wait in line too, as in fair order
             budget -= call.gpus
             room = self.book.limit(call, kept)
-            parts = self.place(call, kept)
+            parts = self.place_reserved(kept, room)
+            if parts is None:
+                parts = self.place(call, kept)
             if parts is not None:
                 self.start(call, parts)
                 continue
@@ -563,11 +565,45 @@ class _Round:
                 self.held.append(held)
             self.reclaimer.reserved.update(held.spare)
             self.out.reserved[call.id] = held.start
+            self.out.reserved_on[call.id] = tuple(held.spare)
             self.done.add(call.id)
             if self.why is not None:
                 wait = held.start - self.snapshot.now
                 self.note(call, f"waited over {after_s:.0f} s: {shortfall(call, self.cap)}; "
                           f"GPUs reserved for it from in about {wait:.0f} s")  # fmt: skip
+
+    def place_reserved(self, call: Pending, room: float) -> tuple[Part, ...] | None:
+        """Start a call reserved for last round on the nodes it was reserved on
+        (``Snapshot.reserved_on``) if they have room for it now, all of them for a gang:
+        placed wherever it fits best, it could take nodes another reservation counts on (on
+        nodes of mixed sizes, a 12-GPU gang reserved a 4- and an 8-GPU node would take two
+        8-GPU ones, and the call reserved the other 8-GPU node would start late)."""
+        nodes = self.snapshot.reserved_on.get(call.id)
+        if not nodes:
+            return None
+        cap, parts = self.cap, []
+        whole = call.gpus > cap.largest_for(call)
+        for node_id in nodes:
+            state = cap.states.get(node_id)
+            if state is None or state.withdrawn or state.node.draining:
+                return None
+            free = placement.usable(state.node, state.free, call)
+            if whole:
+                if not placement.whole_node_ok(state.node, call):
+                    return None
+                if len(free) < len(state.node.gpus):
+                    return None
+                parts.append((state, tuple(free)))
+            elif len(nodes) == 1 and len(free) >= call.gpus:
+                parts.append((state, placement.choose(state.node, free, call.gpus)[0]))
+            else:
+                return None
+        taking = sum(len(gpus) for _, gpus in parts)
+        if (whole and taking < call.gpus) or taking > room + EPSILON:
+            return None
+        for state, gpus in parts:
+            cap.take(state, gpus)
+        return tuple(Part(state.node.node_id, gpus) for state, gpus in parts)
 
     def guard_budget(self, after_s: float, starving: list[Pending], waited: float) -> float:
         """GPUs the guard may give starved calls this round. Starved whole-node calls (those

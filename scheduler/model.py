@@ -272,6 +272,10 @@ class Snapshot:
     #: ``Plan.promised``, kept by the leader between rounds), with the nodes that room is on:
     #: the fair policy places them first.
     promised: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    #: The nodes each of ``reserved`` was reserved on (its ``Plan.reserved_on``, kept by the
+    #: leader between rounds): a reserved call starts there when they have room for it, not
+    #: on nodes another reservation counts on.
+    reserved_on: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     #: The running calls' expected ends per node, kept up to date by the caller (the
     #: replay); None: derived from ``running`` when a round needs them.
     ends: Ends | None = None
@@ -360,6 +364,8 @@ class Plan(list[Decision]):
         #: Calls the round preempted others for, and the nodes of that room (see
         #: ``Snapshot.promised``).
         self.promised: dict[str, tuple[int, ...]] = {}
+        #: The nodes each reservation of ``reserved`` holds (see ``Snapshot.reserved_on``).
+        self.reserved_on: dict[str, tuple[int, ...]] = {}
 
     def __repr__(self) -> str:
         return f"Plan({list(self)!r}, preemptions={self.preemptions!r})"

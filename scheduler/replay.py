@@ -182,6 +182,7 @@ class Simulator:
         self.node_failures = 0
         #: The calls the last round's plan reserved for (the next round's Snapshot.reserved).
         self.reserved: dict[str, float] = {}
+        self.reserved_on: Mapping[str, tuple[int, ...]] = {}
         self.promised: Mapping[str, tuple[int, ...]] = {}
         self.generation = [0] * len(self.jobs)
         self.events: list[tuple[float, int, int, int, int]] = []  # (t, seq, kind, job, gen)
@@ -423,12 +424,14 @@ class Simulator:
             user_usage=Usage(self.users, now),
             now=now,
             reserved=self.reserved,
+            reserved_on=self.reserved_on,
             promised=self.promised,
             share_across_users=self.share_across_users,
             ends=self.ends,
         )
         out = self.policy.plan(snapshot)
         self.reserved = dict(out.reserved)
+        self.reserved_on = out.reserved_on
         self.promised = out.promised
         return out
 
