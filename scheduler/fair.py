@@ -158,7 +158,11 @@ class _Round:
         #: Calls started this round, with their expected ends (the guard's later
         #: reservations count them as running).
         self.placed: list[tuple[tuple[Part, ...], float]] = []
-        self.reclaimer = Reclaimer(self.snapshot, self.cap, self.book, policy.starve_after_s)
+        #: The nodes' sizes that make a call a whole-node call (one for the round's steps).
+        self.whole_sizes = WholeSizes(snapshot.nodes)
+        self.reclaimer = Reclaimer(
+            self.snapshot, self.cap, self.book, policy.starve_after_s, self.whole_sizes
+        )
         self.reclaims = 0
         self.stuck: set[tuple[str, int, str | None, int]] = set()  # reclaim found nothing
         #: Reservations a guaranteed call waits on: borrowers may not backfill into them (a
@@ -266,10 +270,6 @@ class _Round:
     @functools.cached_property
     def by_id(self) -> dict[int, NodeCapacity]:
         return {n.node_id: n for n in self.snapshot.nodes}
-
-    @functools.cached_property
-    def whole_sizes(self) -> WholeSizes:
-        return WholeSizes(self.snapshot.nodes)
 
     def klass(self, call: Pending) -> int:
         return service_class(self.policy.las_thresholds, call.attained_gpu_s)

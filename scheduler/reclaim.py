@@ -60,6 +60,7 @@ class Reclaimer:
         cap: Capacity,
         book: Book,
         protect_after_s: float | None = None,
+        sizes: WholeSizes | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.cap = cap
@@ -67,6 +68,8 @@ class Reclaimer:
         #: Whole-node runs that waited this long before they started are never victims
         #: (None: none is protected; see :func:`protected`).
         self.protect_after_s = protect_after_s
+        #: The nodes' WholeSizes (see :func:`protected`), the round's own when it has one.
+        self.sizes = WholeSizes(snapshot.nodes) if sizes is None else sizes
         #: Nodes held for reservations: no room is sought there (the caller may add to it).
         self.reserved: set[int] = set()
         self.chosen: set[str] = set()
@@ -89,7 +92,6 @@ class Reclaimer:
         self._back: dict[int, int] = {}
         #: GPUs of each node set aside for calls that reclaimed there this round.
         self._promised: dict[int, int] = {}
-        self._sizes: WholeSizes | None = None  # (see protected)
 
     def _prepare(self) -> None:
         """Index the running calls, once per round and only if some call needs reclaim."""
@@ -130,11 +132,7 @@ class Reclaimer:
 
     def _victim_ok(self, run: Running) -> bool:
         """Whether the run may ever be preempted by reclaim."""
-        if self._sizes is None:
-            self._sizes = WholeSizes(self.nodes.values())
-        return run.preemptible and not protected(
-            run, self.protect_after_s, self.nodes, self._sizes
-        )
+        return run.preemptible and not protected(run, self.protect_after_s, self.nodes, self.sizes)
 
     def reclaim(self, call: Pending, limit: float = math.inf) -> Reclaim | None:
         """Pick room for ``call`` (victims possibly none), withdraw it, charge the groups;
@@ -396,21 +394,25 @@ def starved(run: Running, after_s: float | None) -> bool:
 class WholeSizes:
     """The GPUs of the largest live node of each kind (model, memory; None for a node mixing
     models): a call of as many GPUs on a node of that kind is a whole-node call, the
-    starvation guard's kind. Kinds are looked at only if some node is smaller than the
-    largest."""
+    starvation guard's kind. Worked out when first asked (one per round, shared by the
+    round's steps); kinds are looked at only if some node is smaller than the largest."""
 
     def __init__(self, nodes: Iterable[NodeCapacity]) -> None:
-        self.nodes = [node for node in nodes if not node.draining and node.gpus]
-        self.largest = max((len(node.gpus) for node in self.nodes), default=0)
+        self._all = nodes
+        self._nodes: list[NodeCapacity] | None = None
+        self._largest = 0
         self._by_kind: dict[tuple[str | None, int] | None, int] | None = None
 
     def whole(self, node: NodeCapacity, size: int) -> bool:
         """Whether ``size`` GPUs on ``node`` are as many as the largest node of its kind."""
-        if size >= self.largest:
+        if self._nodes is None:
+            self._nodes = [n for n in self._all if not n.draining and n.gpus]
+            self._largest = max((len(n.gpus) for n in self._nodes), default=0)
+        if size >= self._largest:
             return True
         if self._by_kind is None:
             self._by_kind = {}
-            for other in self.nodes:
+            for other in self._nodes:
                 shape = kind(other)
                 self._by_kind[shape] = max(self._by_kind.get(shape, 0), len(other.gpus))
         shape = kind(node)
