@@ -159,7 +159,8 @@ def test_the_leader_keeps_last_round_s_reservations_beyond_the_guard_s_share(
 ) -> None:
     """The fair guard lets starved whole-node calls hold only their share of the cluster, but
     a call the previous round reserved for keeps its reservation: the leader carries the
-    reserved calls from one plan_round to the next (``reserved``)."""
+    reserved calls, and the nodes reserved for them, from one plan_round to the next
+    (``reserved``, ``reserved_on``)."""
 
     async def check() -> None:
         conn = await asyncpg.connect(database_url)
@@ -198,8 +199,9 @@ def test_the_leader_keeps_last_round_s_reservations_beyond_the_guard_s_share(
             # (The guard at an hour: these calls waited two.)
             config = GatewayConfig(database_url=database_url, fair_starve_after_s=3600.0)
             reserved: dict[str, float] = {}
-            await scheduling.plan_round(conn, config, reserved=reserved)
-            assert reserved.keys() == {big}
+            reserved_on: dict[str, tuple[int, ...]] = {}  # (and on which nodes: node 1)
+            await scheduling.plan_round(conn, config, reserved=reserved, reserved_on=reserved_on)
+            assert reserved.keys() == {big} and reserved_on == {big: (1,)}
             # Three 3-GPU calls that also waited two hours: starved whole-node calls (big, and
             # node 1's) may now hold 8 / 17 of the 8 GPUs, less than node 1's call holds.
             # Planned afresh, big gets no reservation; after the round that reserved for it,
