@@ -190,6 +190,7 @@ class Capacity:
         self.largest = 0  # the largest usable node, free or not
         self.warm: dict[tuple[str, str], list[NodeState]] = {}
         self._largest: dict[ConstraintKey, int] = {}
+        self._shaped: list[tuple[NodeCapacity, placement.Shape | None]] | None = None
         self._failed: dict[FailKey, int] = {}
         #: Every node withdrawn this round, busy ones (no state) included.
         self.withdrawn: set[int] = set()
@@ -252,7 +253,9 @@ class Capacity:
             return self.largest
         key = (call.gpu_model, call.min_memory_mib)
         if key not in self._largest:
-            self._largest[key] = placement.largest_for(self.nodes, call)
+            if self._shaped is None:  # (each shape of node is looked at once per call kind)
+                self._shaped = [(n, placement.shape(n)) for n in self.nodes if not n.draining]
+            self._largest[key] = placement.largest_by_shape(self._shaped, call)
         return self._largest[key]
 
     def most_free(self, call: Pending) -> int:

@@ -336,7 +336,7 @@ class _Round:
             mine.setdefault(run.group, []).append(run)  # (its own stopping: GPUs coming back)
         if not ranks:
             return
-        fits: dict[tuple[int, str | None, int], list[NodeCapacity]] = {}
+        fits = placement.Fits(self.snapshot.nodes)
         for group, _ in sorted(first.items(), key=lambda gk: gk[1]):
             calls = (
                 (k, call)
@@ -469,8 +469,7 @@ class _Round:
         return kept
 
     def start(self, call: Pending, parts: tuple[Part, ...]) -> None:
-        borrowed = self.book.borrowed(call.group, parts, call.share)
-        self.book.add(call.group, parts, share=call.share)
+        borrowed = self.book.take(call.group, parts, call.share)
         self.out.append(Decision.of(call.id, parts, borrowed))
         self.done.add(call.id)
         end = math.inf if call.expected_s is None else self.snapshot.now + call.expected_s

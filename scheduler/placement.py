@@ -29,6 +29,8 @@ from collections.abc import Iterable, Sequence
 from scheduler.model import Gpu, NodeCapacity, Pending
 
 RankKey = tuple[int, int, int, int, int]
+#: (model, memory, GPUs) of a node whose GPUs are all alike (see :func:`shape`).
+Shape = tuple[str, int, int]
 
 
 def constrained(call: Pending) -> bool:
@@ -73,6 +75,19 @@ def largest_for(nodes: Iterable[NodeCapacity], call: Pending) -> int:
     """The most GPUs one node that takes work has for ``call``, busy or not: the biggest call
     of its kind that can run on one node."""
     return max((qualifying(n, call) for n in nodes if not n.draining), default=0)
+
+
+def largest_by_shape(shaped: Iterable[tuple[NodeCapacity, Shape | None]], call: Pending) -> int:
+    """:func:`largest_for` over nodes given with their :func:`shape` (draining ones left
+    out), each shape counted once."""
+    best, seen = 0, set()
+    for node, form in shaped:
+        if form is not None:
+            if form in seen:
+                continue
+            seen.add(form)
+        best = max(best, qualifying(node, call))
+    return best
 
 
 def usable(node: NodeCapacity, free: Iterable[int], call: Pending) -> list[int]:
@@ -160,6 +175,51 @@ def node_fits_ever(node: NodeCapacity, call: Pending) -> bool:
     if not constrained(call):
         return node.size >= call.gpus
     return sum(gpu_ok(g, call) for g in node.gpus) >= call.gpus
+
+
+class Fits:
+    """The nodes that may ever hold each kind of single-node call (:func:`node_fits_ever`),
+    draining ones aside, in their order; each shape of node (one model and memory size for
+    all its GPUs, and their number) is judged once per kind, not each node."""
+
+    def __init__(self, nodes: Iterable[NodeCapacity]) -> None:
+        self.nodes = [n for n in nodes if not n.draining]
+        self._shapes: list[Shape | None] | None = None
+        self._kinds: dict[tuple[int, str | None, int], list[NodeCapacity]] = {}
+
+    def __call__(self, call: Pending) -> list[NodeCapacity]:
+        kind = (call.gpus, call.gpu_model, call.min_memory_mib)
+        found = self._kinds.get(kind)
+        if found is not None:
+            return found
+        if not constrained(call):
+            found = [n for n in self.nodes if n.size >= call.gpus]
+        else:
+            if self._shapes is None:
+                self._shapes = [shape(n) for n in self.nodes]
+            verdicts: dict[Shape, bool] = {}
+            found = []
+            for node, form in zip(self.nodes, self._shapes, strict=True):
+                ok = verdicts.get(form) if form is not None else None
+                if ok is None:
+                    ok = node_fits_ever(node, call)
+                    if form is not None:
+                        verdicts[form] = ok
+                if ok:
+                    found.append(node)
+        self._kinds[kind] = found
+        return found
+
+
+def shape(node: NodeCapacity) -> Shape | None:
+    """(model, memory, GPUs) of a node whose GPUs are all alike; None if they differ or are
+    unknown."""
+    if not node.gpus:
+        return None
+    first = node.gpus[0]
+    if any(g.model != first.model or g.memory_mib != first.memory_mib for g in node.gpus):
+        return None
+    return first.model, first.memory_mib, len(node.gpus)
 
 
 def whole_node_ok(node: NodeCapacity, call: Pending) -> bool:

@@ -84,19 +84,42 @@ class Book:
         self._model_memo: dict[tuple[str, str], str | None] = {}  # (group, name) -> model
         #: Per running call: its GPUs per listed model (fixed for a round; read-only).
         self._run_memo: dict[str, dict[str, float]] = {}
-        #: Per group, a count bumped whenever what it holds changes (keys of the memo below).
-        self._version: dict[str, int] = defaultdict(int)
-        self._kept: dict[tuple[str, int, float, str | None, bool], str | None] = {}
-        self._limits: dict[tuple[str, int, str | None], float] = {}
+        #: restrict's answers, by group, the listed models without room, and the call's kind.
+        self._kept: dict[tuple[str, tuple[str, ...], float, str | None, bool], str | None] = {}
+        #: Per (group, models a call may use): the group's listed models among them.
+        self._limits: dict[tuple[str, str | None], tuple[tuple[str, Quota], ...]] = {}
         #: The GPU model names of the nodes (casefolded), the alternatives a call is kept to.
         self.names: tuple[str, ...] = ()
+        #: Per node whose GPUs all have one model name: that name and the GPUs' indices (a
+        #: part's GPUs there are counted at once, not one by one).
+        self._alike: dict[int, tuple[str, frozenset[int]]] = {}
+        #: No model name has a "|" in it (it would read as alternatives: see _kept_models).
+        self._plain = True
         if self.per_model:
-            self._names = {n.node_id: {g.index: g.model for g in n.gpus} for n in nodes}
-            self.names = tuple(sorted({g.model.casefold() for n in nodes for g in n.gpus}))
+            every: set[str] = set()
+            for node in nodes:
+                names = self._names[node.node_id] = {g.index: g.model for g in node.gpus}
+                models = set(names.values())
+                every |= models
+                if len(models) == 1:
+                    self._alike[node.node_id] = (models.pop(), frozenset(names))
+            self.names = tuple(sorted({name.casefold() for name in every}))
+            self._plain = not any("|" in name for name in self.names)
+        used, model_used, alike = self.used, self.model_used, self._alike
         for run in running:
             if run.preempting:
                 continue
             if self.per_model:
+                # (the common case, without add_run's memo: this runs per running call)
+                same = None if run.more or run.gpu_models else alike.get(run.node_id)
+                if same is not None and run.gpu_indices and same[1].issuperset(run.gpu_indices):
+                    group = run.group
+                    used[group] += run.amount
+                    if self.quota(group).models:
+                        model = self._model(group, same[0])
+                        if model is not None:
+                            model_used[(group, model)] += run.share * len(run.gpu_indices)
+                    continue
                 self.add_run(run)
             else:  # (run.amount inlined: this runs over every running call each round)
                 self.used[run.group] += run.gpus if run.share == 1.0 else run.share
@@ -134,7 +157,6 @@ class Book:
     def add(self, group: str, parts: Sequence[Part], sign: int = 1, share: float = 1.0) -> None:
         """Charge the group the GPUs of ``parts`` (``sign`` -1: give them back), ``share`` of
         each."""
-        self._version[group] += 1
         self.used[group] += sign * share * sum(len(p.gpu_indices) for p in parts)
         for model, n in self._counts(group, parts, share).items():
             self.model_used[(group, model)] += sign * n
@@ -148,7 +170,6 @@ class Book:
 
     def add_run(self, run: Running, sign: int = 1) -> None:
         """Charge (``sign`` -1: give back) a running call's GPUs to its group."""
-        self._version[run.group] += 1
         self.used[run.group] += sign * run.amount
         for model, n in self._run_counts(run).items():
             self.model_used[(run.group, model)] += sign * n
@@ -161,7 +182,13 @@ class Book:
         counts = self._run_memo.get(run.id)
         if counts is not None:
             return counts
-        if not run.gpu_models:
+        alike = None if run.more or run.gpu_models else self._alike.get(run.node_id)
+        if alike is not None and alike[1].issuperset(run.gpu_indices):
+            # (the common case, without building parts: this runs per running call)
+            model = self._model(run.group, alike[0])
+            gpus = len(run.gpu_indices)
+            counts = {model: run.share * gpus} if model is not None and gpus else {}
+        elif not run.gpu_models:
             counts = self._counts(run.group, run.parts, run.share)
         else:
             counts = defaultdict(int)
@@ -178,12 +205,26 @@ class Book:
             listed = self._listed[group] = dict(self.quota(group).models)
         return listed[model]
 
-    def _counts(self, group: str, parts: Iterable[Part], share: float = 1.0) -> dict[str, float]:
+    def _counts(self, group: str, parts: Sequence[Part], share: float = 1.0) -> dict[str, float]:
         """The GPUs of ``parts`` (``share`` of each) per listed model of the group."""
         if not self.per_model or not self.quota(group).models:
             return {}
+        if len(parts) == 1:  # (the common case, one node of one model: this runs per call)
+            part = parts[0]
+            alike = self._alike.get(part.node_id)
+            if alike is not None and alike[1].issuperset(part.gpu_indices):
+                model = self._model(group, alike[0])
+                if model is None or not part.gpu_indices:
+                    return {}
+                return {model: share * len(part.gpu_indices)}
         counts: dict[str, float] = defaultdict(int)
         for part in parts:
+            alike = self._alike.get(part.node_id)
+            if alike is not None and alike[1].issuperset(part.gpu_indices):
+                model = self._model(group, alike[0])
+                if model is not None and part.gpu_indices:
+                    counts[model] += share * len(part.gpu_indices)
+                continue
             names = self._names.get(part.node_id, {})
             for index in part.gpu_indices:
                 model = self._model(group, names.get(index, ""))
@@ -191,27 +232,38 @@ class Book:
                     counts[model] += share
         return counts
 
-    def borrowed(self, group: str, parts: Sequence[Part], share: float = 1.0) -> bool:
-        """Whether the group, taking ``parts`` (``share`` of each GPU), would hold more than
-        its guarantee, or more than a listed model's guarantee of that model's GPUs."""
+    def take(self, group: str, parts: Sequence[Part], share: float = 1.0) -> bool:
+        """Charge the group the GPUs of ``parts`` (``share`` of each), as :meth:`add` does;
+        whether it then holds more than its guarantee, or more than a listed model's
+        guarantee of that model's GPUs (the call borrows)."""
         taken = share * sum(len(p.gpu_indices) for p in parts)
-        if taken and self.used[group] + taken > self.quota(group).guaranteed + EPSILON:
-            return True
-        return any(
-            self.model_used[(group, model)] + n
-            > self._model_quota(group, model).guaranteed + EPSILON
-            for model, n in self._counts(group, parts, share).items()
-        )
+        used = self.used[group] = self.used[group] + taken
+        borrowed = bool(taken) and used > self.quota(group).guaranteed + EPSILON
+        for model, n in self._counts(group, parts, share).items():
+            held = self.model_used[(group, model)] = self.model_used[(group, model)] + n
+            borrowed = borrowed or held > self._model_quota(group, model).guaranteed + EPSILON
+        return borrowed
 
     def restrict(self, call: Pending, nominal: bool = False) -> Pending | None:
         """The call, kept to the GPU models its group may still take all of its GPUs of: the
         models within their ceilings (with ``nominal``: within their guarantees) and the
         unlisted ones. The call itself when nothing is kept from it; None when every model it
         may use is."""
-        if not call.gpus or not self.quota(call.group).models:
+        models = self.quota(call.group).models
+        if not call.gpus or not models:
             return call
-        group = call.group
-        key = (group, self._version[group], call.amount, call.gpu_model, nominal)
+        group, amount = call.group, call.amount
+        # (what is kept from the call depends only on which listed models lack room for it;
+        # _model_left inlined: this runs per call)
+        used = self.model_used
+        barred: tuple[str, ...] = ()
+        for model, quota in models:
+            left = (quota.guaranteed if nominal else quota.ceiling) - used[(group, model)]
+            if left + EPSILON < amount:
+                barred += (model,)
+        if self._plain and not barred:
+            return call  # (room on every listed model: the common case, asked per call)
+        key = (group, barred, amount, call.gpu_model, nominal)
         if key not in self._kept:
             self._kept[key] = self._kept_models(call, nominal)
         kept = self._kept[key]
@@ -253,16 +305,18 @@ class Book:
         if not self.quota(call.group).models:
             return room
         group = call.group
-        key = (group, self._version[group], kept.gpu_model)
-        if key not in self._limits:
-            for name in self.names:
-                if not placement.model_ok(name, kept.gpu_model):
-                    continue
-                model = self._model(group, name)
-                if model is not None:
-                    room = min(room, self._model_left(group, model, nominal=False))
-            self._limits[key] = room
-        return self._limits[key]
+        key = (group, kept.gpu_model)
+        listed = self._limits.get(key)
+        if listed is None:  # (the listed models it may use: fixed for the round)
+            found = {self._model(group, name) for name in self.names
+                     if placement.model_ok(name, kept.gpu_model)}  # fmt: skip
+            listed = self._limits[key] = tuple(
+                (m, self._model_quota(group, m)) for m in sorted(m for m in found if m is not None)
+            )
+        used = self.model_used
+        for model, quota in listed:  # (_model_left inlined: this runs per call)
+            room = min(room, quota.ceiling - used[(group, model)] + EPSILON)
+        return room
 
     def reclaimable(
         self, run: Running, released: Mapping[str | tuple[str, str], float], keep: bool = False

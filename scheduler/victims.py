@@ -34,7 +34,7 @@ class Victims:
         may: Callable[[Running, Released], bool] | None = None,
         count: Callable[[Released, Running], None] | None = None,
         look: int | None = None,
-        fits: dict[tuple[int, str | None, int], list[NodeCapacity]] | None = None,
+        fits: placement.Fits | None = None,
     ) -> None:
         #: Whether a run may still be taken, what this choice takes already considered (and
         #: how to count it): None, every run may.
@@ -53,10 +53,11 @@ class Victims:
         self.freed: list[int] = []
         #: The nodes that may ever hold a kind of call (GPUs, model, memory): may be shared by
         #: the indexes of one round.
-        self.fits = {} if fits is None else fits
+        self.fits = placement.Fits(self.all_nodes) if fits is None else fits
         self.worst = -math.inf
-        #: Per kind of asker (what ``may`` lets it take: see :meth:`free_for`), the fewest GPUs
-        #: a call of that kind asked for and got nothing.
+        #: Per kind of asker (what ``may`` lets it take: see :meth:`free_for`) and the nodes it
+        #: may use (model, memory), the fewest GPUs a call of that kind asked for and got
+        #: nothing.
         self.failed: dict[object, float] = {}
         #: A call that may take whatever any later one may found nothing for one GPU.
         self.exhausted = False
@@ -103,23 +104,21 @@ class Victims:
         runs); ``widest``: it may take whatever any later call may."""
         if call.gpus <= 0 or klass >= self.worst:
             return []
-        if call.gpus >= self.failed.get(asker, math.inf):
+        key = (asker, call.gpu_model, call.min_memory_mib)  # (the nodes it may use)
+        if call.gpus >= self.failed.get(key, math.inf):
             return []
         chosen = self._free_for(call, klass, cap, alone)
-        if not chosen and not alone and call.gpu_model is None and not call.min_memory_mib:
-            self.failed[asker] = call.gpus  # (a constrained call's failure says nothing)
-            self.exhausted = self.exhausted or (widest and call.gpus <= 1)
+        if not chosen and not alone:
+            self.failed[key] = call.gpus
+            if call.gpu_model is None and not call.min_memory_mib:
+                self.exhausted = self.exhausted or (widest and call.gpus <= 1)
         return chosen
 
     def _free_for(self, call: Pending, klass: float, cap: Capacity, alone: bool) -> list[Running]:
         gone = cap.withdrawn  # (reserved or reclaimed since this index was made)
         best: tuple[tuple[int, int], int, list[Running]] | None = None
         kind = (call.gpus, call.gpu_model, call.min_memory_mib)
-        fitting = self.fits.get(kind)
-        if fitting is None:
-            fitting = self.fits[kind] = [
-                n for n in self.all_nodes if placement.node_fits_ever(n, call)
-            ]
+        fitting = self.fits(call)
         single, found = bool(fitting), 0  # (a call some node may hold is never a gang)
         holding = self._holding.get(kind)
         if holding is None:  # (the nodes where this index has runs, in the same order)

@@ -3,10 +3,14 @@ model, on static snapshots; submit-time checks."""
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from scheduler import Gpu, NodeCapacity, Pending, Quota, Running, Snapshot, explain, never_fits
 from scheduler import plan as plan_round
 from scheduler.fair import Fair
-from scheduler.quotas import model_of
+from scheduler.model import Part
+from scheduler.quotas import Book, model_of
 
 FAIR = Fair(starve_after_s=None)
 
@@ -197,3 +201,51 @@ def test_reclaim_leaves_a_group_its_guarantee_of_a_model_whatever_it_holds_in_al
                     [Pending("n", 4, group="nlp", gpu_model="A100")], running, quotas=quotas,
                     now=10)  # fmt: skip
     assert plan(snap).preemptions == []
+
+
+RUNS = st.tuples(
+    st.integers(0, 3),
+    st.sets(st.integers(0, 5), min_size=1),
+    st.sampled_from(["nlp", "vision"]),
+    st.sampled_from([1.0, 0.5]),
+)
+
+
+@given(st.lists(RUNS, max_size=12), st.integers(0, 6), st.integers(0, 6))
+def test_a_group_s_gpus_per_model_are_counted_alike_from_the_nodes_or_from_the_runs(
+    specs: list[tuple[int, set[int], str, float]], guaranteed: int, limit: int
+) -> None:
+    # The Book counts a run's GPUs per model from the nodes' inventories (by node when all
+    # its GPUs are of one model), or from the run's own gpu_models: the same holdings either
+    # way, the same models kept from a call and the same room for it.
+    both = tuple(Gpu(g, f"NVIDIA {'A100-SXM4' if g % 2 else 'H100'}", 81920) for g in range(4))
+    nodes = [node(0, [], "A100"), node(1, [], "H100"), NodeCapacity(2, [], 0, both),
+             node(3, [], "L40S")]  # fmt: skip
+    names = {n.node_id: {g.index: g.model for g in n.gpus} for n in nodes}
+    per_model = (("A100", Quota(guaranteed, limit)), ("H100", Quota(guaranteed // 2, None)))
+    quotas = {"nlp": Quota(4, 8, per_model), "vision": Quota(2, None)}
+    runs, named = [], []
+    for i, (node_id, indices, group, share) in enumerate(specs):
+        taken = tuple(sorted(indices))[:1] if share != 1.0 else tuple(sorted(indices))
+        plain = Running(f"r{i}", node_id, taken, group=group, share=share)
+        runs.append(plain)
+        models = tuple(names[node_id].get(g, "") for g in taken)  # (4, 5: not in inventory)
+        named.append(Running(f"r{i}", node_id, taken, group=group, share=share, gpu_models=models))
+    by_nodes, by_runs = Book(runs, quotas, nodes=nodes), Book(named, quotas, nodes=nodes)
+    assert dict(by_nodes.used) == dict(by_runs.used)
+    assert {k: v for k, v in by_nodes.model_used.items() if v} == {
+        k: v for k, v in by_runs.model_used.items() if v
+    }
+    for model in (None, "A100", "H100", "A100|H100"):
+        for gpus in (1, 2, 4):
+            call = Pending("c", gpus, group="nlp", gpu_model=model)
+            for nominal in (False, True):
+                kept = by_nodes.restrict(call, nominal)
+                assert kept == by_runs.restrict(call, nominal)
+                if kept is not None:
+                    assert by_nodes.limit(call, kept) == by_runs.limit(call, kept)
+    # Charging a new call counts its GPUs per model as the runs' own names would.
+    for book in (by_nodes, by_runs):
+        book.take("nlp", (Part(2, (0, 1)),))
+    assert by_nodes.model_used[("nlp", "A100")] == by_runs.model_used[("nlp", "A100")]
+    assert by_nodes.model_used[("nlp", "H100")] == by_runs.model_used[("nlp", "H100")]

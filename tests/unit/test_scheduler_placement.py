@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import Gpu, NodeCapacity, Pending, Snapshot, plan
@@ -226,3 +226,41 @@ def test_a_gang_gets_an_8_and_a_4_rather_than_two_8s() -> None:
     nodes = [node(1, list(range(8))), node(2, list(range(8))), node(3, [0, 1, 2, 3], size=4)]
     (d,) = plan(Snapshot(nodes, [Pending("big", 12)]))
     assert [(p.node_id, len(p.gpu_indices)) for p in d.parts] == [(1, 8), (3, 4)]
+
+
+def mixed_nodes_strategy() -> st.SearchStrategy[list[NodeCapacity]]:
+    """Nodes of 4 or 8 GPUs (or an unknown inventory), some mixing models or memory sizes,
+    some draining."""
+    gpu = st.tuples(st.sampled_from(["A100", "H100"]), st.sampled_from([40960, 81920]))
+    one = st.tuples(st.sampled_from([0, 4, 8]), st.integers(0, 3), st.booleans(), gpu, gpu)
+
+    def build(i: int, size: int, mixed: int, draining: bool, first: tuple[str, int],
+              other: tuple[str, int]) -> NodeCapacity:  # fmt: skip
+        kinds = [first, other] if mixed == 0 else [first]  # (a quarter of them mixed)
+        gpus = tuple(Gpu(g, *kinds[g % len(kinds)]) for g in range(size))
+        return NodeCapacity(i, list(range(size or 3)), 0, gpus, draining=draining and i % 2 == 0)
+
+    return st.lists(one, max_size=10).map(
+        lambda specs: [build(i, *spec) for i, spec in enumerate(specs)]
+    )
+
+
+any_call = st.builds(
+    lambda n, model, memory: Pending("c", n, gpu_model=model, min_memory_mib=memory),
+    st.integers(0, 9),
+    st.sampled_from([None, "A100", "H100", "a100|h100"]),
+    st.sampled_from([0, 81920]),
+)
+
+
+@settings(max_examples=400)
+@given(mixed_nodes_strategy(), st.lists(any_call, min_size=1, max_size=4))
+def test_nodes_judged_by_shape_are_the_nodes_judged_one_by_one(
+    nodes: list[NodeCapacity], asked: list[Pending]
+) -> None:
+    # Fits and Capacity.largest_for judge each shape of node once: the same answers as
+    # asking every node, whatever the order the kinds of call come in.
+    fits, cap = pl.Fits(nodes), Capacity(nodes)
+    for call in asked:
+        assert fits(call) == [n for n in nodes if not n.draining and pl.node_fits_ever(n, call)]
+        assert cap.largest_for(call) == pl.largest_for(nodes, call)
