@@ -512,6 +512,9 @@ class Options:
     min_run_s: float | None = None
     #: The fair policy's shelter for calls on whole nodes (see scheduler.fair, step 3).
     shelter_whole_nodes: bool = True
+    #: The fair policy's fair share among borrowers (step 4) and its margin (None: default).
+    share_preemption: bool = True
+    share_margin: float | None = None
 
 
 def policy_names() -> list[str]:
@@ -554,6 +557,10 @@ def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
         settings["min_run_s"] = options.min_run_s
     if not options.shelter_whole_nodes:
         settings["shelter_whole_nodes"] = False
+    if not options.share_preemption:
+        settings["share_preemption"] = False
+    if options.share_margin is not None:
+        settings["share_margin"] = options.share_margin
     sim = Simulator(
         jobs,
         get_policy(options.policy, **settings),
@@ -658,6 +665,20 @@ def parser() -> argparse.ArgumentParser:
         help="fair: a job on whole nodes gives way to smaller jobs under least attained "
         "service as often as they ask (default: once at most)",
     )
+    p.add_argument(
+        "--no-share-preemption",
+        dest="share_preemption",
+        action="store_false",
+        help="fair: no fair share among borrowers (a group that borrows less for its weight "
+        "does not take another's borrowed jobs)",
+    )
+    p.add_argument(
+        "--share-margin",
+        type=float,
+        default=None,
+        help="fair: how much more a group must borrow for its weight than the asking job's "
+        "for fair share among borrowers to take its jobs (default 8)",
+    )
     return p
 
 
@@ -681,6 +702,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("--no-least-attained", not args.least_attained),
             ("--min-run-s", args.min_run_s is not None),
             ("--no-whole-node-shelter", not args.shelter_whole_nodes),
+            ("--no-share-preemption", not args.share_preemption),
+            ("--share-margin", args.share_margin is not None),
         )
         if given
     ]
@@ -689,6 +712,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.min_run_s is not None and args.min_run_s < 0:
         print("--min-run-s cannot be negative", file=sys.stderr)
+        return 2
+    if args.share_margin is not None and not args.share_margin > 0:
+        print("--share-margin must be above 0 (0 would let two groups swap calls back "
+              "and forth)", file=sys.stderr)  # fmt: skip
         return 2
     if args.look_ahead is not None and args.look_ahead < 1:
         print("--look-ahead must be at least 1", file=sys.stderr)
@@ -717,6 +744,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.least_attained,
         args.min_run_s,
         args.shelter_whole_nodes,
+        args.share_preemption,
+        args.share_margin,
     )
     try:
         metrics = replay(args.trace, options)

@@ -63,6 +63,13 @@ def test_the_whole_node_shelter_reaches_the_policy() -> None:
     assert bare.shelter_whole_nodes is False  # type: ignore[attr-defined]
 
 
+def test_fair_share_among_borrowers_reaches_the_policy() -> None:
+    policy = GatewayConfig(database_url=URL).policy()
+    assert policy.share_preemption and policy.share_margin == 8.0  # type: ignore[attr-defined]
+    off = GatewayConfig(database_url=URL, fair_share_preemption=False, fair_share_margin=2).policy()
+    assert (off.share_preemption, off.share_margin) == (False, 2)  # type: ignore[attr-defined]
+
+
 def test_request_handling_defaults() -> None:
     config = GatewayConfig(database_url=URL)
     assert (config.rate_limit_per_s, config.rate_limit_burst) == (500.0, 1000)

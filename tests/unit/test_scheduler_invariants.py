@@ -280,7 +280,9 @@ def check_preemptions(snap: Snapshot, out: Plan, policy: str | Policy) -> None:
 
 
 def settle(snap: Snapshot, policy: Policy) -> Snapshot:
-    """Apply plans (preempted calls leave at once and queue again) until nothing changes."""
+    """Apply plans (preempted calls leave at once and queue again; the room a round preempted
+    for stays promised to its call, as the gateway's leader keeps it) until nothing
+    changes."""
     for _ in range(60):
         out = plan(snap, policy)
         if not out and not out.preemptions:
@@ -301,7 +303,7 @@ def settle(snap: Snapshot, policy: Policy) -> Snapshot:
             running[call.id] = Running(call.id, d.node_id, d.gpu_indices, group=call.group,
                                        start_time=snap.now, borrowed=d.borrowed)  # fmt: skip
         snap = Snapshot(list(nodes.values()), list(pending.values()), list(running.values()),
-                        snap.quotas, now=snap.now + 1)  # fmt: skip
+                        snap.quotas, now=snap.now + 1, promised=out.promised)  # fmt: skip
     raise AssertionError("plans kept changing the cluster")
 
 

@@ -171,6 +171,34 @@ def test_fair_s_least_attained_service_can_be_turned_off_in_the_replay(
     assert runs["las"]["avg_queue_s"] < runs["off"]["avg_queue_s"] / 2
 
 
+def test_fair_share_among_borrowers_and_its_margin_in_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Group a fills three 4-GPU nodes with long jobs; group b, guaranteed nothing either,
+    # sends four one-hour jobs. b takes a's jobs' places while a, once they are gone, still
+    # borrows the margin more than b does: 2 with the default (8), 3 with 6, none off.
+    trace = tmp_path / "groups.csv"
+    rows = ["submit_time,duration,num_gpus,group"]
+    rows += [f"{i},72000,1,a" for i in range(12)] + [f"{100 + i},3600,1,b" for i in range(4)]
+    trace.write_text("\n".join(rows) + "\n")
+    quotas = tmp_path / "quotas.json"
+    quotas.write_text('{"a": {"guaranteed": 0}, "b": {"guaranteed": 0}}')
+    args = [str(trace), "--nodes", "3", "--gpus-per-node", "4", "--policy", "fair",
+            "--quota-file", str(quotas), "--no-least-attained", "--format", "json"]  # fmt: skip
+    runs = {}
+    for name, extra in [("default", []), ("close", ["--share-margin", "6"]),
+                        ("off", ["--no-share-preemption"])]:  # fmt: skip
+        assert replay.main([*args, *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    assert [runs[n]["preemptions"] for n in ("default", "close", "off")] == [2, 3, 0]
+    waits = [runs[n]["avg_queue_s"] for n in ("close", "default", "off")]
+    assert waits == sorted(waits) and waits[0] < waits[2]
+    assert replay.main([*args, "--share-margin", "0"]) == 2
+    assert "--share-margin must be above 0" in capsys.readouterr().err
+    assert replay.main([*args[:-5], "--policy", "fifo", "--no-share-preemption"]) == 2
+    assert "--no-share-preemption: settings of --policy fair only" in capsys.readouterr().err
+
+
 def test_a_job_on_whole_nodes_gives_way_to_smaller_jobs_once_in_the_replay(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
