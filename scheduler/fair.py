@@ -4,6 +4,9 @@ Each round takes the pending calls in fair-share order
 (:func:`~scheduler.fairshare.fair_buckets`; from the replay's :class:`~scheduler.queue.Queue`
 as it keeps them, split by class of service, without a pass over every call):
 
+0a. Promised rooms: a call the last round preempted others for (reclaim, a swap) starts on
+   the nodes freed for it if they have room now, before anything else (unless another
+   call's reservation holds them); step 0b deals with the others.
 0. Starvation guard (``starve_after_s``, twelve hours by default): per group, the
    *whole-node* call (as many GPUs as the largest node that may take it, or more) that has
    waited longest past the bound and that it may serve (within its ceiling, a model left
@@ -192,6 +195,8 @@ class _Round:
         self.full: set[tuple[str, int, str | None, int]] = set()
 
     def run(self) -> Plan:
+        if self.snapshot.promised:
+            self.promised_rooms()
         if self.policy.starve_after_s is not None:
             self.guard(self.policy.starve_after_s)
         if self.snapshot.promised:
@@ -203,6 +208,29 @@ class _Round:
         if self.policy.share_preemption:
             self.rebalance()
         return self.out
+
+    def promised_rooms(self) -> None:
+        """Step 0a: a call the last round preempted others for (a swap, or reclaim) starts
+        on the very nodes freed for it, before anything else is placed, if they have room
+        for it now (nodes another call's reservation holds aside: that call keeps them).
+        Else the guard's reserved calls, placed first, could take the room just freed for
+        an older guaranteed call, which then reclaimed again."""
+        reserved = {n for nodes in self.snapshot.reserved_on.values() for n in nodes}
+        pending = self.snapshot.pending
+        if isinstance(pending, Queue):  # (the promised calls alone, in queue order)
+            pending = pending.among(self.snapshot.promised)
+        for call in pending:
+            nodes = self.snapshot.promised.get(call.id)
+            if not nodes or call.id in self.done or reserved.intersection(nodes):
+                continue
+            if call.share != 1.0:
+                continue  # (a share goes on a shared GPU: step 0b places it)
+            kept = self.keep(call)
+            if kept is None or not self.book.within_ceiling(call):
+                continue
+            parts = self.place_on(kept, nodes, self.book.limit(call, kept))
+            if parts is not None:
+                self.start(call, parts)
 
     def promises(self) -> None:
         """Step 0b: the calls the last round preempted others for start first, on any room;
@@ -386,7 +414,7 @@ class _Round:
                     return False
                 # (with step 4, never leave the other group borrowing less for its weight
                 # than this one: step 4 would take the room straight back)
-                return not fair_share or self.lent(group, a[2]) <= margin + self.lent(
+                return not fair_share or book.lent(group, a[2]) <= margin + book.lent(
                     run.group, -taken.get(run.group, 0) - run.amount
                 )
 
@@ -429,17 +457,11 @@ class _Round:
                     continue
                 self.swapped(call, kept, gone, victims.freed)
 
-    def lent(self, group: str, extra: float = 0.0) -> float:
-        """How much the group borrows for its weight: GPUs held past its guarantee (with
-        ``extra`` more), over the guarantee plus one (a group without one still counts)."""
-        quota = self.book.quota(group)
-        return (self.book.used[group] + extra - quota.guaranteed) / (quota.guaranteed + 1)
-
     def rebalance(self) -> None:
         """Step 4, fair share among borrowers (Kueue's fair sharing, its "less than or equal
         to the final share" rule): a call still waiting that would borrow may take the place
         of other groups' borrowed calls while each of those groups, once its calls are gone,
-        still borrows at least as much for its weight (:meth:`lent`) as the call's group will
+        still borrows at least as much for its weight (:meth:`Book.lent`) as the call's group will
         with the call: so the swap could never be swapped straight back, and a group never
         goes below its guarantee (in all, and of each model) for it. Without it a small group
         that started big calls on an idle cluster keeps them while others wait: on the
@@ -453,8 +475,8 @@ class _Round:
         if limit is not None and self.reclaims >= limit:
             return
         margin = policy.share_margin
-        most = max((self.lent(g) for g in list(book.used) if book.borrowing(g)), default=None)
-        if most is None or min(map(self.lent, self.groups), default=most) >= most - margin:
+        most = max((book.lent(g) for g in list(book.used) if book.borrowing(g)), default=None)
+        if most is None or min(map(book.lent, self.groups), default=most) >= most - margin:
             return  # (no waiting group borrows the margin less than one that borrows: no pass)
         chosen, done = self.reclaimer.chosen, self.done
         lent: list[Running] = []
@@ -476,13 +498,13 @@ class _Round:
             lent.append(run)
         if not lent:
             return
-        top = max(self.lent(group) for group in {run.group for run in lent}) - margin
+        top = max(book.lent(group) for group in {run.group for run in lent}) - margin
         mine_b: dict[str, list[list[list[Pending]]]] = {}
         for group, tiers in zip(self.groups, self.tiers, strict=True):
             mine_b.setdefault(group, []).append(tiers)
         fits = placement.Fits(self.snapshot.nodes)
-        for group in sorted(mine_b, key=self.lent):
-            if self.lent(group) >= top:
+        for group in sorted(mine_b, key=book.lent):
+            if book.lent(group) >= top:
                 break  # (nobody borrows more for its weight than this group already does)
             depth = max(len(tiers) for tiers in mine_b[group])
             calls = (
@@ -501,7 +523,7 @@ class _Round:
                     return False
                 if sheltered.get(run.id, 0) > a[1]:
                     return False
-                left = self.lent(run.group, -taken.get(run.group, 0) - run.amount)
+                left = book.lent(run.group, -taken.get(run.group, 0) - run.amount)
                 return left >= a[0] + margin and book.reclaimable(run, taken, keep=True)
 
             runs = [r for r in lent if r.group != group and r.id not in self.swapped_out]
@@ -517,7 +539,7 @@ class _Round:
                     continue
                 if book.nominal(call) or not book.within_ceiling(call):
                     continue  # (within its guarantee reclaim serves it; past its ceiling: no)
-                mine = self.lent(group, call.amount)
+                mine = book.lent(group, call.amount)
                 if mine >= top:
                     continue
                 kept = self.keep(call)
@@ -716,6 +738,13 @@ class _Round:
         nodes = self.snapshot.reserved_on.get(call.id)
         if not nodes:
             return None
+        return self.place_on(call, nodes, room)
+
+    def place_on(
+        self, call: Pending, nodes: Sequence[int], room: float
+    ) -> tuple[Part, ...] | None:
+        """Start ``call`` on these nodes if they have room for it now (every one whole, for
+        a gang; one node holding all of it, else), within ``room`` GPUs; None if not."""
         cap, parts = self.cap, []
         whole = call.gpus > cap.largest_for(call)
         for node_id in nodes:
@@ -806,6 +835,7 @@ class _Round:
             self.stuck.add(shape)
             return False
         self.reclaims += bool(found.victims)
+        self.out.promised[call.id] = tuple(sorted(found.node_ids))  # (step 0a next round)
         room = self.promised(kept, found.node_ids, found.gpus != kept.gpus)
         book.add(group, room, share=kept.share)  # that is spoken for
         reason = (

@@ -142,6 +142,12 @@ class Book:
         floating point, so the room is given a hair more, as the comparisons here are)."""
         return self.quota(group).ceiling - self.used[group] + EPSILON
 
+    def lent(self, group: str, extra: float = 0.0) -> float:
+        """How much the group borrows for its weight: GPUs held past its guarantee (with
+        ``extra`` more), over the guarantee plus one (a group without one still counts)."""
+        quota = self.quota(group)
+        return (self.used[group] + extra - quota.guaranteed) / (quota.guaranteed + 1)
+
     def borrowing(self, group: str) -> bool:
         """Whether the group holds more than its guarantee (so some of it is reclaimable)."""
         return self.used[group] > self.quota(group).guaranteed + EPSILON

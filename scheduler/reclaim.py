@@ -6,8 +6,11 @@ whole-node call that waited past the starvation bound before it started, the gua
 group, and its group holds more than its guarantee when it is picked (for a run on GPUs of
 models its group's quota lists: more than its guarantee of each of them, see
 :meth:`scheduler.quotas.Book.reclaimable`), so reclaim never eats into anyone's guarantee.
-Nodes reserved for a starving call are left alone. Candidates are taken youngest first (those
-flagged borrowed before the rest), and only as many as make the call fit: for a single-node
+Nodes reserved for a starving call are left alone. Candidates are taken those flagged
+borrowed first, of those the calls of the groups that borrow most for their weight
+(:meth:`~scheduler.quotas.Book.lent`, as the round began) first, then youngest first (before
+session 19, youngest first whatever the group: a small group that borrowed big calls kept
+them while bigger groups lost theirs), and only as many as make the call fit: for a single-node
 call, walking the candidates in that order, the first node whose free GPUs plus its candidates
 so far hold the call wins, with those candidates as victims. A multi-node gang clears the whole
 nodes needing the fewest victims, leaving out nodes that would take its group past its ceiling
@@ -128,7 +131,10 @@ class Reclaimer:
                 first = min(live, key=_walk_key)
                 self._sharers[first.id] = live
                 queue.append(first)
-        self._queue = sorted(queue, key=_walk_key)
+        lent = {group: self.book.lent(group) for group in {run.group for run in queue}}
+        self._queue = sorted(
+            queue, key=lambda r: (not r.borrowed, -lent[r.group], -r.start_time)
+        )  # (borrowed first; of those, the groups borrowing most for their weight first)
 
     def _victim_ok(self, run: Running) -> bool:
         """Whether the run may ever be preempted by reclaim."""
@@ -379,7 +385,7 @@ class Reclaimer:
 
 
 def _walk_key(run: Running) -> tuple[bool, float]:
-    """Reclaim's order of candidates: those placed borrowed first, youngest first."""
+    """The order of a shared GPU's calls: those placed borrowed first, youngest first."""
     return (not run.borrowed, -run.start_time)
 
 

@@ -161,11 +161,9 @@ def test_a_reserved_call_that_reclaims_keeps_its_turn_and_starts_in_time() -> No
     assert len(sim.completed) == len(jobs)
 
 
-# --- known, not fixed yet (issue 17) -------------------------------------------------------
+# --- found by the review, fixed in session 19 ----------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="known: room reclaimed for a call is not kept for it "
-                   "next round; a call reserved for last round goes first and takes it")
 def test_a_reserved_borrower_does_not_take_room_reclaimed_for_an_older_guaranteed_call() -> None:
     # 3 x 4-GPU nodes. b (guaranteed 8) holds node 1 (ends now+100) and node 2 nominally
     # and borrows node 3. Two starving whole-node calls: a's A (older, within a's guarantee
@@ -182,13 +180,16 @@ def test_a_reserved_borrower_does_not_take_room_reclaimed_for_an_older_guarantee
     r1 = plan(Snapshot(nodes, [A, C], x, quotas=quotas, now=now, reserved={"C": now + 100}),
               GUARD)
     assert preempted(r1) == {"x3"} and r1.reserved == {"C": now + 100.0}  # reclaimed for A
+    assert r1.promised == {"A": (3,)}  # (the room is A's: the leader keeps promises)
     # Next instant: x3 has gone, node 3 is free. It was reclaimed for A (guaranteed).
     nodes2 = [node(1, []), node(2, []), node(3, [0, 1, 2, 3])]
     r2 = plan(Snapshot(nodes2, [A, C, Pending("x3", 4, group="b", submit_time=10,
                                               queued_time=now)],
-                       x[:2], quotas=quotas, now=now + 1, reserved=dict(r1.reserved)), GUARD)
+                       x[:2], quotas=quotas, now=now + 1, reserved=dict(r1.reserved),
+                       reserved_on=dict(r1.reserved_on), promised=dict(r1.promised)), GUARD)
     started = {d.invocation_id: d.node_id for d in r2}
     assert started.get("A") == 3, (started, r2.reserved)
+    assert r2.reserved == {"C": now + 100.0}  # C still waits for node 1, due as before
 
 
 def test_two_reservations_due_together_on_mixed_nodes_both_start() -> None:

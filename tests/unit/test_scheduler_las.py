@@ -182,10 +182,12 @@ def test_a_promise_holds_while_another_group_s_call_leaves_and_reclaim_keeps_off
     snapshot = Snapshot([node([]), node([], 1)], [call("new", 2), call("nominal", 2, "k")],
                         running, quotas, now=NOW, promised={"new": (0,)})  # fmt: skip
     out = LAS.plan(snapshot)
-    assert out.promised == {"new": (0,)}
+    assert out.promised["new"] == (0,)
     assert not any("least attained" in p.reason for p in out.preemptions)
-    # Reclaim for k's call preempts h's other call rather than count on the promised room.
+    # Reclaim for k's call preempts h's other call rather than count on the promised room;
+    # the room it reclaims is promised to that call in turn.
     assert preempted(out) == {"other"}
+    assert out.promised == {"new": (0,), "nominal": (1,)}
 
 
 def test_a_call_on_whole_nodes_gives_way_to_smaller_calls_once_at_most() -> None:

@@ -157,3 +157,20 @@ def test_a_whole_node_call_sent_back_before_or_one_the_guard_served_keeps_its_no
     assert plan(whole(attained_gpu_s=1_000.0), 4) == ["whole"]
     assert plan(whole(), 1) == ["whole"]
     assert plan(whole(queued_time=NOW - 60_000.0), 4) == []
+
+
+def test_reclaim_takes_back_from_the_group_borrowing_most_for_its_weight_first() -> None:
+    # "vision" wants one of its 4 guaranteed GPUs back. "big" (guaranteed 3) borrows one GPU
+    # with its youngest call; "small" (no guarantee) borrows four, started earlier. Reclaim
+    # takes small's youngest: small borrows 4 for its weight of 1, big 1/4.
+    reclaim_only = Fair(las_thresholds=(), starve_after_s=None, share_preemption=False)
+    nodes = [NodeCapacity(0, [], 0, GPUS), NodeCapacity(1, [], 0, GPUS)]
+    running = [Running(f"b{g}", 0, (g,), "ann", "big", start_time=NOW - 1_000.0 + g,
+                       borrowed=g == 3) for g in range(4)]  # fmt: skip
+    running += [Running(f"s{g}", 1, (g,), "ann", "small", start_time=NOW - 5_000.0 + g,
+                        borrowed=True) for g in range(4)]  # fmt: skip
+    quotas = {"vision": Quota(4), "big": Quota(3), "small": Quota(0)}
+    state = Snapshot(nodes, [call("v", "vision")], running, quotas, now=NOW)
+    out = reclaim_only.plan(state)
+    assert preempted(out) == ["s3"]
+    assert out.promised == {"v": (1,)}
