@@ -210,27 +210,40 @@ class _Round:
         return self.out
 
     def promised_rooms(self) -> None:
-        """Step 0a: a call the last round preempted others for (a swap, or reclaim) starts
-        on the very nodes freed for it, before anything else is placed, if they have room
-        for it now (nodes another call's reservation holds aside: that call keeps them).
-        Else the guard's reserved calls, placed first, could take the room just freed for
-        an older guaranteed call, which then reclaimed again."""
+        """Step 0a: a call the last round preempted others for (a swap, or reclaim) that is
+        within its group's guarantee starts on the very nodes freed for it, before anything
+        else is placed, if they have room for it now (nodes another call's reservation holds
+        aside: that call keeps them); else the guard's reserved calls, placed first, could
+        take the room just freed for it, and it reclaimed again. A borrower waits for the
+        guard's calls (step 0b). Nodes still being freed for a promised call are withdrawn
+        here, before the guard, which would otherwise reserve them for another call."""
         reserved = {n for nodes in self.snapshot.reserved_on.values() for n in nodes}
+        leaving = {part.node_id for run in self.snapshot.running if run.preempting
+                   for part in run.parts}  # fmt: skip
         pending = self.snapshot.pending
         if isinstance(pending, Queue):  # (the promised calls alone, in queue order)
             pending = pending.among(self.snapshot.promised)
         for call in pending:
             nodes = self.snapshot.promised.get(call.id)
-            if not nodes or call.id in self.done or reserved.intersection(nodes):
+            if not nodes or call.id in self.done:
                 continue
-            if call.share != 1.0:
-                continue  # (a share goes on a shared GPU: step 0b places it)
             kept = self.keep(call)
-            if kept is None or not self.book.within_ceiling(call):
-                continue
-            parts = self.place_on(kept, nodes, self.book.limit(call, kept))
-            if parts is not None:
-                self.start(call, parts)
+            if (
+                call.share == 1.0  # (a share goes on a shared GPU: step 0b places it)
+                and self.book.nominal(call)  # (a borrower waits for the guard's calls)
+                and not reserved.intersection(nodes)
+                and kept is not None
+            ):
+                parts = self.place_on(kept, nodes, self.book.limit(call, kept))
+                if parts is not None:
+                    self.start(call, parts)
+                    continue
+            # Nodes its victims are still leaving stay its own, from the guard too (which
+            # would otherwise reserve them for another call); step 0b does the rest.
+            still = [n for n in nodes if n in leaving]
+            self.reclaimer.reserved.update(still)
+            for node_id in still:
+                self.cap.withdraw(node_id)
 
     def promises(self) -> None:
         """Step 0b: the calls the last round preempted others for start first, on any room;
@@ -455,7 +468,13 @@ class _Round:
                 )
                 if not gone:
                     continue
+                held = book.used[group]
                 self.swapped(call, kept, gone, victims.freed)
+                if fair_share and book.used[group] < held:
+                    # (the group now borrows less: step 4's margin lets more through, so
+                    # what failed before may not fail now)
+                    victims.failed.clear()
+                    victims.exhausted = False
 
     def rebalance(self) -> None:
         """Step 4, fair share among borrowers (Kueue's fair sharing, its "less than or equal
@@ -514,12 +533,13 @@ class _Round:
                 if k < len(tiers)
                 for call in tiers[k]
             )  # (its own fair order, by class as in step 3; made as it is asked for)
-            asking = [0.0, 0.0]  # (the group's weighted borrowing with the call, its GPUs)
+            # (the group's weighted borrowing with the call, its GPUs, its priority)
+            asking = [0.0, 0.0, 0.0]
 
             def may(
                 run: Running, taken: Released, group: str = group, a: list[float] = asking
             ) -> bool:
-                if run.group == group or run.id in self.swapped_out:
+                if run.group == group or run.id in self.swapped_out or run.priority > a[2]:
                     return False
                 if sheltered.get(run.id, 0) > a[1]:
                     return False
@@ -530,6 +550,10 @@ class _Round:
             victims = Victims(
                 self.snapshot.nodes, runs, lambda r: 1, may, book.count_release, 16, fits
             )
+            # (what a call may take depends on its priority and, with sheltered runs, its
+            # size: a failure is remembered only for calls that may take no more)
+            top_priority = max((r.priority for r in runs), default=0)
+            sizes = sorted({sheltered[r.id] for r in runs if r.id in sheltered})
             for call in calls:
                 if limit is not None and self.reclaims >= limit:
                     return
@@ -545,8 +569,10 @@ class _Round:
                 kept = self.keep(call)
                 if kept is None or call.gpus > cap.largest_for(call):
                     continue
-                asking[:] = [mine, float(call.gpus)]
-                gone = victims.free_for(kept, 0, cap, asker=group)
+                asking[:] = [mine, float(call.gpus), float(call.priority)]
+                level = bisect.bisect_right(sizes, call.gpus)
+                widest = call.priority >= top_priority and level == len(sizes)
+                gone = victims.free_for(kept, 0, cap, False, (call.priority, level), widest)
                 if gone:
                     reason = (
                         f"preempted for call {call.id} of group {group}: its group borrowed "

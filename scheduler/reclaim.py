@@ -8,7 +8,8 @@ models its group's quota lists: more than its guarantee of each of them, see
 :meth:`scheduler.quotas.Book.reclaimable`), so reclaim never eats into anyone's guarantee.
 Nodes reserved for a starving call are left alone. Candidates are taken those flagged
 borrowed first, of those the calls of the groups that borrow most for their weight
-(:meth:`~scheduler.quotas.Book.lent`, as the round began) first, then youngest first (before
+(:meth:`~scheduler.quotas.Book.lent`, as the round's first reclaim finds them) first, then
+youngest first (before
 session 19, youngest first whatever the group: a small group that borrowed big calls kept
 them while bigger groups lost theirs), and only as many as make the call fit: for a single-node
 call, walking the candidates in that order, the first node whose free GPUs plus its candidates
@@ -263,7 +264,8 @@ class Reclaimer:
             self._tiers.setdefault(have, {})[node_id] = room
 
     def _settle(self, room: _Room, call: Pending) -> Reclaim | None:
-        """Take just enough of the room's candidates, youngest first, if that fits the call."""
+        """Take just enough of the room's candidates, in the walk's order, if that fits the
+        call."""
         node = room.node
         base = self._have(node, call)
         if base + room.have < call.gpus or not placement.node_fits_ever(node, call):

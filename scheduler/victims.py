@@ -47,6 +47,8 @@ class Victims:
         self.sorted: set[int] = set()
         #: GPUs per node already on their way back (preempting, or chosen this round).
         self.leaving: dict[int, int] = {}
+        #: The same GPUs by index (a call kept to some models counts only those it may use).
+        self.leaving_gpus: dict[int, list[int]] = {}
         self.nodes = {n.node_id: n for n in nodes if not n.draining}
         self.all_nodes = list(self.nodes.values())
         #: The nodes the last choice freed for its call.
@@ -71,7 +73,7 @@ class Victims:
                 continue  # (never a victim; its GPU is busy until all its sharers end)
             if run.preempting:
                 for part in run.parts:
-                    self._leave(part.node_id, len(part.gpu_indices))
+                    self._leave(part.node_id, part.gpu_indices)
             elif run.preemptible:
                 k = klass(run)
                 if k > self.worst:
@@ -104,7 +106,9 @@ class Victims:
         runs); ``widest``: it may take whatever any later call may."""
         if call.gpus <= 0 or klass >= self.worst:
             return []
-        key = (asker, call.gpu_model, call.min_memory_mib)  # (the nodes it may use)
+        # (the nodes it may use, and whether on one of them: a failure on one node says
+        # nothing of a gang of whole nodes)
+        key = (asker, call.gpu_model, call.min_memory_mib, bool(self.fits(call)))
         if call.gpus >= self.failed.get(key, math.inf):
             return []
         chosen = self._free_for(call, klass, cap, alone)
@@ -120,6 +124,7 @@ class Victims:
         kind = (call.gpus, call.gpu_model, call.min_memory_mib)
         fitting = self.fits(call)
         single, found = bool(fitting), 0  # (a call some node may hold is never a gang)
+        kept_to = placement.constrained(call)  # (a model or memory: not every GPU will do)
         holding = self._holding.get(kind)
         if holding is None:  # (the nodes where this index has runs, in the same order)
             by_node = self.by_node
@@ -131,8 +136,12 @@ class Victims:
             if not held:
                 continue  # nothing to preempt there
             have = 0
-            if not alone:
+            if not alone and not kept_to:
                 have = len(cap.free_of(node.node_id)) + self.leaving.get(node.node_id, 0)
+            elif not alone:  # (only the GPUs it may use count: on a node mixing models
+                # the others are no room for it, and preempting for them would churn)
+                back = self.leaving_gpus.get(node.node_id, [])
+                have = len(placement.usable(node, [*cap.free_of(node.node_id), *back], call))
             runs: list[Running] = []
             taken: Released = {}
             self._sort(node.node_id)
@@ -142,7 +151,7 @@ class Victims:
                 if not self._may(run, taken):
                     continue
                 runs.append(run)
-                have += _on(run, node.node_id)
+                have += _on_for(run, node, call) if kept_to else _on(run, node.node_id)
             if have >= call.gpus and runs and (best is None or _cost(runs) < best[0]):
                 best = (_cost(runs), node.node_id, runs)
             if have >= call.gpus and runs:
@@ -210,13 +219,14 @@ class Victims:
             self.count(taken, run)
         return True
 
-    def _leave(self, node: int, gpus: int) -> None:
-        self.leaving[node] = self.leaving.get(node, 0) + gpus
+    def _leave(self, node: int, gpus: tuple[int, ...]) -> None:
+        self.leaving[node] = self.leaving.get(node, 0) + len(gpus)
+        self.leaving_gpus.setdefault(node, []).extend(gpus)
 
     def _take(self, runs: list[Running], nodes: list[int], cap: Capacity) -> list[Running]:
         for run in runs:
             for part in run.parts:
-                self._leave(part.node_id, len(part.gpu_indices))
+                self._leave(part.node_id, part.gpu_indices)
                 held = self.by_node[part.node_id]
                 held[:] = [e for e in held if e[3] is not run]
         for node_id in nodes:
@@ -230,6 +240,12 @@ def _on(run: Running, node: int) -> int:
     if not run.more:  # (the common case, without building the parts: this is hot)
         return len(run.gpu_indices) if run.node_id == node else 0
     return sum(len(p.gpu_indices) for p in run.parts if p.node_id == node)
+
+
+def _on_for(run: Running, node: NodeCapacity, call: Pending) -> int:
+    """The GPUs ``run`` holds on ``node`` that ``call`` may use."""
+    mine = {i for part in run.parts if part.node_id == node.node_id for i in part.gpu_indices}
+    return sum(1 for g in node.gpus if g.index in mine and placement.gpu_ok(g, call))
 
 
 def _cost(runs: list[Running]) -> tuple[int, int]:
