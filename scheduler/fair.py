@@ -218,8 +218,7 @@ class _Round:
         guard's calls (step 0b). Nodes still being freed for a promised call are withdrawn
         here, before the guard, which would otherwise reserve them for another call."""
         reserved = {n for nodes in self.snapshot.reserved_on.values() for n in nodes}
-        leaving = {part.node_id for run in self.snapshot.running if run.preempting
-                   for part in run.parts}  # fmt: skip
+        leaving = self.leaving
         pending = self.snapshot.pending
         if isinstance(pending, Queue):  # (the promised calls alone, in queue order)
             pending = pending.among(self.snapshot.promised)
@@ -249,9 +248,7 @@ class _Round:
         """Step 0b: the calls the last round preempted others for start first, on any room;
         one that does not fit yet keeps its promise (and its nodes, withdrawn from everyone
         else this round, reclaim included) while calls are still leaving there."""
-        promised = self.snapshot.promised
-        leaving = {part.node_id for run in self.snapshot.running if run.preempting
-                   for part in run.parts}  # fmt: skip
+        promised, leaving = self.snapshot.promised, self.leaving
         pending = self.snapshot.pending
         if isinstance(pending, Queue):  # (the promised calls alone, in queue order)
             pending = pending.among(promised)
@@ -332,6 +329,38 @@ class _Round:
     def by_id(self) -> dict[int, NodeCapacity]:
         return {n.node_id: n for n in self.snapshot.nodes}
 
+    @functools.cached_property
+    def fits(self) -> placement.Fits:
+        """The nodes that may ever hold each kind of call (shared by the round's swaps)."""
+        return placement.Fits(self.snapshot.nodes)
+
+    @functools.cached_property
+    def leaving(self) -> set[int]:
+        """Nodes that calls told to stop are still leaving."""
+        return {part.node_id for run in self.snapshot.running if run.preempting
+                for part in run.parts}  # fmt: skip
+
+    @functools.cached_property
+    def tiers_by_group(self) -> dict[str, list[list[list[Pending]]]]:
+        """Each group's buckets (their calls per class), in fair order."""
+        out: dict[str, list[list[list[Pending]]]] = {}
+        for group, tiers in zip(self.groups, self.tiers, strict=True):
+            out.setdefault(group, []).append(tiers)
+        return out
+
+    def group_calls(self, group: str) -> Iterator[tuple[int, Pending]]:
+        """A group's pending calls with their class, by class (lowest first), in fair order
+        inside a class; made as they are asked for."""
+        buckets = self.tiers_by_group[group]
+        depth = max(len(tiers) for tiers in buckets)
+        return (
+            (k, call)
+            for k in range(depth)
+            for tiers in buckets
+            if k < len(tiers)
+            for call in tiers[k]
+        )
+
     def klass(self, call: Pending) -> int:
         return service_class(self.policy.las_thresholds, call.attained_gpu_s)
 
@@ -356,13 +385,11 @@ class _Round:
         def waits(call: Pending) -> bool:
             return call.id not in done and call.share == 1.0 and call.gpus > 0
 
-        # Per group: its buckets, and the class of its first call still waiting in fair
-        # order (groups ask in that class's order, then in fair order).
-        mine_b: dict[str, list[list[list[Pending]]]] = {}
+        # Per group: the class of its first call still waiting in fair order (groups ask in
+        # that class's order, then in fair order).
         first: dict[str, int] = {}
         least = len(thresholds)
         for group, tiers in zip(self.groups, self.tiers, strict=True):
-            mine_b.setdefault(group, []).append(tiers)
             for k, tier in enumerate(tiers):
                 if any(map(waits, tier)):
                     first.setdefault(group, k)
@@ -398,16 +425,9 @@ class _Round:
             mine.setdefault(run.group, []).append(run)  # (its own stopping: GPUs coming back)
         if not ranks:
             return
-        fits = placement.Fits(self.snapshot.nodes)
+        fits = self.fits
         for group, _ in sorted(first.items(), key=lambda gk: gk[1]):
-            calls = (
-                (k, call)
-                for k in range(len(thresholds) + 1)
-                for tiers in mine_b[group]
-                if k < len(tiers)
-                for call in tiers[k]
-                if waits(call)
-            )  # (by class, fair order inside a class; made as it is asked for)
+            calls = ((k, call) for k, call in self.group_calls(group) if waits(call))
 
             # The call asking now: whether it may take other groups' calls (it is not at its
             # ceiling), its priority (it never takes the place of a higher one), and its GPUs
@@ -518,21 +538,9 @@ class _Round:
         if not lent:
             return
         top = max(book.lent(group) for group in {run.group for run in lent}) - margin
-        mine_b: dict[str, list[list[list[Pending]]]] = {}
-        for group, tiers in zip(self.groups, self.tiers, strict=True):
-            mine_b.setdefault(group, []).append(tiers)
-        fits = placement.Fits(self.snapshot.nodes)
-        for group in sorted(mine_b, key=book.lent):
+        for group in sorted(self.tiers_by_group, key=book.lent):
             if book.lent(group) >= top:
                 break  # (nobody borrows more for its weight than this group already does)
-            depth = max(len(tiers) for tiers in mine_b[group])
-            calls = (
-                call
-                for k in range(depth)
-                for tiers in mine_b[group]
-                if k < len(tiers)
-                for call in tiers[k]
-            )  # (its own fair order, by class as in step 3; made as it is asked for)
             # (the group's weighted borrowing with the call, its GPUs, its priority)
             asking = [0.0, 0.0, 0.0]
 
@@ -548,13 +556,13 @@ class _Round:
 
             runs = [r for r in lent if r.group != group and r.id not in self.swapped_out]
             victims = Victims(
-                self.snapshot.nodes, runs, lambda r: 1, may, book.count_release, 16, fits
+                self.snapshot.nodes, runs, lambda r: 1, may, book.count_release, 16, self.fits
             )
             # (what a call may take depends on its priority and, with sheltered runs, its
             # size: a failure is remembered only for calls that may take no more)
             top_priority = max((r.priority for r in runs), default=0)
             sizes = sorted({sheltered[r.id] for r in runs if r.id in sheltered})
-            for call in calls:
+            for _, call in self.group_calls(group):  # (by class, as in step 3)
                 if limit is not None and self.reclaims >= limit:
                     return
                 if victims.spent(0):
@@ -574,11 +582,7 @@ class _Round:
                 widest = call.priority >= top_priority and level == len(sizes)
                 gone = victims.free_for(kept, 0, cap, False, (call.priority, level), widest)
                 if gone:
-                    reason = (
-                        f"preempted for call {call.id} of group {group}: its group borrowed "
-                        "more GPUs for its weight (fair share among borrowers)"
-                    )
-                    self.swapped(call, kept, gone, victims.freed, reason)
+                    self.swapped(call, kept, gone, victims.freed, sharing=True)
 
     def swapped(
         self,
@@ -586,10 +590,11 @@ class _Round:
         kept: Pending,
         gone: list[Running],
         nodes: list[int],
-        reason: str | None = None,
+        sharing: bool = False,
     ) -> None:
-        """Book a swap: the victims' GPUs leave their groups, the room they free is the
-        call's (charged to its group now, so that its ceiling holds this round)."""
+        """Book a swap (least attained service's, or ``sharing``: fair share among
+        borrowers'): the victims' GPUs leave their groups, the room they free is the call's
+        (charged to its group now, so that its ceiling holds this round)."""
         book, group = self.book, call.group
         self.done.add(call.id)
         self.reclaims += 1
@@ -600,12 +605,18 @@ class _Round:
             book.add(run.group, run.parts, sign=-1, share=run.share)
         whole = call.gpus > self.cap.largest_for(call)
         book.add(group, self.promised(kept, nodes, whole), share=kept.share)
-        reason = reason or (
-            f"preempted for call {call.id} of group {group}, which received less service "
-            f"(least attained service first)"
-        )
+        if sharing:
+            reason = (
+                f"preempted for call {call.id} of group {group}: its group borrowed more GPUs "
+                "for its weight (fair share among borrowers)"
+            )
+        else:
+            reason = (
+                f"preempted for call {call.id} of group {group}, which received less service "
+                f"(least attained service first)"
+            )
         self.out.preemptions.extend(Preemption(v.id, reason) for v in gone)
-        how = _swapping if reason.endswith("(least attained service first)") else _sharing
+        how = _sharing if sharing else _swapping
         note(self.why, call, self.pos.get(call.id, 0), how, nodes, len(gone))
 
     def note(self, call: Pending, reason: str) -> None:
@@ -1020,17 +1031,19 @@ def _borrowing(call: Pending, cap: Capacity, pos: int) -> str:
     return f"{shortfall(call, cap)}; borrowing, {ahead(pos - 1)} in fair-share order"
 
 
+def _where(nodes: list[int]) -> str:
+    return f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {', '.join(map(str, nodes))}"
+
+
 def _swapping(nodes: list[int], victims: int) -> str:
-    where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {', '.join(map(str, nodes))}"
     return (
         f"least attained service: {victims} calls that received more service preempted on "
-        f"{where}; starts once they exit"
+        f"{_where(nodes)}; starts once they exit"
     )
 
 
 def _sharing(nodes: list[int], victims: int) -> str:
-    where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {', '.join(map(str, nodes))}"
     return (
         f"fair share among borrowers: {victims} calls of groups that borrowed more for their "
-        f"weight preempted on {where}; starts once they exit"
+        f"weight preempted on {_where(nodes)}; starts once they exit"
     )

@@ -105,18 +105,18 @@ class Book:
                     self._alike[node.node_id] = (models.pop(), frozenset(names))
             self.names = tuple(sorted({name.casefold() for name in every}))
             self._plain = not any("|" in name for name in self.names)
-        used, model_used, alike = self.used, self.model_used, self._alike
+        used, model_used = self.used, self.model_used
         for run in running:
             if run.preempting:
                 continue
             if self.per_model:
                 # (the common case, without add_run's memo: this runs per running call)
-                same = None if run.more or run.gpu_models else alike.get(run.node_id)
-                if same is not None and run.gpu_indices and same[1].issuperset(run.gpu_indices):
+                name = None if run.more or run.gpu_models else self._alike_name(run)
+                if name is not None and run.gpu_indices:
                     group = run.group
                     used[group] += run.amount
                     if self.quota(group).models:
-                        model = self._model(group, same[0])
+                        model = self._model(group, name)
                         if model is not None:
                             model_used[(group, model)] += run.share * len(run.gpu_indices)
                     continue
@@ -188,14 +188,9 @@ class Book:
         counts = self._run_memo.get(run.id)
         if counts is not None:
             return counts
-        alike = None if run.more or run.gpu_models else self._alike.get(run.node_id)
-        if alike is not None and alike[1].issuperset(run.gpu_indices):
-            # (the common case, without building parts: this runs per running call)
-            model = self._model(run.group, alike[0])
-            gpus = len(run.gpu_indices)
-            counts = {model: run.share * gpus} if model is not None and gpus else {}
-        elif not run.gpu_models:
-            counts = self._counts(run.group, run.parts, run.share)
+        if not run.gpu_models:  # (one part, without building it: this runs per running call)
+            parts = (run,) if not run.more else run.parts
+            counts = self._counts(run.group, parts, run.share)
         else:
             counts = defaultdict(int)
             for name in run.gpu_models:
@@ -211,23 +206,31 @@ class Book:
             listed = self._listed[group] = dict(self.quota(group).models)
         return listed[model]
 
-    def _counts(self, group: str, parts: Sequence[Part], share: float = 1.0) -> dict[str, float]:
+    def _alike_name(self, part: Part | Running) -> str | None:
+        """The model name of all of a part's GPUs when its node has only one, and the part
+        only GPUs of that node's inventory (then they are counted at once); else None."""
+        alike = self._alike.get(part.node_id)
+        if alike is None or not alike[1].issuperset(part.gpu_indices):
+            return None
+        return alike[0]
+
+    def _counts(
+        self, group: str, parts: Sequence[Part | Running], share: float = 1.0
+    ) -> dict[str, float]:
         """The GPUs of ``parts`` (``share`` of each) per listed model of the group."""
         if not self.per_model or not self.quota(group).models:
             return {}
         if len(parts) == 1:  # (the common case, one node of one model: this runs per call)
-            part = parts[0]
-            alike = self._alike.get(part.node_id)
-            if alike is not None and alike[1].issuperset(part.gpu_indices):
-                model = self._model(group, alike[0])
-                if model is None or not part.gpu_indices:
-                    return {}
-                return {model: share * len(part.gpu_indices)}
+            name = self._alike_name(parts[0])
+            if name is not None:
+                model = self._model(group, name)
+                gpus = len(parts[0].gpu_indices)
+                return {model: share * gpus} if model is not None and gpus else {}
         counts: dict[str, float] = defaultdict(int)
         for part in parts:
-            alike = self._alike.get(part.node_id)
-            if alike is not None and alike[1].issuperset(part.gpu_indices):
-                model = self._model(group, alike[0])
+            name = self._alike_name(part)
+            if name is not None:
+                model = self._model(group, name)
                 if model is not None and part.gpu_indices:
                     counts[model] += share * len(part.gpu_indices)
                 continue

@@ -45,10 +45,9 @@ class Victims:
         #: Per node: (class, start, id, call), sorted worst first when first looked at.
         self.by_node: dict[int, list[tuple[float, float, str, Running]]] = {}
         self.sorted: set[int] = set()
-        #: GPUs per node already on their way back (preempting, or chosen this round).
-        self.leaving: dict[int, int] = {}
-        #: The same GPUs by index (a call kept to some models counts only those it may use).
-        self.leaving_gpus: dict[int, list[int]] = {}
+        #: GPUs per node already on their way back (preempting, or chosen this round), by
+        #: index (a call kept to some models counts only those it may use).
+        self.leaving: dict[int, list[int]] = {}
         self.nodes = {n.node_id: n for n in nodes if not n.draining}
         self.all_nodes = list(self.nodes.values())
         #: The nodes the last choice freed for its call.
@@ -137,10 +136,10 @@ class Victims:
                 continue  # nothing to preempt there
             have = 0
             if not alone and not kept_to:
-                have = len(cap.free_of(node.node_id)) + self.leaving.get(node.node_id, 0)
+                have = len(cap.free_of(node.node_id)) + len(self.leaving.get(node.node_id, ()))
             elif not alone:  # (only the GPUs it may use count: on a node mixing models
                 # the others are no room for it, and preempting for them would churn)
-                back = self.leaving_gpus.get(node.node_id, [])
+                back = self.leaving.get(node.node_id, [])
                 have = len(placement.usable(node, [*cap.free_of(node.node_id), *back], call))
             runs: list[Running] = []
             taken: Released = {}
@@ -179,7 +178,8 @@ class Victims:
                 mark = dict(took)
                 if not all(self._may(r, mark) for r in runs):
                     continue  # (a run it may not take holds the node)
-            busy = node.size - len(cap.free_of(node.node_id)) - self.leaving.get(node.node_id, 0)
+            busy = node.size - len(cap.free_of(node.node_id))
+            busy -= len(self.leaving.get(node.node_id, ()))
             if sum(_on(r, node.node_id) for r in runs) >= busy:
                 whole.append((busy, node.node_id, runs))
         whole.sort(key=lambda w: (w[0], w[1]))
@@ -220,8 +220,7 @@ class Victims:
         return True
 
     def _leave(self, node: int, gpus: tuple[int, ...]) -> None:
-        self.leaving[node] = self.leaving.get(node, 0) + len(gpus)
-        self.leaving_gpus.setdefault(node, []).extend(gpus)
+        self.leaving.setdefault(node, []).extend(gpus)
 
     def _take(self, runs: list[Running], nodes: list[int], cap: Capacity) -> list[Running]:
         for run in runs:

@@ -37,6 +37,7 @@ def test_scheduling_defaults() -> None:
         ({"silent_fraction": 0.0}, "silent_fraction must be above 0 and at most 1, got 0.0"),
         ({"caller_timeout_s": -1.0}, "caller_timeout_s must be at least 0, got -1.0"),
         ({"max_expiries_per_round": 0}, "max_expiries_per_round must be at least 1, got 0"),
+        ({"fair_share_margin": 0.0}, "fair_share_margin must be above 0, got 0.0"),
     ],
 )
 def test_bad_scheduling_settings_are_named(setting: dict[str, object], message: str) -> None:
