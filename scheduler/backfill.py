@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 from scheduler import placement
@@ -147,17 +147,19 @@ def reserve(
     snapshot: Snapshot,
     rel: dict[int, list[Release]],
     limit: float = math.inf,
+    avoid: Container[int] = (),
 ) -> Reservation | None:
     """Reserve the earliest room for ``call`` and withdraw it from ``cap``; None if the call
     can never fit on these nodes as far as the running calls' ends tell. ``rel`` comes from
     :func:`releases`; whole nodes for a gang add up to no more than ``limit`` GPUs; nodes
-    withdrawn this round (reserved or reclaimed already, free GPUs or not) are not used."""
+    withdrawn this round (reserved or reclaimed already, free GPUs or not) are not used, nor
+    those in ``avoid``."""
     if call.gpus == 0:
         return None
     if call.gpus > cap.largest_for(call):
-        found = _whole_nodes(call, cap, snapshot, rel, limit)
+        found = _whole_nodes(call, cap, snapshot, rel, limit, avoid)
     else:
-        found = _one_node(call, cap, snapshot, rel)
+        found = _one_node(call, cap, snapshot, rel, avoid)
     if found is None or found.start == math.inf:
         return None  # no known end to plan by: nothing is held back (work-conserving)
     for node_id in found.spare:
@@ -166,12 +168,16 @@ def reserve(
 
 
 def _one_node(
-    call: Pending, cap: Capacity, snapshot: Snapshot, rel: dict[int, list[Release]]
+    call: Pending,
+    cap: Capacity,
+    snapshot: Snapshot,
+    rel: dict[int, list[Release]],
+    avoid: Container[int],
 ) -> Reservation | None:
     n = call.gpus
     plain = not placement.constrained(call)
     best: tuple[float, int, int] | None = None  # (start, -spare, node id)
-    for node in _usable(snapshot.nodes, call, cap):
+    for node in _usable(snapshot.nodes, call, cap, avoid):
         ends = rel.get(node.node_id, ())
         free = cap.free_of(node.node_id)
         have = len(free) if plain else len(placement.usable(node, free, call))
@@ -194,11 +200,12 @@ def _whole_nodes(
     snapshot: Snapshot,
     rel: dict[int, list[Release]],
     limit: float,
+    avoid: Container[int],
 ) -> Reservation | None:
     now = snapshot.now
     ready = sorted(
         (_ready(rel.get(n.node_id), now), order, n)
-        for order, n in enumerate(_usable(snapshot.nodes, call, cap))
+        for order, n in enumerate(_usable(snapshot.nodes, call, cap, avoid))
         if placement.whole_node_ok(n, call)
     )
     total = 0
@@ -218,11 +225,13 @@ def _ready(ends: list[Release] | None, now: float) -> float:
     return max(ends[-1][0], now) if ends else now
 
 
-def _usable(nodes: Iterable[NodeCapacity], call: Pending, cap: Capacity) -> Iterable[NodeCapacity]:
-    """Nodes the call may be reserved on: live, not already held for another call, big
-    enough (a node of unknown size may be, once its running calls end)."""
+def _usable(
+    nodes: Iterable[NodeCapacity], call: Pending, cap: Capacity, avoid: Container[int]
+) -> Iterable[NodeCapacity]:
+    """Nodes the call may be reserved on: live, not already held for another call (nor in
+    ``avoid``), big enough (a node of unknown size may be, once its running calls end)."""
     for node in nodes:
-        if node.draining or node.node_id in cap.withdrawn:
+        if node.draining or node.node_id in cap.withdrawn or node.node_id in avoid:
             continue
         if not node.gpus or call.gpus > cap.largest_for(call):
             yield node  # sizes are checked as the room is counted
@@ -257,7 +266,13 @@ class Horizon:
         """Whether the cluster's nodes suit it: known inventories, none mixing models."""
         return not cap.mixed and all(node.gpus for node in nodes)
 
-    def reserve(self, call: Pending, cap: Capacity, limit: float = math.inf) -> Reservation | None:
+    def reserve(
+        self,
+        call: Pending,
+        cap: Capacity,
+        limit: float = math.inf,
+        avoid: Container[int] = (),
+    ) -> Reservation | None:
         """What :func:`reserve` gives a call of at least ``cap.largest_for(call)`` GPUs."""
         key = (call.gpu_model, call.min_memory_mib)
         gang = call.gpus > cap.largest_for(call)
@@ -271,6 +286,8 @@ class Horizon:
                 if k - 1 == start:
                     start = k  # never of use to this kind again this round
                 continue
+            if node.node_id in avoid:
+                continue  # (of use to the next call, maybe)
             size = len(node.gpus)
             if not gang:
                 if size >= call.gpus:

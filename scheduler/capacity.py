@@ -16,9 +16,10 @@ and that GPU is shared from then on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from scheduler import placement
 from scheduler.model import EPSILON, Gpu, NodeCapacity, Part, Pending
@@ -449,3 +450,26 @@ class Capacity:
         self.free_gpus -= len(state.free)
         state.withdrawn = True
         return state
+
+    @contextlib.contextmanager
+    def hiding(self, node_ids: Iterable[int]) -> Iterator[None]:
+        """Withdraw these nodes while the block runs, and give them back after (what was
+        placed meanwhile stays placed); what failed to fit meanwhile is forgotten, since it
+        may fit once they are back."""
+        hidden = [n for n in dict.fromkeys(node_ids) if n not in self.withdrawn]
+        failed, share_failed = dict(self._failed), dict(self._share_failed)
+        for node_id in hidden:
+            self.withdraw(node_id)
+        try:
+            yield
+        finally:
+            for node_id in hidden:
+                self.withdrawn.discard(node_id)
+                state = self.states.get(node_id)
+                if state is None or not state.withdrawn:
+                    continue
+                state.withdrawn = False
+                self.free_gpus += len(state.free)
+                if state.pool is not None:
+                    state.pool.add(state)
+            self._failed, self._share_failed = failed, share_failed

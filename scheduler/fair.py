@@ -721,7 +721,14 @@ class _Round:
         budget = self.guard_budget(after_s, heads, waited)
         full = False  # the share is spoken for: only calls reserved for last round go on
         turns: set[str] = set()  # groups that had their call served this round
+        claims = self.claims(starving)
         for call in starving:
+            for node_id in self.snapshot.reserved_on.get(call.id, ()):
+                owners = claims.get(node_id)
+                if owners is not None and call.id in owners:
+                    owners.remove(call.id)  # (its turn: its nodes are no longer another's)
+                    if not owners:
+                        del claims[node_id]
             if call.group in turns and call.id not in self.snapshot.reserved:
                 continue  # (a group's next call waits for its first to start)
             kept = self.keep(call)
@@ -736,11 +743,20 @@ class _Round:
             room = self.book.limit(call, kept)
             parts = self.place_reserved(kept, room)
             if parts is None:
-                parts = self.place(call, kept)
+                parts = self.place_elsewhere(call, kept, claims)
             if parts is not None:
                 self.start(call, parts)
                 continue
-            if self.book.nominal(call) and self.held_for(kept) is None and self.try_reclaim(call):
+            self.reclaimer.avoid = claims  # (other reservations' nodes, not renewed yet)
+            try:
+                reclaimed = (
+                    self.book.nominal(call)
+                    and self.held_for(kept) is None
+                    and self.try_reclaim(call)
+                )
+            finally:
+                self.reclaimer.avoid = frozenset()
+            if reclaimed:
                 self.done.add(call.id)
                 due = self.snapshot.reserved.get(call.id)
                 if due is not None:  # it keeps its turn (the room it reclaimed is next round's)
@@ -750,9 +766,9 @@ class _Round:
                 rel = (len(self.placed), releases(self.snapshot, self.placed))
                 horizon = Horizon(self.snapshot, rel[1]) if fast else None
             if horizon is not None:
-                held = horizon.reserve(kept, self.cap, limit=room)
+                held = horizon.reserve(kept, self.cap, limit=room, avoid=claims)
             else:
-                held = reserve(kept, self.cap, self.snapshot, rel[1], limit=room)
+                held = reserve(kept, self.cap, self.snapshot, rel[1], limit=room, avoid=claims)
             if held is None:
                 break  # younger calls may not take room it will need (it keeps its turn)
             if held.open(self.cap):
@@ -765,6 +781,49 @@ class _Round:
                 wait = held.start - self.snapshot.now
                 self.note(call, f"waited over {after_s:.0f} s: {shortfall(call, self.cap)}; "
                           f"GPUs reserved for it from in about {wait:.0f} s")  # fmt: skip
+
+    def claims(self, starving: list[Pending]) -> dict[int, list[str]]:
+        """The nodes the calls reserved for last round were reserved on (still waiting, so
+        still starving), with those calls: the guard takes them in turn, and until a call's
+        turn its nodes are its own."""
+        on = self.snapshot.reserved_on
+        claims: dict[int, list[str]] = {}
+        if on:
+            for call in starving:
+                for node_id in on.get(call.id, ()):
+                    claims.setdefault(node_id, []).append(call.id)
+        return claims
+
+    def place_elsewhere(
+        self, call: Pending, kept: Pending, claims: Mapping[int, list[str]]
+    ) -> tuple[Part, ...] | None:
+        """Room for a starving call now, off the nodes the calls reserved for last round
+        whose turn has not come were reserved on (``claims``), unless it is expected to end
+        before each of them is due (backfill). Placed where it fits best, a call reserved on
+        busy nodes could take another's reserved nodes as they free up, and that one, if it
+        may use no other (a model only they have), would start late."""
+        cap = self.cap
+        if not claims or cap.hopeless(kept):
+            return self.place(call, kept)
+        if kept.gpus > cap.largest_for(kept):
+            choices = cap.find_whole(kept)
+        else:
+            one = cap.find(kept)
+            choices = None if one is None else [one]
+        if not choices or not any(state.node.node_id in claims for state, _ in choices):
+            return self.place(call, kept)  # (where it would go now is nobody's)
+        now, due = self.snapshot.now, self.snapshot.reserved
+        end = math.inf if kept.expected_s is None else now + kept.expected_s
+        theirs = [
+            node_id
+            for node_id, owners in claims.items()
+            if any(end > due.get(owner, math.inf) for owner in owners)
+        ]
+        full = set(self.full)
+        with cap.hiding(theirs):
+            parts = self.place(call, kept)
+        self.full = full  # (what failed without those nodes may fit with them)
+        return parts
 
     def place_reserved(self, call: Pending, room: float) -> tuple[Part, ...] | None:
         """Start a call reserved for last round on the nodes it was reserved on

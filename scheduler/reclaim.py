@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from scheduler import placement
@@ -76,6 +76,9 @@ class Reclaimer:
         self.sizes = WholeSizes(snapshot.nodes) if sizes is None else sizes
         #: Nodes held for reservations: no room is sought there (the caller may add to it).
         self.reserved: set[int] = set()
+        #: Nodes left alone for the call at hand only (another reservation's, which the
+        #: guard has not renewed yet): the caller sets and clears it.
+        self.avoid: Container[int] = frozenset()
         self.chosen: set[str] = set()
         self._ready = False
         #: Per shared GPU whose calls may all be preempted, its calls, under the id of the
@@ -181,7 +184,7 @@ class Reclaimer:
         """The node, if it may hold (part of) the call: live and big enough; for a whole node,
         nothing on it promised to another call."""
         node = self.nodes.get(node_id)
-        if node is None or node.draining or node_id in self.reserved:
+        if node is None or node.draining or node_id in self.reserved or node_id in self.avoid:
             return None
         if whole and self._promised.get(node_id):
             return None
@@ -267,6 +270,8 @@ class Reclaimer:
         """Take just enough of the room's candidates, in the walk's order, if that fits the
         call."""
         node = room.node
+        if node.node_id in self.reserved or node.node_id in self.avoid:
+            return None  # (reserved, or to be avoided, since its room was gathered)
         base = self._have(node, call)
         if base + room.have < call.gpus or not placement.node_fits_ever(node, call):
             return None

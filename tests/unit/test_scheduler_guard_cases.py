@@ -4,6 +4,8 @@ quotas per GPU model and across rounds: cases a review of the guard per group fo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -232,6 +234,80 @@ def test_a_gang_due_does_not_take_the_node_reserved_for_another() -> None:
                     reserved_on={"G": (2, 0), "B": (1,)})
     out = plan(snap, Fair(starve_after_s=30.0, las_thresholds=()))
     assert {d.invocation_id for d in out} == {"G", "B"}
+
+
+# (Mixed: a node mixing models, one GPU busy for long, makes the guard reserve by passing over the
+# nodes, not by its horizon of ready times; a call of either model walks reclaim's
+# candidates for a constrained call.)
+VARIANTS = pytest.mark.parametrize(("mixed", "model"), [(False, None), (True, None),
+                                                        (False, "H100|A100")])
+
+
+def busy_mixed(now: float) -> tuple[list[NodeCapacity], list[Running]]:
+    gpus = (Gpu(0, "H100", 40960), Gpu(1, "A100", 40960))
+    return ([NodeCapacity(9, [1], 0, gpus)],
+            [Running("m", 9, (0,), group="d", start_time=0, expected_s=now * 9)])
+
+
+@VARIANTS
+def test_a_reserved_call_that_fits_elsewhere_leaves_another_reservation_s_room(
+    mixed: bool, model: str | None
+) -> None:
+    # X (any model) was reserved on the H100 node 0, due in 100 s; Y (A100 only) on the A100
+    # node 1, due in 300 s. Node 1's call ended early: it is free now. X goes first (it was
+    # reserved first) and fits node 1 now; taking it, Y (no other A100) would wait for X to
+    # end, long past its reservation. X keeps to its own node; Y starts now.
+    now = 20_000.0
+    nodes = [node(0, [], 8, "H100"), node(1, list(range(8)), 8)]
+    busy = [Running("r", 0, tuple(range(8)), group="c", start_time=0, expected_s=now + 100.0)]
+    if mixed:
+        nodes, busy = nodes + busy_mixed(now)[0], busy + busy_mixed(now)[1]
+    pending = [Pending("X", 8, group="a", submit_time=now - 9000, expected_s=50_000.0,
+                       gpu_model=model),
+               Pending("Y", 8, group="b", submit_time=now - 8000, gpu_model="A100")]
+    snap = Snapshot(nodes, pending, busy, quotas={}, now=now,
+                    reserved={"X": now + 100, "Y": now + 300},
+                    reserved_on={"X": (0,), "Y": (1,)})
+    out = plan(snap, GUARD)
+    assert [(d.invocation_id, d.node_id) for d in out] == [("Y", 1)]
+    assert out.reserved == {"X": now + 100}
+    # X may start there if it ends before Y is due (backfill), and Y's room is its own only
+    # while Y still waits: once Y is gone, X takes node 1.
+    short = dataclasses.replace(pending[0], expected_s=200.0)
+    snap = dataclasses.replace(snap, pending=[short, pending[1]])
+    assert {d.invocation_id for d in plan(snap, GUARD)} == {"X"}
+    gone = dataclasses.replace(snap, pending=pending[:1])
+    assert [(d.invocation_id, d.node_id) for d in plan(gone, GUARD)] == [("X", 1)]
+
+
+@VARIANTS
+def test_a_reserved_call_does_not_reclaim_another_reservation_s_room(
+    mixed: bool, model: str | None
+) -> None:
+    # As above, but node 1 holds a borrower (group c's, ending when Y is due) and X is
+    # within its group's guarantee: reclaiming that borrower for X would hand X the node Y
+    # waits for. X waits for its own node instead; nothing is preempted.
+    now = 20_000.0
+    nodes = [node(0, [], 8, "H100"), node(1, [], 8)]
+    running = [Running("r", 0, tuple(range(8)), group="d", start_time=0,
+                       expected_s=now + 100.0),
+               Running("b", 1, tuple(range(8)), group="c", start_time=0, borrowed=True,
+                       expected_s=now + 300.0)]
+    if mixed:
+        nodes, running = nodes + busy_mixed(now)[0], running + busy_mixed(now)[1]
+    pending = [Pending("X", 8, group="a", submit_time=now - 9000, expected_s=50_000.0,
+                       gpu_model=model),
+               Pending("Y", 8, group="b", submit_time=now - 8000, gpu_model="A100")]
+    quotas = {"a": Quota(8), "b": Quota(0), "c": Quota(0), "d": Quota(16)}
+    snap = Snapshot(nodes, pending, running, quotas=quotas, now=now,
+                    reserved={"X": now + 100, "Y": now + 300},
+                    reserved_on={"X": (0,), "Y": (1,)})
+    out = plan(snap, GUARD)
+    assert not out.preemptions and not list(out)
+    assert out.reserved_on == {"X": (0,), "Y": (1,)}
+    # (Without Y's claim, X reclaims node 1 from the borrower.)
+    alone = dataclasses.replace(snap, pending=pending[:1])
+    assert preempted(plan(alone, GUARD)) == {"b"}
 
 
 # --- replays on mixed clusters --------------------------------------------------------------

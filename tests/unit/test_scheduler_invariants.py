@@ -207,6 +207,10 @@ def test_plans_never_double_book_split_or_bend_the_rules(
     for taken, users in shared.values():  # never more than the whole GPU, nor shared across
         assert taken <= 1 + 1e-9  # users unless the round allows it
         assert snap.share_across_users or len(users) <= 1
+    # A node is held for one call at most: room freed for a call is never also reserved.
+    promised = [n for nodes_of in out.promised.values() for n in nodes_of]
+    reserved = [n for nodes_of in out.reserved_on.values() for n in nodes_of]
+    assert len(set(reserved)) == len(reserved) and not set(promised) & set(reserved)
     check_preemptions(snap, out, policy)
 
 
@@ -308,21 +312,42 @@ def settle(snap: Snapshot, policy: Policy) -> Snapshot:
 
 
 @st.composite
-def starving_snapshots(draw: st.DrawFn) -> Snapshot:
+def starving_snapshots(draw: st.DrawFn, guarantees: bool = False) -> Snapshot:
     """Busy 4-GPU nodes (ends known, some held by whole-node calls) and a queue of whole-node
-    and smaller calls that have all waited: where the guard's share binds."""
+    and smaller calls that have all waited: where the guard's share binds. With
+    ``guarantees``, groups are guaranteed GPUs and the running calls are any group's: some
+    borrow, and the guard's calls reclaim."""
     nodes, running = [], []
-    for i in range(draw(st.integers(2, 8))):
+    for i in range(draw(st.integers(2, 12 if guarantees else 8))):
         nodes.append(NodeCapacity(i, [], 0, tuple(Gpu(g, "A100", 40960) for g in range(4))))
         busy = draw(st.sampled_from([(0, 1, 2, 3), (0, 1, 2), (0, 1)]))
-        running.append(Running(f"r{i}", i, busy, group="a", start_time=0.0,
+        if guarantees and len(busy) < 4 and draw(st.booleans()):  # (two calls on the node)
+            running.append(Running(f"s{i}", i, (3,), group=draw(st.sampled_from(GROUPS)),
+                                   start_time=0.0, expected_s=draw(st.floats(10, 1000)),
+                                   queued_time=0.0))  # fmt: skip
+        group = draw(st.sampled_from(GROUPS)) if guarantees else "a"
+        running.append(Running(f"r{i}", i, busy, group=group, start_time=0.0,
                                expected_s=draw(st.floats(10, 1000)), queued_time=0.0))  # fmt: skip
     sizes = draw(st.lists(st.sampled_from([4, 4, 8, 1, 2, 3]), min_size=1, max_size=16))
     # (some short enough to backfill into a reservation, ending before it is due)
     pending = [Pending(f"p{j}", n, group=draw(st.sampled_from(GROUPS)), submit_time=float(j),
                        expected_s=draw(st.sampled_from([None, 5.0, 50.0, 5000.0])))
                for j, n in enumerate(sizes)]  # fmt: skip
-    return Snapshot(nodes, pending, running, {g: Quota(0) for g in GROUPS}, now=10_000.0)
+    quotas = {g: Quota(draw(st.integers(0, 12)) if guarantees else 0) for g in GROUPS}
+    return Snapshot(nodes, pending, running, quotas, now=10_000.0)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(starving_snapshots(guarantees=True), st.sampled_from([(), (10.0, 100.0)]))
+def test_room_reclaimed_for_a_call_is_never_reserved_for_another(
+    snap: Snapshot, thresholds: tuple[float, ...]
+) -> None:
+    # The guard reserves nodes after reclaim may have looked at them: reclaim must not then
+    # free them for another call (both would count on the same GPUs).
+    out = plan(snap, Fair(starve_after_s=0.0, las_thresholds=thresholds))
+    promised = [n for nodes_of in out.promised.values() for n in nodes_of]
+    reserved = [n for nodes_of in out.reserved_on.values() for n in nodes_of]
+    assert len(set(reserved)) == len(reserved) and not set(promised) & set(reserved)
 
 
 @settings(max_examples=200, deadline=None)

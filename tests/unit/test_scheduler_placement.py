@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -264,3 +266,29 @@ def test_nodes_judged_by_shape_are_the_nodes_judged_one_by_one(
     for call in asked:
         assert fits(call) == [n for n in nodes if not n.draining and pl.node_fits_ever(n, call)]
         assert cap.largest_for(call) == pl.largest_for(nodes, call)
+
+
+@settings(max_examples=300)
+@given(mixed_nodes_strategy(), st.lists(any_call, min_size=1, max_size=6),
+       st.lists(any_call, max_size=5), st.sets(st.integers(0, 8)))  # fmt: skip
+def test_nodes_hidden_for_a_while_come_back_as_they_were(
+    nodes: list[NodeCapacity], inside: list[Pending], after: list[Pending], hide: set[int]
+) -> None:
+    # Capacity.hiding (the guard keeps other reservations' nodes from a call): nothing is
+    # placed on a hidden node meanwhile; afterwards the capacity answers as one built afresh
+    # from what is still free (what failed while they were hidden is forgotten).
+    cap = Capacity(nodes)
+    taken: dict[int, set[int]] = {}
+    with cap.hiding(n.node_id for n in nodes if n.node_id in hide):
+        for call in inside:
+            for part in cap.place(call) or ():
+                assert part.node_id not in hide
+                taken.setdefault(part.node_id, set()).update(part.gpu_indices)
+    left = [dataclasses.replace(n, free_gpus=[g for g in n.free_gpus
+                                             if g not in taken.get(n.node_id, ())])
+            for n in nodes]  # fmt: skip
+    fresh = Capacity(left)
+    assert cap.free_gpus == fresh.free_gpus
+    for call in after:
+        assert (cap.place(call) is None) == (fresh.place(call) is None)
+        assert cap.free_gpus == fresh.free_gpus
