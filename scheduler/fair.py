@@ -27,9 +27,11 @@ as it keeps them, split by class of service, without a pass over every call):
    later call, guaranteed or borrowing, may use reserved GPUs only if it ends before the
    reservation is due. A guaranteed call kept out only by a reservation waits for it
    instead of reclaiming elsewhere, and borrowers may no longer backfill into that one. A
-   whole-node call (holding every GPU of its nodes) that waited past the bound is never
-   reclaimed or swapped out once it starts; a smaller call that waited as long may be (on an
-   overloaded cluster every call waits past the bound). Without the guard,
+   gang on whole nodes that waited past the bound is never reclaimed or swapped out once it
+   starts; a call on one node that waited as long may be, whatever its size (on an
+   overloaded cluster every call waits past the bound, and keeping every whole-node call in
+   place froze much of the cluster: session 20), though smaller calls may not swap a
+   whole-node one out (step 3's shelter); reclaim may. Without the guard,
    borrowers that need less than a node take every GPU that frees up and a whole-node call
    can wait for days.
 1. Guaranteed: calls that keep their group within its guarantee start if they fit; one that
@@ -45,9 +47,10 @@ as it keeps them, split by class of service, without a pass over every call):
    group's, or other groups' borrowed ones while those hold more than their guarantee. The
    room is promised to it (``Plan.promised``): the next round places it first (step 0b). A
    call on whole nodes gives way to smaller calls once at most (``shelter_whole_nodes``):
-   after it was sent back to the queue, only a call of its nodes' size may take its place, for
-   each time it goes back it waits for whole nodes again (without the shelter, 8-GPU calls
-   on the Philly trace waited longer than under FIFO).
+   after it was sent back to the queue, or if it waited past the guard's bound before it
+   started, only a call of its nodes' size may take its place, for each time it goes back it
+   waits for whole nodes again (without the shelter, 8-GPU calls on the Philly trace waited
+   longer than under FIFO).
 4. Fair share among borrowers (``share_preemption``, Kueue's fair sharing; on by default):
    a group's weighted borrowing is the GPUs it holds past its guarantee over its weight (the
    guarantee plus one). A call still waiting that would borrow may take the place of other
@@ -99,7 +102,7 @@ from scheduler.model import (
 from scheduler.queue import Queue
 from scheduler.quotas import Book, Released
 from scheduler.reasons import Why, ahead, note, shortfall, starting
-from scheduler.reclaim import Reclaim, Reclaimer, WholeSizes, protected
+from scheduler.reclaim import Reclaim, Reclaimer, WholeSizes, protected, starved, starved_whole
 from scheduler.victims import Victims
 
 #: A whole-node call that has waited this long gets a reservation (fair's default).
@@ -371,7 +374,8 @@ class _Round:
         very instant) and are not the guard's (:func:`~scheduler.reclaim.protected`): calls of
         its own group (the group holds what it held), and borrowed calls of other groups that
         leave those groups at least their guarantee; with ``shelter_whole_nodes``, not a call
-        on whole nodes that ran before, unless the asking call is as big as its nodes. Lower
+        on whole nodes that ran before or that waited past the guard's bound, unless the
+        asking call is as big as its nodes. Lower
         classes ask first, each group's calls in fair order; the room is promised to the call
         (:attr:`Plan.promised`) and withdrawn from this round."""
         policy, now, book = self.policy, self.snapshot.now, self.book
@@ -416,7 +420,7 @@ class _Round:
                 if protected(run, after, self.by_id, self.whole_sizes):
                     continue
                 ranks[run.id] = service_class(thresholds, got)
-                if policy.shelter_whole_nodes and run.attained_gpu_s > 0:
+                if policy.shelter_whole_nodes and (run.attained_gpu_s > 0 or starved(run, after)):
                     size = run.whole_size(self.by_id)
                     if size:
                         sheltered[run.id] = size
@@ -530,7 +534,7 @@ class _Round:
                 continue
             if protected(run, after, self.by_id, self.whole_sizes):
                 continue
-            if policy.shelter_whole_nodes and run.attained_gpu_s > 0:
+            if policy.shelter_whole_nodes and (run.attained_gpu_s > 0 or starved(run, after)):
                 size = run.whole_size(self.by_id)
                 if size:
                     sheltered[run.id] = size
@@ -879,7 +883,9 @@ class _Round:
             return math.inf  # nobody else waited that long: nobody to keep room for
         # GPUs of whole-node calls running after a wait past the bound (the guard's calls)
         nodes, sizes = self.by_id, self.whole_sizes
-        held = sum(r.gpus for r in self.snapshot.running if protected(r, after_s, nodes, sizes))
+        held = sum(
+            r.gpus for r in self.snapshot.running if starved_whole(r, after_s, nodes, sizes)
+        )
         total = sum(len(node.gpus) for node in self.snapshot.nodes)
         return (asked + held) / (waited + held) * total - held
 

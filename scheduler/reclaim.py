@@ -1,8 +1,8 @@
 """Reclaim: make room for a group's guaranteed work by preempting other groups' borrowing.
 
 A running call is a candidate if it is preemptible, not already stopping, not protected (a
-whole-node call that waited past the starvation bound before it started, the guard's: see
-:mod:`scheduler.fair`), of another
+gang on whole nodes that waited past the starvation bound before it started, the guard's:
+see :func:`protected` and :mod:`scheduler.fair`), of another
 group, and its group holds more than its guarantee when it is picked (for a run on GPUs of
 models its group's quota lists: more than its guarantee of each of them, see
 :meth:`scheduler.quotas.Book.reclaimable`), so reclaim never eats into anyone's guarantee.
@@ -432,20 +432,17 @@ class WholeSizes:
         return shape is None or size >= self._by_kind.get(shape, 0)
 
 
-def protected(
+def starved_whole(
     run: Running,
     after_s: float | None,
     nodes: Mapping[int, NodeCapacity],
     sizes: WholeSizes | None = None,
 ) -> bool:
-    """Whether ``run`` is one of the starvation guard's calls, which neither reclaim nor least
-    attained service sends back to the queue: a whole-node call (it holds every GPU of each
-    of its nodes: whole nodes for a gang, else a node as big as the largest of its kind) that
-    waited ``after_s`` or longer before this start. A smaller call that waited as long is
-    not protected (nor one that happens to fill a node smaller than others of its kind): on
-    an overloaded cluster every call waits past the bound, and protecting them all would
-    leave guarantees and least attained service nothing to take. ``sizes``: the nodes'
-    :class:`WholeSizes` (worked out if not given)."""
+    """Whether ``run`` is one of the starvation guard's kind of call, running after a wait
+    of ``after_s`` or longer: a whole-node call (it holds every GPU of each of its nodes:
+    whole nodes for a gang, else a node as big as the largest of its kind). A smaller call
+    that waited as long is not (nor one that happens to fill a node smaller than others of
+    its kind). ``sizes``: the nodes' :class:`WholeSizes` (worked out if not given)."""
     if not starved(run, after_s):
         return False
     size = run.whole_size(nodes)
@@ -454,3 +451,22 @@ def protected(
     if sizes is None:
         sizes = WholeSizes(nodes.values())
     return sizes.whole(nodes[run.node_id], size)
+
+
+def protected(
+    run: Running,
+    after_s: float | None,
+    nodes: Mapping[int, NodeCapacity],
+    sizes: WholeSizes | None = None,
+) -> bool:
+    """Whether ``run`` is kept in place, neither reclaimed nor swapped out by least attained
+    service: a gang on whole nodes (several of them) that waited ``after_s`` or longer
+    before this start, the starvation guard's hardest call to place again. A call on one
+    node is not (since session 20), whatever its size: on an overloaded cluster every
+    whole-node call waits past the bound, and keeping them all in place froze a large part
+    of the cluster (the Philly trace at 64 x 8: average JCT 51,152 s against 41,089 s,
+    p99 queueing 770,403 s against 490,638 s); if sent back it queues again, and the
+    guard serves it again on one node. Before session 17 every call that waited that long
+    was kept in place, which left guarantees unenforceable. ``sizes`` as for
+    :func:`starved_whole`."""
+    return bool(run.more) and starved_whole(run, after_s, nodes, sizes)

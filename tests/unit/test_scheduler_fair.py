@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from scheduler import (
@@ -359,17 +361,30 @@ def two_borrowers() -> list[Running]:
     ]  # fmt: skip
 
 
-def test_a_whole_node_call_that_starved_is_not_reclaimed_once_it_runs() -> None:
-    # Group a (guarantee 2) wants its GPUs back from b's borrowers, each on a whole 2-GPU
-    # node: the one that waited two hours before it started (the guard's kind of call) is
-    # left alone, the one that started at once is preempted.
+def test_a_gang_that_starved_is_not_reclaimed_once_it_runs() -> None:
+    # Group a (guarantee 4) wants its GPUs back from b's borrowers, each a gang on two whole
+    # 2-GPU nodes: the one that waited two hours before it started (the guard's kind of
+    # call, and the hardest to place again) is left alone, the one that started at once is
+    # preempted.
+    running = [dataclasses.replace(r, node_id=2 * i + 1, more=(Part(2 * i + 2, (0, 1)),))
+               for i, r in enumerate(two_borrowers())]  # fmt: skip
+    quotas = {"a": Quota(4), "b": Quota(0)}
+    nodes = [node(i, [], size=2) for i in (1, 2, 3, 4)]
+    snap = Snapshot(nodes, [Pending("a1", 4, group="a")], running, quotas=quotas, now=10_100)
+    assert [p.invocation_id for p in plan(snap, GUARD).preemptions] == ["new"]
+    unguarded = plan(snap, Fair(starve_after_s=None)).preemptions
+    assert [p.invocation_id for p in unguarded] == ["old"]  # the youngest, without the guard
+
+
+def test_a_whole_node_call_on_one_node_that_starved_may_be_reclaimed() -> None:
+    # The same borrowers each on one whole 2-GPU node: kept in place, every such call on an
+    # overloaded cluster (where all of them wait past the bound) froze much of the cluster
+    # (session 20). The youngest goes, as without the guard; the guard serves it again.
     running = two_borrowers()
     quotas = {"a": Quota(2), "b": Quota(0)}
     snap = Snapshot([node(1, [], size=2), node(2, [], size=2)], [Pending("a1", 2, group="a")],
                     running, quotas=quotas, now=10_100)  # fmt: skip
-    assert [p.invocation_id for p in plan(snap, GUARD).preemptions] == ["new"]
-    unguarded = plan(snap, Fair(starve_after_s=None)).preemptions
-    assert [p.invocation_id for p in unguarded] == ["old"]  # the youngest, without the guard
+    assert [p.invocation_id for p in plan(snap, GUARD).preemptions] == ["old"]
 
 
 def test_a_smaller_call_that_waited_as_long_may_be_reclaimed() -> None:
