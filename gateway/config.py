@@ -143,6 +143,11 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
         for fair share among borrowers to take its calls (8: on the Philly trace, fairness
         across groups 0.54 -> 0.96 with the same queueing; small margins churn).
     """)] = 8.0
+    fair_shortest_first: Annotated[bool, doc("""
+        fair: inside each user's calls of one class of service, those expected to end sooner
+        (expected_duration, else timeout) go first; it orders a user's own calls only.
+        Off: a user's calls of one class in queue order.
+    """)] = True
     share_gpus_across_users: Annotated[bool, doc("""
         Calls asking for part of a GPU (gpus=0.25) may share one with other users' calls. Off:
         a GPU is shared only among one user's calls, since its sharers are not isolated from
@@ -226,6 +231,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
                 shelter_whole_nodes=self.fair_shelter_whole_nodes,
                 share_preemption=self.fair_share_preemption,
                 share_margin=self.fair_share_margin,
+                shortest_first=self.fair_shortest_first,
             )
         return policies.get(self.scheduler_policy)
 

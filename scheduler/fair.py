@@ -42,7 +42,8 @@ as it keeps them, split by class of service, without a pass over every call):
    order (so the group that used least of its share lately goes first), placed ``borrowed``.
 3. Least attained service (``las_thresholds``, Tiresias's 2D-LAS; on by default): a call's
    class is how many thresholds the GPU-seconds it received have passed; lower classes go
-   first inside each user's calls and among borrowers, and a call still waiting may take the
+   first inside each user's calls and among borrowers (inside a class, a user's calls
+   expected to end sooner first: ``shortest_first``), and a call still waiting may take the
    place of running calls of a strictly higher class that have run ``min_run_s``: its own
    group's, or other groups' borrowed ones while those hold more than their guarantee. The
    room is promised to it (``Plan.promised``): the next round places it first (step 0b). A
@@ -148,6 +149,11 @@ class Fair:
     #: for step 4 to take its calls; least attained service never leaves the asking group
     #: borrowing more than this above the other (so neither step undoes the other).
     share_margin: float = 8.0
+    #: Inside each (priority, group, user)'s calls of one class of service, those expected
+    #: to end sooner (``Pending.expected_s``: a time limit or expected duration) go first;
+    #: a user's order among their own calls only, so claiming short durations takes nothing
+    #: from anyone else. Calls without one keep queue order, after those with one.
+    shortest_first: bool = True
 
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan:
         return _Round(self, snapshot, why).run()
@@ -277,7 +283,11 @@ class _Round:
         """Fill :attr:`tiers` and :attr:`groups`: from the replay's queue as it keeps them
         (no pass over every call), or from the calls as read."""
         snapshot, policy, thresholds = self.snapshot, self.policy, self.policy.las_thresholds
-        if isinstance(pending, Queue) and pending.thresholds == thresholds:
+        if (
+            isinstance(pending, Queue)
+            and pending.thresholds == thresholds
+            and pending.shortest_first == policy.shortest_first
+        ):
             rank = bucket_rank(
                 snapshot.usage, snapshot.user_usage, snapshot.quotas, policy.default_quota
             )
@@ -292,15 +302,16 @@ class _Round:
         )
         self.groups = [bucket[0].group for bucket in buckets]
         self.priorities = [bucket[0].priority for bucket in buckets]
+        first = policy.shortest_first
         if not thresholds or not any(c.attained_gpu_s >= thresholds[0] for c in pending):
-            self.tiers = [[bucket] for bucket in buckets]
+            self.tiers = [[_shortest_first(b) if first else b] for b in buckets]
             return
         klass = self.klass
         for bucket in buckets:
             tiers: list[list[Pending]] = [[] for _ in range(len(thresholds) + 1)]
             for call in bucket:
                 tiers[klass(call)].append(call)
-            self.tiers.append(tiers)
+            self.tiers.append([_shortest_first(t) for t in tiers] if first else tiers)
 
     def fair_order(self) -> Iterator[Pending]:
         """Every pending call: the buckets in fair-share order, each by class (lowest first)
@@ -1063,6 +1074,16 @@ def _served(
             seen.add(call.group)
             heads.append(call)
     return kept + [call for call in starving if call.id not in order], heads
+
+
+def _expected(call: Pending) -> float:
+    return math.inf if call.expected_s is None else call.expected_s
+
+
+def _shortest_first(calls: list[Pending]) -> list[Pending]:
+    """Calls in queue order, re-ordered by expected duration (a stable sort: queue order
+    among equals, and calls without one last), as the replay's queue keeps its tiers."""
+    return sorted(calls, key=_expected)
 
 
 def _age_key(call: Pending) -> tuple[int, float]:

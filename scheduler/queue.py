@@ -43,15 +43,15 @@ class _Seq:
     __slots__ = ("calls", "keys")
 
     def __init__(self) -> None:
-        self.keys: list[Key] = []
+        self.keys: list[tuple[float, ...]] = []
         self.calls: list[Pending] = []
 
-    def add(self, key: Key, call: Pending) -> None:
+    def add(self, key: tuple[float, ...], call: Pending) -> None:
         i = bisect.bisect_left(self.keys, key)
         self.keys.insert(i, key)
         self.calls.insert(i, call)
 
-    def remove(self, key: Key) -> None:
+    def remove(self, key: tuple[float, ...]) -> None:
         i = bisect.bisect_left(self.keys, key)
         del self.keys[i], self.calls[i]
 
@@ -66,7 +66,7 @@ class _Run(_Seq):
         super().__init__()
         self.expected: list[float] = []
 
-    def add(self, key: Key, call: Pending) -> None:
+    def add(self, key: tuple[float, ...], call: Pending) -> None:
         super().add(key, call)
         bisect.insort(self.expected, _expected(call))
 
@@ -86,8 +86,10 @@ class Queue(Sequence[Pending]):
     Ids are unique; a call is added with its sequence number (the replay: its job's index;
     live: its place in the order read)."""
 
-    def __init__(self, thresholds: tuple[float, ...] = ()) -> None:
+    def __init__(self, thresholds: tuple[float, ...] = (), shortest_first: bool = False) -> None:
         self.thresholds = thresholds
+        #: Each tier in order of expected duration, shortest first (then in queue order).
+        self.shortest_first = shortest_first
         self._keys: list[Key] = []
         self._calls: list[Pending] = []
         self._by_id: dict[str, Key] = {}
@@ -97,10 +99,15 @@ class Queue(Sequence[Pending]):
         self._waits = _Waits()
 
     @classmethod
-    def of(cls, calls: Iterable[Pending], thresholds: tuple[float, ...] = ()) -> Queue:
+    def of(
+        cls,
+        calls: Iterable[Pending],
+        thresholds: tuple[float, ...] = (),
+        shortest_first: bool = False,
+    ) -> Queue:
         """A queue of ``calls`` in the order given (calls of higher priority are moved ahead
         of lower ones; the order is kept otherwise)."""
-        queue = cls(thresholds)
+        queue = cls(thresholds, shortest_first)
         for seq, call in enumerate(calls):
             queue.add(call, seq)
         return queue
@@ -124,12 +131,19 @@ class Queue(Sequence[Pending]):
         if tiers is None:
             tiers = self._tiers[bucket] = [_Seq() for _ in range(len(self.thresholds) + 1)]
             self._sizes[bucket] = 0
-        tiers[self.tier(call)].add(key, call)
+        tiers[self.tier(call)].add(self._tier_key(key, call), call)
         self._sizes[bucket] += 1
         self._waits.add(call)
 
     def tier(self, call: Pending) -> int:
         return service_class(self.thresholds, call.attained_gpu_s)
+
+    def _tier_key(self, key: Key, call: Pending) -> tuple[float, ...]:
+        """A call's place in its tier: its place in the queue, after the calls expected to
+        end sooner with ``shortest_first`` (a bucket's calls share one priority)."""
+        if not self.shortest_first:
+            return key
+        return (key[0], _expected(call), key[1])
 
     def pop(self, call_id: str) -> Pending:
         """Take the call out of the queue (KeyError if it is not in it)."""
@@ -143,7 +157,7 @@ class Queue(Sequence[Pending]):
         if not run.keys:
             del self._runs[k]
         bucket = (call.priority, call.group, call.user)
-        self._tiers[bucket][self.tier(call)].remove(key)
+        self._tiers[bucket][self.tier(call)].remove(self._tier_key(key, call))
         self._sizes[bucket] -= 1
         if not self._sizes[bucket]:
             del self._tiers[bucket], self._sizes[bucket]
@@ -177,8 +191,8 @@ class Queue(Sequence[Pending]):
 
     def buckets(self) -> dict[Bucket, list[list[Pending]]]:
         """Per (priority, group, user) with calls queued: its calls of each tier, lowest
-        first, each in queue order. The lists are the queue's own: read them, never change
-        them."""
+        first, each in queue order (with ``shortest_first``, by expected duration, then in
+        queue order). The lists are the queue's own: read them, never change them."""
         return {b: [seq.calls for seq in tiers] for b, tiers in self._tiers.items()}
 
     def __contains__(self, call: object) -> bool:

@@ -168,7 +168,9 @@ class Simulator:
         self.pending_shares = 0
         #: Pending jobs in queue order (a requeued call keeps its place, as it does live),
         #: in tiers by the policy's classes of service where it has them (scheduler.fair).
-        self.pending = Queue(getattr(policy, "las_thresholds", ()))
+        self.pending = Queue(
+            getattr(policy, "las_thresholds", ()), getattr(policy, "shortest_first", False)
+        )
         self.running: dict[str, Running] = {}
         #: The running calls' expected ends per node (Snapshot.ends), kept as they change.
         self.ends = Ends()
@@ -515,6 +517,9 @@ class Options:
     #: The fair policy's fair share among borrowers (step 4) and its margin (None: default).
     share_preemption: bool = True
     share_margin: float | None = None
+    #: The fair policy's order inside a user's calls of one class: shortest expected first
+    #: (the replay gives each job its true remaining duration as its expected duration).
+    shortest_first: bool = True
 
 
 def policy_names() -> list[str]:
@@ -561,6 +566,8 @@ def replay(trace: str | Sequence[Job], options: Options) -> dict[str, float]:
         settings["share_preemption"] = False
     if options.share_margin is not None:
         settings["share_margin"] = options.share_margin
+    if not options.shortest_first:
+        settings["shortest_first"] = False
     sim = Simulator(
         jobs,
         get_policy(options.policy, **settings),
@@ -679,6 +686,13 @@ def parser() -> argparse.ArgumentParser:
         help="fair: how much more a group must borrow for its weight than the asking job's "
         "for fair share among borrowers to take its jobs (default 8)",
     )
+    p.add_argument(
+        "--no-shortest-first",
+        dest="shortest_first",
+        action="store_false",
+        help="fair: a user's jobs of one class of service in queue order (default: the "
+        "shortest expected first; the replay expects each job's true duration)",
+    )
     return p
 
 
@@ -704,6 +718,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("--no-whole-node-shelter", not args.shelter_whole_nodes),
             ("--no-share-preemption", not args.share_preemption),
             ("--share-margin", args.share_margin is not None),
+            ("--no-shortest-first", not args.shortest_first),
         )
         if given
     ]
@@ -746,6 +761,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.shelter_whole_nodes,
         args.share_preemption,
         args.share_margin,
+        args.shortest_first,
     )
     try:
         metrics = replay(args.trace, options)

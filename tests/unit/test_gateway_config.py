@@ -71,6 +71,12 @@ def test_fair_share_among_borrowers_reaches_the_policy() -> None:
     assert (off.share_preemption, off.share_margin) == (False, 2)  # type: ignore[attr-defined]
 
 
+def test_shortest_first_reaches_the_policy() -> None:
+    assert GatewayConfig(database_url=URL).policy().shortest_first  # type: ignore[attr-defined]
+    off = GatewayConfig(database_url=URL, fair_shortest_first=False).policy()
+    assert off.shortest_first is False  # type: ignore[attr-defined]
+
+
 def test_request_handling_defaults() -> None:
     config = GatewayConfig(database_url=URL)
     assert (config.rate_limit_per_s, config.rate_limit_burst) == (500.0, 1000)

@@ -483,3 +483,22 @@ def test_reclaim_preempts_a_gang_on_two_cleared_nodes_once() -> None:
                     running, {"a": Quota(6, 1), "b": Quota(0, 6)}, now=37.0)  # fmt: skip
     victims = [p.invocation_id for p in plan(snap, Fair()).preemptions]
     assert victims == ["2"], "the gang on nodes 1 and 2 is told to stop once"
+
+
+def test_a_user_s_calls_of_one_class_go_shortest_expected_first() -> None:
+    # One free GPU. ann queued a long call, then one without a duration, then a short one:
+    # the short one starts (her own order only); in queue order, the first.
+    free = [node(1, [0])]
+    mine = [Pending("long", 1, "ann", "a", submit_time=1.0, expected_s=9_000.0),
+            Pending("blind", 1, "ann", "a", submit_time=2.0),
+            Pending("short", 1, "ann", "a", submit_time=3.0, expected_s=60.0)]  # fmt: skip
+    snap = Snapshot(free, mine, [], {"a": Quota(4)}, now=10.0)
+    assert [d.invocation_id for d in plan(snap, Fair())] == ["short"]
+    assert [d.invocation_id for d in plan(snap, Fair(shortest_first=False))] == ["long"]
+    two = dataclasses.replace(snap, nodes=[node(1, [0, 1])])
+    assert [d.invocation_id for d in plan(two, Fair())] == ["short", "long"]  # (blind last)
+    # Another user's shorter call does not go ahead of ann's: buckets keep fair order
+    # (equal usage: by name), whatever durations their calls claim.
+    bob = Pending("bob", 1, "bob", "a", submit_time=0.0, expected_s=1.0)
+    both = dataclasses.replace(snap, pending=[bob, *mine])
+    assert [d.invocation_id for d in plan(both, Fair())] == ["short"]

@@ -68,13 +68,13 @@ def test_a_walk_passes_over_dead_calls_and_whole_kinds() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2), st.sampled_from([1, 2, 8]),
-                          st.booleans()), max_size=60))  # fmt: skip
+                          st.booleans()), max_size=60), st.booleans())  # fmt: skip
 def test_a_queue_agrees_with_sorting_after_any_adds_and_pops(
-    steps: list[tuple[int, int, int, bool]],
+    steps: list[tuple[int, int, int, bool]], shortest_first: bool
 ) -> None:
-    queue, model = Queue((10.0, 100.0)), {}
+    queue, model = Queue((10.0, 100.0), shortest_first), {}
     for step, (seq, priority, gpus, take) in enumerate(steps):
-        c = call(seq, gpus, priority, expected=float(seq % 7), group="ab"[seq % 2],
+        c = call(seq, gpus, priority, expected=float((seq * 5) % 7), group="ab"[seq % 2],
                  user="xyz"[seq % 3], attained_gpu_s=float(seq % 4 * 40),
                  queued_time=float(step))  # fmt: skip
         if take and str(seq) in model:
@@ -94,11 +94,14 @@ def test_a_queue_agrees_with_sorting_after_any_adds_and_pops(
         for since in (-1.0, 3.0, 20.0, 1e9):
             want = sum(c.gpus for c in ordered if (c.queued_time or 0.0) <= since)
             assert queue.waited(since) == want
-        # Each bucket's calls by tier of service received (0-9, 10-99, 100 and more).
+        # Each bucket's calls by tier of service received (0-9, 10-99, 100 and more), each
+        # in queue order or, shortest first, by expected duration then queue order.
         buckets = queue.buckets()
         assert set(buckets) == {(c.priority, c.group, c.user) for c in ordered}
         for (priority, group, user), tiers in buckets.items():
             mine = [c for c in ordered if (c.priority, c.group, c.user) == (priority, group, user)]
+            if shortest_first:
+                mine.sort(key=lambda c: c.expected_s or 0.0)
             assert tiers == [
                 [c for c in mine if lo <= c.attained_gpu_s < hi]
                 for lo, hi in ((0, 10), (10, 100), (100, float("inf")))
@@ -138,7 +141,8 @@ def test_fifo_passing_over_a_backlog_starts_what_a_full_scan_starts(snap: Snapsh
 
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(snapshots(), starving_snapshots()),
-       st.sampled_from([p for p in POLICIES if isinstance(p, Fair)] + [Fair()]),
+       st.sampled_from([p for p in POLICIES if isinstance(p, Fair)]
+                       + [Fair(), Fair(shortest_first=False)]),
        st.data())  # fmt: skip
 def test_fair_plans_the_same_from_the_replay_s_queue_as_from_a_list(
     snap: Snapshot, policy: Fair, data: st.DataObject
@@ -154,12 +158,12 @@ def test_fair_plans_the_same_from_the_replay_s_queue_as_from_a_list(
     listed = policy.plan(snap)
     # A queue whose calls entered it in the order they started waiting keeps count of the
     # GPUs waiting (the replay's); one built from a list in queue order cannot.
-    timely = Queue(policy.las_thresholds)
+    timely = Queue(policy.las_thresholds, policy.shortest_first)
     by_wait = sorted(enumerate(snap.pending), key=lambda ic: ic[1].waiting_since)
     for seq, c in by_wait:
         timely.add(c, seq)
     assert timely.waited(snap.now) is not None
-    for queue in (Queue.of(snap.pending, policy.las_thresholds), timely):
+    for queue in (Queue.of(snap.pending, policy.las_thresholds, policy.shortest_first), timely):
         queued = policy.plan(dataclasses.replace(snap, pending=queue))
         assert [(d.invocation_id, d.parts, d.borrowed) for d in listed] == [
             (d.invocation_id, d.parts, d.borrowed) for d in queued
@@ -180,12 +184,16 @@ def test_fair_orders_calls_by_class_without_sorting_them(
     pairs = zip(snap.pending, priorities, strict=False)  # (more priorities than calls)
     pending = [dataclasses.replace(c, priority=p) for c, p in pairs]
     policy = Fair(las_thresholds=(10.0, 100.0))
-    source = Queue.of(pending, policy.las_thresholds) if queued else pending
+    source = Queue.of(pending, policy.las_thresholds, True) if queued else pending
     order = Queue.of(pending) if queued else pending  # (a queue puts priorities first)
     r = _Round(policy, dataclasses.replace(snap, pending=source), None)
     klass = r.klass
+
+    def rank(c: Pending) -> tuple[int, float]:  # (class, then the shortest expected first)
+        return (klass(c), math.inf if c.expected_s is None else c.expected_s)
+
     expected = [c for bucket in fair_buckets(order, snap.usage, snap.user_usage, snap.quotas)
-                for c in sorted(bucket, key=klass)]  # fmt: skip
+                for c in sorted(bucket, key=rank)]  # fmt: skip
     assert list(r.fair_order()) == expected
     assert list(r.class_order()) == sorted(expected, key=lambda c: (-c.priority, klass(c)))
 

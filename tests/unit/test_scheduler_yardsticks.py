@@ -220,3 +220,24 @@ def test_a_job_on_whole_nodes_gives_way_to_smaller_jobs_once_in_the_replay(
     assert jobs["shelter"]["0"]["preemptions"] == "1"
     assert jobs["bare"]["0"]["preemptions"] == "3"
     assert all(j["fate"] == "completed" for run in jobs.values() for j in run.values())
+
+
+def test_the_replay_orders_a_group_s_jobs_shortest_first_unless_told_not_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One GPU, one group: a long job holds it until t=100 while five jobs queue, longest
+    # first (5, 4, 3, 2, 1 s). In queue order they wait 99+103+106+108+109 s, shortest first
+    # 95+97+100+104+109 s (the replay expects each job's true duration).
+    trace = tmp_path / "one.csv"
+    rows = ["submit_time,duration,num_gpus,group", "0,100,1,a"]
+    rows += [f"{1 + i},{5 - i},1,a" for i in range(5)]
+    trace.write_text("\n".join(rows) + "\n")
+    args = [str(trace), "--nodes", "1", "--gpus-per-node", "1", "--policy", "fair",
+            "--no-least-attained", "--format", "json"]  # fmt: skip
+    waits = {}
+    for name, extra in [("shortest", []), ("queue", ["--no-shortest-first"])]:
+        assert replay.main([*args, *extra]) == 0
+        waits[name] = json.loads(capsys.readouterr().out)["avg_queue_s"]
+    assert waits["queue"] - waits["shortest"] == pytest.approx((525 - 505) / 6)
+    assert replay.main([*args[:-3], "--policy", "fifo", "--no-shortest-first"]) == 2
+    assert "--no-shortest-first: settings of --policy fair only" in capsys.readouterr().err
