@@ -27,11 +27,12 @@ as it keeps them, split by class of service, without a pass over every call):
    later call, guaranteed or borrowing, may use reserved GPUs only if it ends before the
    reservation is due. A guaranteed call kept out only by a reservation waits for it
    instead of reclaiming elsewhere, and borrowers may no longer backfill into that one. A
-   gang on whole nodes that waited past the bound is never reclaimed or swapped out once it
-   starts; a call on one node that waited as long may be, whatever its size (on an
-   overloaded cluster every call waits past the bound, and keeping every whole-node call in
-   place froze much of the cluster: session 20), though smaller calls may not swap a
-   whole-node one out (step 3's shelter); reclaim may. Without the guard,
+   whole-node call that waited past the bound is never swapped out (steps 3 and 4) once it
+   starts, and a gang on whole nodes is never reclaimed either; a whole-node call on one
+   node may be reclaimed if it borrows (since session 20: on an overloaded cluster every
+   whole-node call waits past the bound, and keeping them all from reclaim left much of
+   the cluster out of reach of guarantees), and a smaller call that waited as long may be
+   swapped out too (every call waits past the bound there). Without the guard,
    borrowers that need less than a node take every GPU that frees up and a whole-node call
    can wait for days.
 1. Guaranteed: calls that keep their group within its guarantee start if they fit; one that
@@ -48,10 +49,9 @@ as it keeps them, split by class of service, without a pass over every call):
    group's, or other groups' borrowed ones while those hold more than their guarantee. The
    room is promised to it (``Plan.promised``): the next round places it first (step 0b). A
    call on whole nodes gives way to smaller calls once at most (``shelter_whole_nodes``):
-   after it was sent back to the queue, or if it waited past the guard's bound before it
-   started, only a call of its nodes' size may take its place, for each time it goes back it
-   waits for whole nodes again (without the shelter, 8-GPU calls on the Philly trace waited
-   longer than under FIFO).
+   after it was sent back to the queue, only a call of its nodes' size may take its place,
+   for each time it goes back it waits for whole nodes again (without the shelter, 8-GPU
+   calls on the Philly trace waited longer than under FIFO).
 4. Fair share among borrowers (``share_preemption``, Kueue's fair sharing; on by default):
    a group's weighted borrowing is the GPUs it holds past its guarantee over its weight (the
    guarantee plus one). A call still waiting that would borrow may take the place of other
@@ -103,7 +103,7 @@ from scheduler.model import (
 from scheduler.queue import Queue
 from scheduler.quotas import Book, Released
 from scheduler.reasons import Why, ahead, note, shortfall, starting
-from scheduler.reclaim import Reclaim, Reclaimer, WholeSizes, protected, starved, starved_whole
+from scheduler.reclaim import Reclaim, Reclaimer, WholeSizes, starved_whole
 from scheduler.victims import Victims
 
 #: A whole-node call that has waited this long gets a reservation (fair's default).
@@ -382,11 +382,10 @@ class _Round:
         """Step 3, least attained service (Tiresias's 2D-LAS): a call still waiting may take
         the place of running calls of a higher class (more GPU-seconds of service received,
         by ``las_thresholds``) that have run ``min_run_s`` at least (and did not start in this
-        very instant) and are not the guard's (:func:`~scheduler.reclaim.protected`): calls of
+        very instant) and are not the guard's (:func:`~scheduler.reclaim.starved_whole`): calls of
         its own group (the group holds what it held), and borrowed calls of other groups that
         leave those groups at least their guarantee; with ``shelter_whole_nodes``, not a call
-        on whole nodes that ran before or that waited past the guard's bound, unless the
-        asking call is as big as its nodes. Lower
+        on whole nodes that ran before, unless the asking call is as big as its nodes. Lower
         classes ask first, each group's calls in fair order; the room is promised to the call
         (:attr:`Plan.promised`) and withdrawn from this round."""
         policy, now, book = self.policy, self.snapshot.now, self.book
@@ -428,10 +427,10 @@ class _Round:
                 got = run.attained_gpu_s + run.gpus * ran  # (run.attained, inlined: hot)
                 if got < bar or ran < min_run or ran <= 0:
                     continue
-                if protected(run, after, self.by_id, self.whole_sizes):
+                if starved_whole(run, after, self.by_id, self.whole_sizes):
                     continue
                 ranks[run.id] = service_class(thresholds, got)
-                if policy.shelter_whole_nodes and (run.attained_gpu_s > 0 or starved(run, after)):
+                if policy.shelter_whole_nodes and run.attained_gpu_s > 0:
                     size = run.whole_size(self.by_id)
                     if size:
                         sheltered[run.id] = size
@@ -543,9 +542,9 @@ class _Round:
             ran = now - run.start_time
             if ran < min_run or ran <= 0 or not book.borrowing(run.group):
                 continue
-            if protected(run, after, self.by_id, self.whole_sizes):
+            if starved_whole(run, after, self.by_id, self.whole_sizes):
                 continue
-            if policy.shelter_whole_nodes and (run.attained_gpu_s > 0 or starved(run, after)):
+            if policy.shelter_whole_nodes and run.attained_gpu_s > 0:
                 size = run.whole_size(self.by_id)
                 if size:
                     sheltered[run.id] = size
@@ -762,15 +761,17 @@ class _Round:
             if parts is not None:
                 self.start(call, parts)
                 continue
-            self.reclaimer.avoid = claims  # (other reservations' nodes, not renewed yet)
-            try:
-                reclaimed = (
-                    self.book.nominal(call)
-                    and self.held_for(kept) is None
-                    and self.try_reclaim(call)
-                )
-            finally:
-                self.reclaimer.avoid = frozenset()
+            reclaimed = False
+            if self.book.nominal(call) and self.held_for(kept) is None:
+                bound = self.policy.max_reclaims
+                if bound is not None and self.reclaims >= bound:
+                    self.out.more = True  # (it may reclaim next round: reserved meanwhile)
+                else:
+                    self.reclaimer.avoid = claims  # (others' reserved nodes, not renewed yet)
+                    try:
+                        reclaimed = self.try_reclaim(call)
+                    finally:
+                        self.reclaimer.avoid = frozenset()
             if reclaimed:
                 self.done.add(call.id)
                 due = self.snapshot.reserved.get(call.id)
@@ -800,12 +801,16 @@ class _Round:
     def claims(self, starving: list[Pending]) -> dict[int, list[str]]:
         """The nodes the calls reserved for last round were reserved on (still waiting, so
         still starving), with those calls: the guard takes them in turn, and until a call's
-        turn its nodes are its own."""
+        turn its nodes are its own. Not those of a call that will not have its turn (its
+        group at its ceiling, or no model left to it): its reservation lapses."""
         on = self.snapshot.reserved_on
         claims: dict[int, list[str]] = {}
         if on:
             for call in starving:
-                for node_id in on.get(call.id, ()):
+                nodes = on.get(call.id, ())
+                if not nodes or not self.book.within_ceiling(call) or self.keep(call) is None:
+                    continue
+                for node_id in nodes:
                     claims.setdefault(node_id, []).append(call.id)
         return claims
 
@@ -858,6 +863,7 @@ class _Round:
         a gang; one node holding all of it, else), within ``room`` GPUs; None if not."""
         cap, parts = self.cap, []
         whole = call.gpus > cap.largest_for(call)
+        nodes = list(dict.fromkeys(nodes))  # (a node listed twice is one node)
         for node_id in nodes:
             state = cap.states.get(node_id)
             if state is None or state.withdrawn or state.node.draining:
@@ -945,7 +951,8 @@ class _Round:
         can = self.policy.reclaim and shape not in self.stuck and book.any_borrowing()
         found = self.reclaimer.reclaim(kept, book.limit(call, kept)) if can and kept else None
         if found is None or kept is None:
-            self.stuck.add(shape)
+            if not self.reclaimer.avoid:  # (kept off some nodes, it says nothing of others)
+                self.stuck.add(shape)
             return False
         self.reclaims += bool(found.victims)
         self.out.promised[call.id] = tuple(sorted(found.node_ids))  # (step 0a next round)

@@ -459,14 +459,14 @@ def protected(
     nodes: Mapping[int, NodeCapacity],
     sizes: WholeSizes | None = None,
 ) -> bool:
-    """Whether ``run`` is kept in place, neither reclaimed nor swapped out by least attained
-    service: a gang on whole nodes (several of them) that waited ``after_s`` or longer
-    before this start, the starvation guard's hardest call to place again. A call on one
-    node is not (since session 20), whatever its size: on an overloaded cluster every
-    whole-node call waits past the bound, and keeping them all in place froze a large part
-    of the cluster (the Philly trace at 64 x 8: average JCT 51,152 s against 41,089 s,
-    p99 queueing 770,403 s against 490,638 s); if sent back it queues again, and the
-    guard serves it again on one node. Before session 17 every call that waited that long
-    was kept in place, which left guarantees unenforceable. ``sizes`` as for
-    :func:`starved_whole`."""
+    """Whether reclaim leaves ``run`` alone: a gang on whole nodes (several of them) that
+    waited ``after_s`` or longer before this start, the starvation guard's hardest call to
+    place again. Least attained service and fair share among borrowers leave every
+    :func:`starved_whole` run alone. A whole-node call on one node that waited as long may
+    be reclaimed since session 20: on an overloaded cluster every whole-node call waits past
+    the bound, and keeping them all from reclaim left much of the cluster out of reach of
+    guarantees (the Philly trace at 64 x 8: docs/benchmarks.md, session 20); if sent back it
+    queues again, and the guard serves it again on one node. Before session 17 every call
+    that waited that long was kept in place, which left guarantees unenforceable. ``sizes``
+    as for :func:`starved_whole`."""
     return bool(run.more) and starved_whole(run, after_s, nodes, sizes)

@@ -31,7 +31,7 @@ from scheduler.backfill import Horizon, releases, reserve
 from scheduler.capacity import Capacity
 from scheduler.core import resolve
 from scheduler.fair import Fair
-from scheduler.reclaim import protected, starved
+from scheduler.reclaim import protected, starved, starved_whole
 from scheduler.replay import Cluster, Simulator
 from scheduler.traces import Job
 from scheduler.yardsticks import Las, Srtf
@@ -226,6 +226,10 @@ def check_preemptions(snap: Snapshot, out: Plan, policy: str | Policy) -> None:
     nodes = {n.node_id: n for n in snap.nodes}
     if isinstance(chosen, Fair):  # the guard's calls are never sent back
         assert not any(protected(running[v], chosen.starve_after_s, nodes) for v in victims)
+        for p in out.preemptions:  # (nor swapped out, on one node either)
+            if "least attained service" in p.reason or "fair share among" in p.reason:
+                run = running[p.invocation_id]
+                assert not starved_whole(run, chosen.starve_after_s, nodes), p
     after = held(snap)
     before = dict(after)
     calls = {c.id: c for c in snap.pending}
@@ -240,7 +244,8 @@ def check_preemptions(snap: Snapshot, out: Plan, policy: str | Policy) -> None:
                 rank, call.attained_gpu_s
             )
             assert run.group == call.group or run.borrowed
-            assert call.id in out.promised and not protected(run, chosen.starve_after_s, nodes)
+            assert call.id in out.promised
+            assert not starved_whole(run, chosen.starve_after_s, nodes)  # (the guard's)
             sizes = {n.node_id: len(n.gpus) for n in snap.nodes}
             whole = all(0 < sizes[p.node_id] <= len(p.gpu_indices) for p in run.parts)
             if chosen.shelter_whole_nodes and whole and run.attained_gpu_s > 0:
