@@ -79,7 +79,7 @@ import bisect
 import functools
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler import placement
@@ -100,7 +100,7 @@ from scheduler.model import (
     Snapshot,
     service_class,
 )
-from scheduler.queue import Queue
+from scheduler.queue import Queue, expected
 from scheduler.quotas import Book, Released
 from scheduler.reasons import Why, ahead, note, shortfall, starting
 from scheduler.reclaim import Reclaim, Reclaimer, WholeSizes, starved_whole
@@ -767,11 +767,7 @@ class _Round:
                 if bound is not None and self.reclaims >= bound:
                     self.out.more = True  # (it may reclaim next round: reserved meanwhile)
                 else:
-                    self.reclaimer.avoid = claims  # (others' reserved nodes, not renewed yet)
-                    try:
-                        reclaimed = self.try_reclaim(call)
-                    finally:
-                        self.reclaimer.avoid = frozenset()
+                    reclaimed = self.try_reclaim(call, avoid=claims)
             if reclaimed:
                 self.done.add(call.id)
                 due = self.snapshot.reserved.get(call.id)
@@ -833,7 +829,7 @@ class _Round:
         if not choices or not any(state.node.node_id in claims for state, _ in choices):
             return self.place(call, kept)  # (where it would go now is nobody's)
         now, due = self.snapshot.now, self.snapshot.reserved
-        end = math.inf if kept.expected_s is None else now + kept.expected_s
+        end = now + expected(kept)
         theirs = [
             node_id
             for node_id, owners in claims.items()
@@ -938,8 +934,9 @@ class _Round:
                     return held
         return None
 
-    def try_reclaim(self, call: Pending) -> bool:
-        """Reclaim room for a call within its group's guarantee; whether it was dealt with
+    def try_reclaim(self, call: Pending, avoid: Container[int] = frozenset()) -> bool:
+        """Reclaim room for a call within its group's guarantee, off the nodes in ``avoid``
+        (the guard's: other reservations' nodes, not renewed yet); whether it was dealt with
         (room found, or the round's reclaim bound reached)."""
         book, limit, group = self.book, self.policy.max_reclaims, call.group
         if limit is not None and self.reclaims >= limit:
@@ -949,9 +946,15 @@ class _Round:
         shape = (group, call.gpus, call.gpu_model, call.min_memory_mib)
         kept = self.keep(call, nominal=True)  # (only on models it is guaranteed)
         can = self.policy.reclaim and shape not in self.stuck and book.any_borrowing()
-        found = self.reclaimer.reclaim(kept, book.limit(call, kept)) if can and kept else None
+        found = None
+        if can and kept:
+            self.reclaimer.avoid = avoid
+            try:
+                found = self.reclaimer.reclaim(kept, book.limit(call, kept))
+            finally:
+                self.reclaimer.avoid = frozenset()
         if found is None or kept is None:
-            if not self.reclaimer.avoid:  # (kept off some nodes, it says nothing of others)
+            if not avoid:  # (kept off some nodes, it says nothing of others)
                 self.stuck.add(shape)
             return False
         self.reclaims += bool(found.victims)
@@ -1083,14 +1086,10 @@ def _served(
     return kept + [call for call in starving if call.id not in order], heads
 
 
-def _expected(call: Pending) -> float:
-    return math.inf if call.expected_s is None else call.expected_s
-
-
 def _shortest_first(calls: list[Pending]) -> list[Pending]:
     """Calls in queue order, re-ordered by expected duration (a stable sort: queue order
     among equals, and calls without one last), as the replay's queue keeps its tiers."""
-    return sorted(calls, key=_expected)
+    return sorted(calls, key=expected)
 
 
 def _age_key(call: Pending) -> tuple[int, float]:

@@ -68,15 +68,16 @@ class _Run(_Seq):
 
     def add(self, key: tuple[float, ...], call: Pending) -> None:
         super().add(key, call)
-        bisect.insort(self.expected, _expected(call))
+        bisect.insort(self.expected, expected(call))
 
     def drop(self, key: Key, call: Pending) -> None:
         self.remove(key)
-        del self.expected[bisect.bisect_left(self.expected, _expected(call))]
+        del self.expected[bisect.bisect_left(self.expected, expected(call))]
 
 
-def _expected(call: Pending) -> float:
-    return float("inf") if call.expected_s is None else call.expected_s
+def expected(call: Pending) -> float:
+    """The call's expected duration; infinite when it has none (it sorts last)."""
+    return math.inf if call.expected_s is None else call.expected_s
 
 
 class Queue(Sequence[Pending]):
@@ -143,7 +144,7 @@ class Queue(Sequence[Pending]):
         end sooner with ``shortest_first`` (a bucket's calls share one priority)."""
         if not self.shortest_first:
             return key
-        return (key[0], _expected(call), key[1])
+        return (key[0], expected(call), key[1])
 
     def pop(self, call_id: str) -> Pending:
         """Take the call out of the queue (KeyError if it is not in it)."""
@@ -235,13 +236,13 @@ class Queue(Sequence[Pending]):
             alive = not dead(calls[i])
             j = i + 1
             if not alive:
-                longest = _expected(calls[i])  # (a call expected this long or longer is dead)
+                longest = expected(calls[i])  # (a call expected this long or longer is dead)
                 while j < len(calls):
-                    expected = _expected(calls[j])
-                    if expected < longest:
+                    length = expected(calls[j])
+                    if length < longest:
                         if not dead(calls[j]):
                             break
-                        longest = expected
+                        longest = length
                     j += 1
             if j < len(calls):
                 heapq.heapreplace(heap, (run.keys[j], j, k))
