@@ -133,6 +133,7 @@ class Fair:
     starve_after_s: float | None = DEFAULT_STARVE_AFTER_S
     name: str = "fair"
     uses_quotas: bool = True
+    preempts: bool = True
     #: Least attained service (Tiresias's 2D-LAS): thresholds in GPU-seconds of service a
     #: call received; () turns it off.
     las_thresholds: tuple[float, ...] = DEFAULT_LAS_THRESHOLDS

@@ -35,6 +35,7 @@ class Fifo:
     max_backfill: int | None = None
     name: str = "fifo"
     uses_quotas: bool = False
+    preempts: bool = False
 
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan:
         cap = Capacity(snapshot.nodes, snapshot.share_across_users)

@@ -20,6 +20,9 @@ class Policy(Protocol):
     name: str
     #: Whether the policy enforces group quotas (so submit-time checks should too).
     uses_quotas: bool
+    #: Whether its plans may preempt: a policy that never does places nothing while no GPU
+    #: is free, so a replay need not ask it then.
+    preempts: bool
 
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan: ...
 

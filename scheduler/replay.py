@@ -227,7 +227,7 @@ class Simulator:
                     elif gen == self.generation[job]:
                         (self.finish if kind == FINISH else self.stop)(job, now)
                 room = self.free > 0 or bool(self.open_shares and self.pending_shares)
-                if not (self.pending and (room or arrived)):
+                if not (self.pending and (room or (arrived and self.policy.preempts))):
                     break
                 rounds += 1
                 if rounds > 10_000:  # every round preempts and places at one instant

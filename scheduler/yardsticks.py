@@ -50,6 +50,7 @@ class _Preemptive:
 
     name = ""
     uses_quotas = False
+    preempts = True
 
     def rank(self, call: Pending, now: float) -> Rank:
         raise NotImplementedError
@@ -87,6 +88,7 @@ class Las(_Preemptive):
     thresholds: Sequence[float] = (3_600.0, 36_000.0)
     name: str = "las"
     uses_quotas: bool = False
+    preempts: bool = True
 
     def rank(self, call: Pending, now: float) -> Rank:
         return (float(service_class(self.thresholds, call.attained_gpu_s)),
@@ -102,6 +104,7 @@ class Srtf(_Preemptive):
 
     name: str = "srtf"
     uses_quotas: bool = False
+    preempts: bool = True
 
     def rank(self, call: Pending, now: float) -> Rank:
         remaining = math.inf if call.expected_s is None else call.expected_s

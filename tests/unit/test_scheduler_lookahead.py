@@ -38,13 +38,15 @@ def test_a_round_looks_further_the_more_is_free() -> None:
 
 
 class Recording:
-    """fifo, remembering how many calls each round was shown."""
+    """fifo, remembering how many calls each round was shown; said to preempt (so the replay
+    asks it at each arrival, as it asks the fair policy) unless told otherwise."""
 
     name, uses_quotas = "fifo", False
 
-    def __init__(self) -> None:
+    def __init__(self, preempts: bool = True) -> None:
         self.fifo = policies.get("fifo")
         self.seen: list[int] = []
+        self.preempts = preempts
 
     def plan(self, snapshot: Snapshot, why: object = None) -> Plan:
         self.seen.append(len(snapshot.pending))
@@ -64,3 +66,17 @@ def test_the_replay_shows_rounds_only_what_a_live_round_reads() -> None:
     # Arrivals while the node is busy: 16 at most; when it frees, 16 + 16 for the free GPU.
     assert max(live.seen[:40]) == 16 and max(live.seen) == 32
     assert len(sim.completed) == 41
+
+
+def test_a_policy_that_never_preempts_is_not_asked_while_no_gpu_is_free() -> None:
+    # As above: the 40 calls arrive while the only GPU is busy; fifo could place none of
+    # them, so the replay asks it only when the GPU frees (and at the first arrival).
+    jobs = [Job("long", 0, 1000, 1, user="u")]
+    jobs += [Job(str(i), 1 + i, 10, 1, user="u") for i in range(40)]
+    asked, every = Recording(preempts=False), Recording()
+    quiet, busy = Simulator(jobs, asked, Cluster.uniform(1, 1), {}), Simulator(
+        jobs, every, Cluster.uniform(1, 1), {}
+    )
+    assert quiet.run()["plans"] == len(asked.seen) == 41  # the first arrival and 40 frees
+    assert busy.run()["plans"] == len(every.seen) == 81  # and each of the 40 arrivals
+    assert quiet.completed == busy.completed  # the same outcome
