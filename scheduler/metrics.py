@@ -50,7 +50,9 @@ def water_fill(
 
 
 class Recorder:
-    """Integrates the replay's state over virtual time and collects per-job figures."""
+    """Integrates the replay's state over virtual time and collects per-job figures. A
+    group's GPU-seconds held and due are added up when what it holds or the fair split
+    changes (and at the end), not at every event."""
 
     def __init__(self, capacity: int, weight: Mapping[str, float]) -> None:
         self.capacity = capacity
@@ -62,7 +64,12 @@ class Recorder:
         self.demand: dict[str, float] = dict.fromkeys(self.weight, 0)
         self.got_s: dict[str, float] = dict.fromkeys(self.weight, 0.0)
         self.due_s: dict[str, float] = dict.fromkeys(self.weight, 0.0)
+        #: Since when each group holds what it holds (held GPU-seconds counted up to then).
+        self._held_at: dict[str, float] = {}
+        #: The fair split since ``_fair_at`` (None: demand changed since; worked out when
+        #: time next moves on).
         self._fair: dict[str, float] | None = None
+        self._fair_at = 0.0
         self.jct: list[float] = []
         self.queue: list[float] = []
         self.first = math.inf
@@ -70,27 +77,38 @@ class Recorder:
 
     def advance(self, now: float) -> None:
         if self.clock is not None and now > self.clock:
-            dt = now - self.clock
-            self.busy_s += self.busy * dt
+            self.busy_s += self.busy * (now - self.clock)
             if self._fair is None:
                 wanted = {g: float(d) for g, d in self.demand.items() if d}
                 self._fair = water_fill(wanted, self.weight, self.capacity)
-            for g, share in self._fair.items():
-                self.due_s[g] += share * dt
-            for g, held in self.held.items():
-                if held:
-                    self.got_s[g] += held * dt
+                self._fair_at = self.clock
         self.clock = now
 
     def want(self, group: str, gpus: float) -> None:
         """A job of ``group`` asking for ``gpus`` arrived (negative: one finished)."""
         self.demand[group] += gpus
-        self._fair = None
+        self._settle_due()
 
     def hold(self, group: str, gpus: float) -> None:
         """``group`` holds ``gpus`` more GPUs from now (negative: fewer)."""
         self.busy += gpus
+        self._settle_held(group)
         self.held[group] += gpus
+
+    def _settle_due(self) -> None:
+        """Count the fair split's GPU-seconds up to now; it changes from now."""
+        if self._fair is not None and self.clock is not None:
+            dt = self.clock - self._fair_at
+            for g, share in self._fair.items():
+                self.due_s[g] += share * dt
+        self._fair = None
+
+    def _settle_held(self, group: str) -> None:
+        clock = 0.0 if self.clock is None else self.clock
+        since = self._held_at.get(group, clock)
+        if self.held[group] and clock > since:
+            self.got_s[group] += self.held[group] * (clock - since)
+        self._held_at[group] = clock
 
     def finished(self, submit: float, duration: float, end: float) -> None:
         self.jct.append(end - submit)
@@ -101,6 +119,12 @@ class Recorder:
         self.first = min(self.first, submit)
 
     def summary(self) -> dict[str, float]:
+        if self._fair is not None:
+            self._settle_due()
+            self._fair = {}  # (nothing wanted after the end)
+            self._fair_at = self.clock or 0.0
+        for group in self.held:
+            self._settle_held(group)
         jct, queue = sorted(self.jct), sorted(self.queue)
         span = self.last - self.first if self.jct else 0.0
         shares = [self.got_s[g] / d for g, d in self.due_s.items() if d > 0]
