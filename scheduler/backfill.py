@@ -176,6 +176,8 @@ def _one_node(
 ) -> Reservation | None:
     n = call.gpus
     plain = not placement.constrained(call)
+    if plain:
+        return _one_node_plain(call, cap, snapshot, rel, avoid)
     best: tuple[float, int, int] | None = None  # (start, -spare, node id)
     for node in _usable(snapshot.nodes, call, cap, avoid):
         ends = rel.get(node.node_id, ())
@@ -194,6 +196,42 @@ def _one_node(
     return Reservation(call.id, best[0], {best[2]: -best[1]})
 
 
+def _one_node_plain(
+    call: Pending,
+    cap: Capacity,
+    snapshot: Snapshot,
+    rel: dict[int, list[Release]],
+    avoid: Container[int],
+) -> Reservation | None:
+    """:func:`_one_node` for a call any GPU will do (this runs each round a call is blocked:
+    hot), passing over a node as soon as it cannot start the call before the best so far."""
+    n, now, withdrawn, states = call.gpus, snapshot.now, cap.withdrawn, cap.states
+    sized = n <= cap.largest  # (else sizes are checked as the room is counted)
+    best_start, best_short, best_node = math.inf, 0, -1
+    for node in snapshot.nodes:
+        node_id = node.node_id
+        if node.draining or node_id in withdrawn or node_id in avoid:
+            continue
+        if sized and node.gpus and len(node.gpus) < n:
+            continue  # (never big enough)
+        state = states.get(node_id)
+        have = len(state.free) if state is not None else 0
+        start = now
+        for end, gpus in rel.get(node_id, ()):
+            if have >= n and end > start:
+                break
+            if end > start:
+                if end > best_start:
+                    break  # (it starts later than the best so far: no better)
+                start = end
+            have += len(gpus)
+        if have >= n and (start < best_start or (start == best_start and n - have < best_short)):
+            best_start, best_short, best_node = start, n - have, node_id
+    if best_node < 0:
+        return None
+    return Reservation(call.id, best_start, {best_node: -best_short})
+
+
 def _whole_nodes(
     call: Pending,
     cap: Capacity,
@@ -202,12 +240,17 @@ def _whole_nodes(
     limit: float,
     avoid: Container[int],
 ) -> Reservation | None:
-    now = snapshot.now
-    ready = sorted(
-        (_ready(rel.get(n.node_id), now), order, n)
-        for order, n in enumerate(_usable(snapshot.nodes, call, cap, avoid))
-        if placement.whole_node_ok(n, call)
-    )
+    now, withdrawn, plain = snapshot.now, cap.withdrawn, not placement.constrained(call)
+    ready: list[tuple[float, int, NodeCapacity]] = []
+    for node in snapshot.nodes:  # (_usable's and _ready's tests inlined: this is hot)
+        node_id = node.node_id
+        if node.draining or node_id in withdrawn or node_id in avoid or not node.gpus:
+            continue
+        if not plain and not placement.whole_node_ok(node, call):
+            continue
+        ends = rel.get(node_id)
+        ready.append((max(ends[-1][0], now) if ends else now, len(ready), node))
+    ready.sort()
     total = 0
     chosen: list[int] = []
     for start, _, node in ready:

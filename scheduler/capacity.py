@@ -44,8 +44,7 @@ class NodeState:
         self.cpu = node.free_cpu_slots
         self.pool = pool
         self.withdrawn = False
-        links = {g.index: g.nvlink for g in node.gpus if g.nvlink is not None}
-        self.links: dict[int, int] | None = links or None
+        self.links: dict[int, int] | None = _inventory(node.gpus)[1]
         self.conn = 0
 
     def connected(self) -> int:
@@ -71,8 +70,7 @@ class Pool:
         self.size = size  # 0: unknown
         self.many = many  # GPUs of this model in the cluster (placement.plenty)
         self.topology = False
-        self.buckets: list[list[dict[int, NodeState]]] = []
-        self._grow(size)
+        self.buckets: list[list[dict[int, NodeState]]] = []  # (grown as nodes come)
 
     def _grow(self, k: int) -> None:
         while len(self.buckets) <= k:
@@ -89,11 +87,11 @@ class Pool:
 
     def add(self, state: NodeState) -> None:
         k = len(state.free)
-        self._grow(k)
         state.conn = state.connected()
         if state.links is not None:
             self.topology = True
         if k:
+            self._grow(k)
             self.buckets[k][state.conn][state.node.node_id] = state
 
     def remove(self, state: NodeState) -> None:
@@ -160,14 +158,39 @@ def plain_call(call: Pending) -> bool:
 
 def kind(node: NodeCapacity) -> tuple[str | None, int] | None:
     """(model, memory) of a homogeneous node, (None, 0) if unknown, None if mixed."""
-    if not node.gpus:
-        return None, 0
-    first = node.gpus[0]
-    model = first.model.casefold()
-    for g in node.gpus:
-        if g.memory_mib != first.memory_mib or g.model.casefold() != model:
-            return None
-    return model, first.memory_mib
+    return _inventory(node.gpus)[0]
+
+
+#: Inventories already read, by the id of their tuple (with the tuple, so that an id reused
+#: by another tuple is not taken for it): a replay's nodes keep theirs for good, so each is
+#: read once, not once per node per round. Emptied when it grows past _MEMO entries (a live
+#: round reads nodes afresh).
+_memo: dict[int, tuple[tuple[Gpu, ...], tuple[str | None, int] | None, dict[int, int] | None]] = {}
+_MEMO = 4096
+
+
+def _inventory(
+    gpus: tuple[Gpu, ...],
+) -> tuple[tuple[str | None, int] | None, dict[int, int] | None]:
+    """A node's :func:`kind` and NVLink groups by GPU index (None without topology); the
+    dict is shared: read it, never change it."""
+    found = _memo.get(id(gpus))
+    if found is not None and found[0] is gpus:
+        return found[1], found[2]
+    shape: tuple[str | None, int] | None = (None, 0)
+    if gpus:
+        first = gpus[0]
+        model = first.model.casefold()
+        shape = (model, first.memory_mib)
+        for g in gpus:
+            if g.memory_mib != first.memory_mib or g.model.casefold() != model:
+                shape = None
+                break
+    links = {g.index: g.nvlink for g in gpus if g.nvlink is not None} or None
+    if len(_memo) >= _MEMO:
+        _memo.clear()
+    _memo[id(gpus)] = (gpus, shape, links)
+    return shape, links
 
 
 class Capacity:

@@ -46,32 +46,39 @@ class _Seq:
         self.keys: list[tuple[float, ...]] = []
         self.calls: list[Pending] = []
 
-    def add(self, key: tuple[float, ...], call: Pending) -> None:
+    def add(self, key: tuple[float, ...], call: Pending) -> int:
         i = bisect.bisect_left(self.keys, key)
         self.keys.insert(i, key)
         self.calls.insert(i, call)
+        return i
 
-    def remove(self, key: tuple[float, ...]) -> None:
+    def remove(self, key: tuple[float, ...]) -> int:
         i = bisect.bisect_left(self.keys, key)
         del self.keys[i], self.calls[i]
+        return i
 
 
 class _Run(_Seq):
-    """One kind's calls in queue order, and their expected durations sorted (the shortest
-    says at once whether any of them may backfill before a reservation)."""
+    """One kind's calls in queue order with their expected durations (:func:`expected`), and
+    those durations sorted (the shortest says at once whether any of them may backfill
+    before a reservation)."""
 
-    __slots__ = ("expected",)
+    __slots__ = ("expected", "lengths")
 
     def __init__(self) -> None:
         super().__init__()
         self.expected: list[float] = []
+        self.lengths: list[float] = []  # (in queue order, beside calls)
 
-    def add(self, key: tuple[float, ...], call: Pending) -> None:
-        super().add(key, call)
-        bisect.insort(self.expected, expected(call))
+    def add(self, key: tuple[float, ...], call: Pending) -> int:
+        i = super().add(key, call)
+        length = expected(call)
+        self.lengths.insert(i, length)
+        bisect.insort(self.expected, length)
+        return i
 
     def drop(self, key: Key, call: Pending) -> None:
-        self.remove(key)
+        del self.lengths[self.remove(key)]
         del self.expected[bisect.bisect_left(self.expected, expected(call))]
 
 
@@ -236,9 +243,10 @@ class Queue(Sequence[Pending]):
             alive = not dead(calls[i])
             j = i + 1
             if not alive:
-                longest = expected(calls[i])  # (a call expected this long or longer is dead)
-                while j < len(calls):
-                    length = expected(calls[j])
+                lengths, n = run.lengths, len(calls)
+                longest = lengths[i]  # (a call expected this long or longer is dead)
+                while j < n:
+                    length = lengths[j]
                     if length < longest:
                         if not dead(calls[j]):
                             break
