@@ -414,6 +414,7 @@ class _Round:
             return  # nobody waits in a class that may preempt
         bar = thresholds[least]  # (a run of a higher class received this much at least)
         chosen = self.reclaimer.chosen
+        smallest = self.whole_sizes.smallest()
         ranks: dict[str, int] = {}
         #: Runs on whole nodes that ran before, with the GPUs of their largest node: only a
         #: call of that many GPUs or more may take them.
@@ -428,7 +429,13 @@ class _Round:
                 got = run.attained_gpu_s + run.gpus * ran  # (run.attained, inlined: hot)
                 if got < bar or ran < min_run or ran <= 0:
                     continue
-                if starved_whole(run, after, self.by_id, self.whole_sizes):
+                if (
+                    after is not None
+                    and run.queued_time is not None
+                    and run.start_time - run.queued_time >= after  # (starved_whole's cheap
+                    and len(run.gpu_indices) >= smallest  # tests inlined: this is hot)
+                    and starved_whole(run, after, self.by_id, self.whole_sizes)
+                ):
                     continue
                 ranks[run.id] = service_class(thresholds, got)
                 if policy.shelter_whole_nodes and run.attained_gpu_s > 0:
@@ -440,8 +447,18 @@ class _Round:
             mine.setdefault(run.group, []).append(run)  # (its own stopping: GPUs coming back)
         if not ranks:
             return
+        # The worst class each group's calls could take: its own runs', and other groups'
+        # borrowed runs' (a group whose first waiting call is of that class or worse can
+        # take nothing: its victims would be spent at once).
+        own = {g: max((ranks.get(r.id, 0) for r in runs), default=0) for g, runs in mine.items()}
+        lenders: dict[str, int] = {}
+        for run in lent:
+            lenders[run.group] = max(lenders.get(run.group, 0), ranks[run.id])
         fits = self.fits
-        for group, _ in sorted(first.items(), key=lambda gk: gk[1]):
+        for group, k0 in sorted(first.items(), key=lambda gk: gk[1]):
+            others = max((r for g, r in lenders.items() if g != group), default=0)
+            if k0 >= max(own.get(group, 0), others):
+                continue  # (nothing of a higher class it may take)
             calls = ((k, call) for k, call in self.group_calls(group) if waits(call))
 
             # The call asking now: whether it may take other groups' calls (it is not at its
@@ -480,11 +497,18 @@ class _Round:
             # size: a failure is remembered only for calls that may take no more)
             top = max((r.priority for r in runs), default=0)
             sizes = sorted({sheltered[r.id] for r in runs if r.id in sheltered})
+            # Kinds of call (class, GPUs, model, memory, priority) that got nothing since the
+            # last swap: another call of the kind would get nothing either.
+            tried: set[tuple[int, int, str | None, int, int]] = set()
             for k, call in calls:
                 if limit is not None and self.reclaims >= limit:
                     return  # (the next round goes on)
                 if victims.spent(k):
                     break
+                kind = (k, call.gpus, call.gpu_model, call.min_memory_mib, call.priority)
+                if kind in tried:
+                    continue
+                tried.add(kind)
                 kept = self.keep(call)
                 if kept is None:
                     continue
@@ -503,6 +527,7 @@ class _Round:
                 )
                 if not gone:
                     continue
+                tried.clear()
                 held = book.used[group]
                 self.swapped(call, kept, gone, victims.freed)
                 if fair_share and book.used[group] < held:
@@ -897,8 +922,14 @@ class _Round:
             return math.inf  # nobody else waited that long: nobody to keep room for
         # GPUs of whole-node calls running after a wait past the bound (the guard's calls)
         nodes, sizes = self.by_id, self.whole_sizes
+        smallest = sizes.smallest()
         held = sum(
-            r.gpus for r in self.snapshot.running if starved_whole(r, after_s, nodes, sizes)
+            r.gpus
+            for r in self.snapshot.running
+            if r.queued_time is not None
+            and r.start_time - r.queued_time >= after_s  # (starved_whole's cheap tests
+            and len(r.gpu_indices) >= smallest  # inlined: this is hot)
+            and starved_whole(r, after_s, nodes, sizes)
         )
         total = sum(len(node.gpus) for node in self.snapshot.nodes)
         return (asked + held) / (waited + held) * total - held

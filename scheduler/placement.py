@@ -184,8 +184,11 @@ class Fits:
 
     def __init__(self, nodes: Iterable[NodeCapacity]) -> None:
         self.nodes = [n for n in nodes if not n.draining]
+        #: The same nodes by id.
+        self.by_id = {n.node_id: n for n in self.nodes}
         self._shapes: list[Shape | None] | None = None
         self._kinds: dict[tuple[int, str | None, int], list[NodeCapacity]] = {}
+        self._wholes: dict[tuple[str | None, int], set[int]] = {}
 
     def __call__(self, call: Pending) -> list[NodeCapacity]:
         kind = (call.gpus, call.gpu_model, call.min_memory_mib)
@@ -208,6 +211,14 @@ class Fits:
                 if ok:
                     found.append(node)
         self._kinds[kind] = found
+        return found
+
+    def wholes(self, call: Pending) -> set[int]:
+        """The ids of the nodes that may be whole nodes of the call's gang."""
+        key = (call.gpu_model, call.min_memory_mib)
+        found = self._wholes.get(key)
+        if found is None:
+            found = self._wholes[key] = {n.node_id for n in self.nodes if whole_node_ok(n, call)}
         return found
 
 

@@ -415,6 +415,14 @@ class WholeSizes:
         self._nodes: list[NodeCapacity] | None = None
         self._largest = 0
         self._by_kind: dict[tuple[str | None, int] | None, int] | None = None
+        self._smallest: int | None = None
+
+    def smallest(self) -> int:
+        """The GPUs of the smallest node with a known inventory, draining or not (0: none):
+        a run holding fewer on its first node is not a whole-node call."""
+        if self._smallest is None:
+            self._smallest = min((len(n.gpus) for n in self._all if n.gpus), default=0)
+        return self._smallest
 
     def whole(self, node: NodeCapacity, size: int) -> bool:
         """Whether ``size`` GPUs on ``node`` are as many as the largest node of its kind."""

@@ -48,13 +48,14 @@ class Victims:
         #: GPUs per node already on their way back (preempting, or chosen this round), by
         #: index (a call kept to some models counts only those it may use).
         self.leaving: dict[int, list[int]] = {}
-        self.nodes = {n.node_id: n for n in nodes if not n.draining}
-        self.all_nodes = list(self.nodes.values())
+        #: The nodes that may ever hold a kind of call (GPUs, model, memory), live nodes by
+        #: id, and those that may be whole nodes of a gang: may be shared by the indexes of
+        #: one round (made of the same nodes).
+        self.fits = placement.Fits(nodes) if fits is None else fits
+        #: Live nodes not yet freed for a call.
+        self.nodes = dict(self.fits.by_id)
         #: The nodes the last choice freed for its call.
         self.freed: list[int] = []
-        #: The nodes that may ever hold a kind of call (GPUs, model, memory): may be shared by
-        #: the indexes of one round.
-        self.fits = placement.Fits(self.all_nodes) if fits is None else fits
         self.worst = -math.inf
         #: Per kind of asker (what ``may`` lets it take: see :meth:`free_for`) and the nodes it
         #: may use (model, memory), the fewest GPUs a call of that kind asked for and got
@@ -62,8 +63,6 @@ class Victims:
         self.failed: dict[object, float] = {}
         #: A call that may take whatever any later one may found nothing for one GPU.
         self.exhausted = False
-        #: Per (model, memory) of a gang, the nodes that may be one of its whole nodes.
-        self._wholes: dict[tuple[str | None, int], set[int]] = {}
         #: Per kind of call, the nodes of ``fits`` where some run of this index is.
         self._holding: dict[tuple[int, str | None, int], list[NodeCapacity]] = {}
         by_node = self.by_node
@@ -78,6 +77,12 @@ class Victims:
                 if k > self.worst:
                     self.worst = k
                 entry = (k, run.start_time, run.id, run)
+                if not run.more:  # (the common case, without a tuple of nodes: this is hot)
+                    if run.node_id in by_node:
+                        by_node[run.node_id].append(entry)
+                    else:
+                        by_node[run.node_id] = [entry]
+                    continue
                 for node_id in (run.node_id, *(p.node_id for p in run.more)):
                     if node_id in by_node:
                         by_node[node_id].append(entry)
@@ -134,6 +139,9 @@ class Victims:
             held = self.by_node.get(node.node_id)
             if not held:
                 continue  # nothing to preempt there
+            self._sort(node.node_id)
+            if held[0][0] <= klass:
+                continue  # (nothing there of a lower class than the call's)
             have = 0
             if not alone and not kept_to:
                 have = len(cap.free_of(node.node_id)) + len(self.leaving.get(node.node_id, ()))
@@ -143,7 +151,6 @@ class Victims:
                 have = len(placement.usable(node, [*cap.free_of(node.node_id), *back], call))
             runs: list[Running] = []
             taken: Released = {}
-            self._sort(node.node_id)
             for k, _, _, run in held:  # (worst first: those of a lower class than the call's)
                 if k <= klass or have >= call.gpus:
                     break
@@ -164,24 +171,20 @@ class Victims:
         # A gang: whole nodes whose every running call is of a lower class.
         whole: list[tuple[int, int, list[Running]]] = []
         took: Released = {}
-        shape = (call.gpu_model, call.min_memory_mib)
-        wholes = self._wholes.get(shape)
-        if wholes is None:
-            wholes = self._wholes[shape] = {
-                n.node_id for n in self.all_nodes if placement.whole_node_ok(n, call)
-            }
+        wholes = self.fits.wholes(call)
         for node in self.nodes.values():
             if node.node_id in gone or node.node_id not in wholes:
                 continue
             runs = self._lower(node.node_id, klass)
+            busy = node.size - len(cap.free_of(node.node_id))
+            busy -= len(self.leaving.get(node.node_id, ()))
+            if sum(_on(r, node.node_id) for r in runs) < busy:
+                continue  # (a run of its class or better holds the node)
             if self.may is not None:
                 mark = dict(took)
                 if not all(self._may(r, mark) for r in runs):
                     continue  # (a run it may not take holds the node)
-            busy = node.size - len(cap.free_of(node.node_id))
-            busy -= len(self.leaving.get(node.node_id, ()))
-            if sum(_on(r, node.node_id) for r in runs) >= busy:
-                whole.append((busy, node.node_id, runs))
+            whole.append((busy, node.node_id, runs))
         whole.sort(key=lambda w: (w[0], w[1]))
         got, nodes, chosen = 0, [], []
         for _, node_id, runs in whole:
