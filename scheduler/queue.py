@@ -30,6 +30,9 @@ Key = tuple[int, int]
 Kind = tuple[int, str | None, int, float, str]
 #: A fair-share bucket: (priority, group, user).
 Bucket = tuple[int, str, str]
+#: A call's standing under a replay-only yardstick (scheduler.yardsticks): lower goes first;
+#: unique per call.
+Rank = tuple[float, float, str]
 
 
 def kind(call: Pending) -> Kind:
@@ -43,16 +46,16 @@ class _Seq:
     __slots__ = ("calls", "keys")
 
     def __init__(self) -> None:
-        self.keys: list[tuple[float, ...]] = []
+        self.keys: list[tuple[float | str, ...]] = []
         self.calls: list[Pending] = []
 
-    def add(self, key: tuple[float, ...], call: Pending) -> int:
+    def add(self, key: tuple[float | str, ...], call: Pending) -> int:
         i = bisect.bisect_left(self.keys, key)
         self.keys.insert(i, key)
         self.calls.insert(i, call)
         return i
 
-    def remove(self, key: tuple[float, ...]) -> int:
+    def remove(self, key: tuple[float | str, ...]) -> int:
         i = bisect.bisect_left(self.keys, key)
         del self.keys[i], self.calls[i]
         return i
@@ -70,7 +73,7 @@ class _Run(_Seq):
         self.expected: list[float] = []
         self.lengths: list[float] = []  # (in queue order, beside calls)
 
-    def add(self, key: tuple[float, ...], call: Pending) -> int:
+    def add(self, key: tuple[float | str, ...], call: Pending) -> int:
         i = super().add(key, call)
         length = expected(call)
         self.lengths.insert(i, length)
@@ -94,10 +97,18 @@ class Queue(Sequence[Pending]):
     Ids are unique; a call is added with its sequence number (the replay: its job's index;
     live: its place in the order read)."""
 
-    def __init__(self, thresholds: tuple[float, ...] = (), shortest_first: bool = False) -> None:
+    def __init__(
+        self,
+        thresholds: tuple[float, ...] = (),
+        shortest_first: bool = False,
+        rank: Callable[[Pending], Rank] | None = None,
+    ) -> None:
         self.thresholds = thresholds
         #: Each tier in order of expected duration, shortest first (then in queue order).
         self.shortest_first = shortest_first
+        #: Also keep every call in the order of this rank (:meth:`ranked`), if given.
+        self.rank = rank
+        self._ranked = _Seq()
         self._keys: list[Key] = []
         self._calls: list[Pending] = []
         self._by_id: dict[str, Key] = {}
@@ -112,10 +123,11 @@ class Queue(Sequence[Pending]):
         calls: Iterable[Pending],
         thresholds: tuple[float, ...] = (),
         shortest_first: bool = False,
+        rank: Callable[[Pending], Rank] | None = None,
     ) -> Queue:
         """A queue of ``calls`` in the order given (calls of higher priority are moved ahead
         of lower ones; the order is kept otherwise)."""
-        queue = cls(thresholds, shortest_first)
+        queue = cls(thresholds, shortest_first, rank)
         for seq, call in enumerate(calls):
             queue.add(call, seq)
         return queue
@@ -142,6 +154,8 @@ class Queue(Sequence[Pending]):
         tiers[self.tier(call)].add(self._tier_key(key, call), call)
         self._sizes[bucket] += 1
         self._waits.add(call)
+        if self.rank is not None:
+            self._ranked.add(self.rank(call), call)
 
     def tier(self, call: Pending) -> int:
         return service_class(self.thresholds, call.attained_gpu_s)
@@ -170,6 +184,8 @@ class Queue(Sequence[Pending]):
         if not self._sizes[bucket]:
             del self._tiers[bucket], self._sizes[bucket]
         self._waits.remove(call)
+        if self.rank is not None:
+            self._ranked.remove(self.rank(call))
         return call
 
     def key(self, call_id: str) -> Key:
@@ -196,6 +212,11 @@ class Queue(Sequence[Pending]):
         """The queued calls of these ids, in queue order (ids not queued are left out)."""
         keys = sorted(key for key in map(self._by_id.get, ids) if key is not None)
         return [self._calls[bisect.bisect_left(self._keys, key)] for key in keys]
+
+    def ranked(self) -> Sequence[Pending]:
+        """The queued calls in the order of :attr:`rank`, lowest first (the queue's own
+        list: read it, never change it); empty without a rank."""
+        return self._ranked.calls
 
     def buckets(self) -> dict[Bucket, list[list[Pending]]]:
         """Per (priority, group, user) with calls queued: its calls of each tier, lowest

@@ -169,7 +169,9 @@ class Simulator:
         #: Pending jobs in queue order (a requeued call keeps its place, as it does live),
         #: in tiers by the policy's classes of service where it has them (scheduler.fair).
         self.pending = Queue(
-            getattr(policy, "las_thresholds", ()), getattr(policy, "shortest_first", False)
+            getattr(policy, "las_thresholds", ()),
+            getattr(policy, "shortest_first", False),
+            getattr(policy, "queue_rank", None),  # (a yardstick's order, kept)
         )
         self.running: dict[str, Running] = {}
         #: The running calls' expected ends per node (Snapshot.ends), kept as they change.

@@ -24,8 +24,9 @@ backfills: every call that fits starts. Calls holding a share of a GPU are never
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from scheduler.capacity import Capacity
@@ -38,41 +39,60 @@ from scheduler.model import (
     Snapshot,
     service_class,
 )
+from scheduler.queue import Queue, Rank
 from scheduler.reasons import Why
 from scheduler.victims import Victims
 
-#: A call's standing: lower goes first; a call may preempt only strictly higher classes.
-Rank = tuple[float, float, str]
-
 
 class _Preemptive:
-    """Place in rank order; preempt strictly lower classes for a call that does not fit."""
+    """Place in rank order (a :data:`~scheduler.queue.Rank`: lower goes first); preempt
+    strictly lower classes for a call that does not fit."""
 
     name = ""
     uses_quotas = False
     preempts = True
 
     def rank(self, call: Pending, now: float) -> Rank:
+        """A waiting call's standing (neither policy's depends on ``now``)."""
         raise NotImplementedError
+
+    def queue_rank(self, call: Pending) -> Rank:
+        """:meth:`rank` for a :class:`~scheduler.queue.Queue` to keep its calls in (the
+        replay's: then a round needs no sort)."""
+        return self.rank(call, 0.0)
 
     def running_class(self, run: Running, now: float) -> float:
         """The first element of the rank the call would have if it were waiting; running
         calls of one class give way latest started first."""
         raise NotImplementedError
 
+    def worst(self) -> float:
+        """No running call's class is worse than this: a call of this class preempts none."""
+        return math.inf
+
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan:
         now = snapshot.now
         cap = Capacity(snapshot.nodes, snapshot.share_across_users)
         out = Plan()
         victims: Victims | None = None  # made when first needed
-        ranked = sorted((self.rank(c, now), c) for c in snapshot.pending)
+        pending = snapshot.pending
+        ranked: Iterable[tuple[Rank, Pending]]
+        if isinstance(pending, Queue) and pending.rank == self.queue_rank:
+            ranked = ((self.rank(c, now), c) for c in pending.ranked())  # (kept in order)
+        else:
+            ranked = sorted((self.rank(c, now), c) for c in pending)
+        worst = self.worst()
         for (klass, _, _), call in ranked:
-            if cap.exhausted() and victims is not None and victims.spent(klass):
+            if cap.exhausted() and (
+                klass >= worst or (victims is not None and victims.spent(klass))
+            ):
                 break  # nothing frees up for this call or any after it
             parts = cap.place(call)
             if parts is not None:
                 out.append(Decision.of(call.id, parts))
                 continue
+            if klass >= worst:
+                continue  # (nothing is of a worse class: it may only be placed)
             if victims is None:
                 victims = Victims(snapshot.nodes, snapshot.running,
                                   lambda r: self.running_class(r, now))  # fmt: skip
@@ -95,7 +115,15 @@ class Las(_Preemptive):
                 call.submit_time, call.id)  # fmt: skip
 
     def running_class(self, run: Running, now: float) -> float:
-        return float(service_class(self.thresholds, run.attained(now)))
+        if run.share != 1.0 or run.more:
+            return float(service_class(self.thresholds, run.attained(now)))
+        # (run.attained and service_class inlined: this runs per running call per round)
+        ran = now - run.start_time
+        got = run.attained_gpu_s + len(run.gpu_indices) * (ran if ran > 0 else 0.0)
+        return float(bisect.bisect_right(self.thresholds, got))
+
+    def worst(self) -> float:
+        return float(len(self.thresholds))
 
 
 @dataclass
@@ -111,7 +139,10 @@ class Srtf(_Preemptive):
         return (remaining, call.submit_time, call.id)
 
     def running_class(self, run: Running, now: float) -> float:
-        return run.expected_end(now) - now
+        if run.expected_s is None:  # (run.expected_end inlined: this is hot)
+            return math.inf
+        left = run.start_time + run.expected_s - now
+        return left if left > 0 else 0.0
 
 
 #: Name -> factory, as :data:`scheduler.policies.POLICIES`; for the replay only.

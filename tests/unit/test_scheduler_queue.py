@@ -15,6 +15,7 @@ from scheduler.fair import Fair, _Round
 from scheduler.fairshare import fair_buckets
 from scheduler.fifo import Fifo
 from scheduler.queue import Queue, kind
+from scheduler.yardsticks import Las, Srtf
 from tests.unit.test_scheduler_invariants import POLICIES, snapshots, starving_snapshots
 
 
@@ -72,7 +73,8 @@ def test_a_walk_passes_over_dead_calls_and_whole_kinds() -> None:
 def test_a_queue_agrees_with_sorting_after_any_adds_and_pops(
     steps: list[tuple[int, int, int, bool]], shortest_first: bool
 ) -> None:
-    queue, model = Queue((10.0, 100.0), shortest_first), {}
+    rank = Las((10.0, 100.0)).queue_rank
+    queue, model = Queue((10.0, 100.0), shortest_first, rank), {}
     for step, (seq, priority, gpus, take) in enumerate(steps):
         c = call(seq, gpus, priority, expected=float((seq * 5) % 7), group="ab"[seq % 2],
                  user="xyz"[seq % 3], attained_gpu_s=float(seq % 4 * 40),
@@ -84,6 +86,7 @@ def test_a_queue_agrees_with_sorting_after_any_adds_and_pops(
             model[str(seq)] = c
         ordered = sorted(model.values(), key=lambda c: (-c.priority, int(c.id)))
         assert list(queue) == ordered
+        assert list(queue.ranked()) == sorted(model.values(), key=rank)
         # Each kind's run holds that kind's calls in queue order, and its durations sorted.
         runs = queue._runs
         assert set(runs) == {kind(c) for c in ordered}
@@ -171,6 +174,22 @@ def test_fair_plans_the_same_from_the_replay_s_queue_as_from_a_list(
         assert listed.preemptions == queued.preemptions
         assert listed.reserved == queued.reserved and listed.promised == queued.promised
         assert listed.more == queued.more
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(snapshots(), starving_snapshots()),
+       st.sampled_from([Las((10.0, 100.0)), Las(), Srtf()]))  # fmt: skip
+def test_a_yardstick_plans_the_same_from_a_queue_kept_in_its_order(
+    snap: Snapshot, policy: Las | Srtf
+) -> None:
+    # The replay keeps its queue in the yardstick's order (no sort per round).
+    listed = policy.plan(snap)
+    queue = Queue.of(snap.pending, rank=policy.queue_rank)
+    queued = policy.plan(dataclasses.replace(snap, pending=queue))
+    assert [(d.invocation_id, d.parts) for d in listed] == [
+        (d.invocation_id, d.parts) for d in queued
+    ]
+    assert listed.preemptions == queued.preemptions
 
 
 @settings(max_examples=300, deadline=None)
