@@ -174,20 +174,17 @@ def _one_node(
     rel: dict[int, list[Release]],
     avoid: Container[int],
 ) -> Reservation | None:
-    n = call.gpus
-    plain = not placement.constrained(call)
-    if plain:
-        return _one_node_plain(call, cap, snapshot, rel, avoid)
+    n, now = call.gpus, snapshot.now
+    if not placement.constrained(call):  # (any GPU will do: the common case, and hot)
+        return _plain_room(call, cap, snapshot, rel, avoid)
     best: tuple[float, int, int] | None = None  # (start, -spare, node id)
     for node in _usable(snapshot.nodes, call, cap, avoid):
-        ends = rel.get(node.node_id, ())
-        free = cap.free_of(node.node_id)
-        have = len(free) if plain else len(placement.usable(node, free, call))
-        start = snapshot.now
-        for end, gpus in ends:
+        have = len(placement.usable(node, cap.free_of(node.node_id), call))
+        start = now
+        for end, gpus in rel.get(node.node_id, ()):
             if have >= n and end > start:
                 break
-            have += len(gpus) if plain else len(placement.usable(node, gpus, call))
+            have += len(placement.usable(node, gpus, call))
             start = end if end > start else start
         if have >= n and (best is None or (start, n - have) < best[:2]):
             best = (start, n - have, node.node_id)
@@ -196,15 +193,12 @@ def _one_node(
     return Reservation(call.id, best[0], {best[2]: -best[1]})
 
 
-def _one_node_plain(
-    call: Pending,
-    cap: Capacity,
-    snapshot: Snapshot,
-    rel: dict[int, list[Release]],
+def _plain_room(
+    call: Pending, cap: Capacity, snapshot: Snapshot, rel: dict[int, list[Release]],
     avoid: Container[int],
-) -> Reservation | None:
-    """:func:`_one_node` for a call any GPU will do (this runs each round a call is blocked:
-    hot), passing over a node as soon as it cannot start the call before the best so far."""
+) -> Reservation | None:  # fmt: skip
+    """:func:`_one_node` for a call any GPU will do, without the generic filters, passing
+    over a node as soon as it cannot start the call before the best so far."""
     n, now, withdrawn, states = call.gpus, snapshot.now, cap.withdrawn, cap.states
     sized = n <= cap.largest  # (else sizes are checked as the room is counted)
     best_start, best_short, best_node = math.inf, 0, -1
