@@ -21,7 +21,7 @@ class Policy(Protocol):
     #: Whether the policy enforces group quotas (so submit-time checks should too).
     uses_quotas: bool
     #: Whether its plans may preempt: a policy that never does places nothing while no GPU
-    #: is free, so a replay need not ask it then.
+    #: is free, so a replay need not ask it then (one that does not say is asked).
     preempts: bool
 
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan: ...

@@ -152,6 +152,9 @@ class Simulator:
         self.jobs = list(jobs)
         self.share_across_users = share_across_users
         self.policy = policy
+        #: Whether to ask the policy at an arrival while no GPU is free (a policy that never
+        #: preempts places nothing then; one registered without saying is asked).
+        self.preempts = getattr(policy, "preempts", True)
         self.cluster = cluster
         self.quotas = dict(quotas)
         self.grace_s = grace_s
@@ -229,7 +232,7 @@ class Simulator:
                     elif gen == self.generation[job]:
                         (self.finish if kind == FINISH else self.stop)(job, now)
                 room = self.free > 0 or bool(self.open_shares and self.pending_shares)
-                if not (self.pending and (room or (arrived and self.policy.preempts))):
+                if not (self.pending and (room or (arrived and self.preempts))):
                     break
                 rounds += 1
                 if rounds > 10_000:  # every round preempts and places at one instant
