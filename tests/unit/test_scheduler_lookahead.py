@@ -80,3 +80,6 @@ def test_a_policy_that_never_preempts_is_not_asked_while_no_gpu_is_free() -> Non
     assert quiet.run()["plans"] == len(asked.seen) == 41  # the first arrival and 40 frees
     assert busy.run()["plans"] == len(every.seen) == 81  # and each of the 40 arrivals
     assert quiet.completed == busy.completed  # the same outcome
+    unsaid = Recording()  # (a policy registered before policies said so: asked as before)
+    del unsaid.preempts
+    assert Simulator(jobs, unsaid, Cluster.uniform(1, 1), {}).run()["plans"] == 81
