@@ -25,6 +25,14 @@ def simulate(jobs: list[Job], policy: Las | Srtf, nodes: int, gpus: int, **kw: f
     return sim
 
 
+def on_cluster(tmp_path: Path, rows: list[str], nodes: int, gpus: int) -> list[str]:
+    """Command-line arguments: a trace of ``rows`` (a header first), written under
+    ``tmp_path``, on ``nodes`` nodes of ``gpus`` GPUs."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("\n".join(rows) + "\n")
+    return [str(trace), "--nodes", str(nodes), "--gpus-per-node", str(gpus)]
+
+
 def node(node_id: int, free: tuple[int, ...] = (), size: int = 2) -> NodeCapacity:
     return NodeCapacity(node_id, list(free), 0, tuple(Gpu(g) for g in range(size)))
 
@@ -155,12 +163,9 @@ def test_fair_s_least_attained_service_can_be_turned_off_in_the_replay(
 ) -> None:
     # A 20-hour job holds the one node; 30 one-hour jobs arrive two hours in. With least
     # attained service they take its place; without, or with it never preemptible, they wait.
-    trace = tmp_path / "long.csv"
     rows = ["submit_time,duration,num_gpus", "0,72000,4"]
     rows += [f"{7200 + i},3600,1" for i in range(30)]
-    trace.write_text("\n".join(rows) + "\n")
-    args = [str(trace), "--nodes", "1", "--gpus-per-node", "4", "--format", "json"]
-    args += ["--policy", "fair"]
+    args = [*on_cluster(tmp_path, rows, 1, 4), "--format", "json", "--policy", "fair"]
     runs = {}
     for name, extra in [("las", []), ("off", ["--no-least-attained"]),
                         ("patient", ["--min-run-s", "1e9"])]:  # fmt: skip
@@ -177,13 +182,11 @@ def test_fair_share_among_borrowers_and_its_margin_in_the_replay(
     # Group a fills three 4-GPU nodes with long jobs; group b, guaranteed nothing either,
     # sends four one-hour jobs. b takes a's jobs' places while a, once they are gone, still
     # borrows the margin more than b does: 2 with the default (8), 3 with 6, none off.
-    trace = tmp_path / "groups.csv"
     rows = ["submit_time,duration,num_gpus,group"]
     rows += [f"{i},72000,1,a" for i in range(12)] + [f"{100 + i},3600,1,b" for i in range(4)]
-    trace.write_text("\n".join(rows) + "\n")
     quotas = tmp_path / "quotas.json"
     quotas.write_text('{"a": {"guaranteed": 0}, "b": {"guaranteed": 0}}')
-    args = [str(trace), "--nodes", "3", "--gpus-per-node", "4", "--policy", "fair",
+    args = [*on_cluster(tmp_path, rows, 3, 4), "--policy", "fair",
             "--quota-file", str(quotas), "--no-least-attained", "--format", "json"]  # fmt: skip
     runs = {}
     for name, extra in [("default", []), ("close", ["--share-margin", "6"]),
@@ -205,11 +208,9 @@ def test_a_job_on_whole_nodes_gives_way_to_smaller_jobs_once_in_the_replay(
     # A 20-hour job holds the one 4-GPU node; three waves of four one-hour 1-GPU jobs arrive.
     # The first wave takes its place (least attained service); after that it is sheltered,
     # and without the shelter each wave sends it back to the queue again.
-    trace = tmp_path / "waves.csv"
     rows = ["submit_time,duration,num_gpus", "0,72000,4"]
     rows += [f"{wave + i},3600,1" for wave in (7200, 30000, 60000) for i in range(4)]
-    trace.write_text("\n".join(rows) + "\n")
-    args = [str(trace), "--nodes", "1", "--gpus-per-node", "4", "--policy", "fair"]
+    args = [*on_cluster(tmp_path, rows, 1, 4), "--policy", "fair"]
     jobs = {}
     for name, extra in [("shelter", []), ("bare", ["--no-whole-node-shelter"])]:
         out = tmp_path / f"{name}.csv"
@@ -228,12 +229,10 @@ def test_the_replay_orders_a_group_s_jobs_shortest_first_unless_told_not_to(
     # One GPU, one group: a long job holds it until t=100 while five jobs queue, longest
     # first (5, 4, 3, 2, 1 s). In queue order they wait 99+103+106+108+109 s, shortest first
     # 95+97+100+104+109 s (the replay expects each job's true duration).
-    trace = tmp_path / "one.csv"
     rows = ["submit_time,duration,num_gpus,group", "0,100,1,a"]
     rows += [f"{1 + i},{5 - i},1,a" for i in range(5)]
-    trace.write_text("\n".join(rows) + "\n")
-    args = [str(trace), "--nodes", "1", "--gpus-per-node", "1", "--policy", "fair",
-            "--no-least-attained", "--format", "json"]  # fmt: skip
+    args = [*on_cluster(tmp_path, rows, 1, 1), "--policy", "fair", "--no-least-attained",
+            "--format", "json"]  # fmt: skip
     waits = {}
     for name, extra in [("shortest", []), ("queue", ["--no-shortest-first"])]:
         assert replay.main([*args, *extra]) == 0
