@@ -414,7 +414,6 @@ class _Round:
             return  # nobody waits in a class that may preempt
         bar = thresholds[least]  # (a run of a higher class received this much at least)
         chosen = self.reclaimer.chosen
-        smallest = self.whole_sizes.smallest()
         ranks: dict[str, int] = {}
         #: Runs on whole nodes that ran before, with the GPUs of their largest node: only a
         #: call of that many GPUs or more may take them.
@@ -429,13 +428,7 @@ class _Round:
                 got = run.attained_gpu_s + run.gpus * ran  # (run.attained, inlined: hot)
                 if got < bar or ran < min_run or ran <= 0:
                     continue
-                if (
-                    after is not None
-                    and run.queued_time is not None
-                    and run.start_time - run.queued_time >= after  # (starved_whole's cheap
-                    and len(run.gpu_indices) >= smallest  # tests inlined: this is hot)
-                    and starved_whole(run, after, self.by_id, self.whole_sizes)
-                ):
+                if starved_whole(run, after, self.by_id, self.whole_sizes):
                     continue
                 ranks[run.id] = service_class(thresholds, got)
                 if policy.shelter_whole_nodes and run.attained_gpu_s > 0:
@@ -922,14 +915,8 @@ class _Round:
             return math.inf  # nobody else waited that long: nobody to keep room for
         # GPUs of whole-node calls running after a wait past the bound (the guard's calls)
         nodes, sizes = self.by_id, self.whole_sizes
-        smallest = sizes.smallest()
         held = sum(
-            r.gpus
-            for r in self.snapshot.running
-            if r.queued_time is not None
-            and r.start_time - r.queued_time >= after_s  # (starved_whole's cheap tests
-            and len(r.gpu_indices) >= smallest  # inlined: this is hot)
-            and starved_whole(r, after_s, nodes, sizes)
+            r.gpus for r in self.snapshot.running if starved_whole(r, after_s, nodes, sizes)
         )
         total = sum(len(node.gpus) for node in self.snapshot.nodes)
         return (asked + held) / (waited + held) * total - held

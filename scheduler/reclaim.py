@@ -451,8 +451,10 @@ def starved_whole(
     whole nodes for a gang, else a node as big as the largest of its kind). A smaller call
     that waited as long is not (nor one that happens to fill a node smaller than others of
     its kind). ``sizes``: the nodes' :class:`WholeSizes` (worked out if not given)."""
-    if not starved(run, after_s):
+    if not starved(run, after_s):  # (the cheap tests first: this runs per running call)
         return False
+    if sizes is not None and len(run.gpu_indices) < sizes.smallest():
+        return False  # (fewer GPUs on its first node than any node has)
     size = run.whole_size(nodes)
     if not size or run.more:
         return size > 0
