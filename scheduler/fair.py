@@ -81,6 +81,7 @@ import itertools
 import math
 from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from scheduler import placement
 from scheduler.backfill import Horizon, Release, Reservation, releases, reserve
@@ -133,7 +134,7 @@ class Fair:
     starve_after_s: float | None = DEFAULT_STARVE_AFTER_S
     name: str = "fair"
     uses_quotas: bool = True
-    preempts: bool = True
+    preempts: ClassVar[bool] = True  # (what the policy does, not a setting)
     #: Least attained service (Tiresias's 2D-LAS): thresholds in GPU-seconds of service a
     #: call received; () turns it off.
     las_thresholds: tuple[float, ...] = DEFAULT_LAS_THRESHOLDS

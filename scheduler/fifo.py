@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import ClassVar
 
 from scheduler.backfill import Release, Reservation, releases, reserve
 from scheduler.capacity import Capacity
@@ -35,7 +36,7 @@ class Fifo:
     max_backfill: int | None = None
     name: str = "fifo"
     uses_quotas: bool = False
-    preempts: bool = False
+    preempts: ClassVar[bool] = False  # (what the policy does, not a setting)
 
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan:
         cap = Capacity(snapshot.nodes, snapshot.share_across_users)

@@ -8,7 +8,7 @@ is given, fills it with ``call id -> (position, reason)`` for every pending call
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from scheduler.fair import Fair
 from scheduler.fifo import Fifo
@@ -22,7 +22,7 @@ class Policy(Protocol):
     uses_quotas: bool
     #: Whether its plans may preempt: a policy that never does places nothing while no GPU
     #: is free, so a replay need not ask it then (one that does not say is asked).
-    preempts: bool
+    preempts: ClassVar[bool]
 
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan: ...
 

@@ -28,6 +28,7 @@ import bisect
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from scheduler.capacity import Capacity
 from scheduler.model import (
@@ -50,7 +51,7 @@ class _Preemptive:
 
     name = ""
     uses_quotas = False
-    preempts = True
+    preempts: ClassVar[bool] = True  # (what the policy does, not a setting)
 
     def rank(self, call: Pending, now: float) -> Rank:
         """A waiting call's standing (neither policy's depends on ``now``)."""
@@ -108,7 +109,6 @@ class Las(_Preemptive):
     thresholds: Sequence[float] = (3_600.0, 36_000.0)
     name: str = "las"
     uses_quotas: bool = False
-    preempts: bool = True
 
     def rank(self, call: Pending, now: float) -> Rank:
         return (float(service_class(self.thresholds, call.attained_gpu_s)),
@@ -132,7 +132,6 @@ class Srtf(_Preemptive):
 
     name: str = "srtf"
     uses_quotas: bool = False
-    preempts: bool = True
 
     def rank(self, call: Pending, now: float) -> Rank:
         remaining = math.inf if call.expected_s is None else call.expected_s
