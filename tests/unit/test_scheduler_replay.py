@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import Plan, Quota, Snapshot, replay, traces
+from scheduler import Plan, Quota, Snapshot, policies, replay, traces
 from scheduler.backfill import releases
 from scheduler.replay import Cluster, Simulator
 from scheduler.traces import Job, TraceError
@@ -331,3 +331,27 @@ def test_the_replay_keeps_each_node_s_expected_ends_as_its_running_calls_say(
     sim.run()
     assert len(sim.completed) == len(jobs) and len(rounds) > len(jobs) // 2
     assert not any(sim.ends.by_node.values())  # (everything ended: nothing left listed)
+
+
+def test_the_replay_adds_up_what_each_group_held_and_was_due_over_time() -> None:
+    # Two GPUs, two groups of equal weight. a holds both from 0 to 100; b asks for one at
+    # 50 and waits for it until 100, then runs 10 s. The fair split: a both GPUs until 50,
+    # one each from 50 to 100, b one from 100 to 110.
+    jobs = [Job("a", 0, 100, 2, group="a"), Job("b", 50, 10, 1, group="b")]
+    quotas = {"a": Quota(guaranteed=1), "b": Quota(guaranteed=1)}
+    sim = Simulator(jobs, policies.get("fifo"), Cluster.uniform(1, 2), quotas)
+    out = sim.run()
+    assert sim.record.got_s == {"a": 200.0, "b": 10.0}
+    assert sim.record.due_s == {"a": 150.0, "b": 60.0}
+    assert out["utilization"] == pytest.approx(210 / 220)
+    # got / due: 4/3 and 1/6.
+    assert out["jain_fairness"] == pytest.approx((4 / 3 + 1 / 6) ** 2 / (2 * (16 / 9 + 1 / 36)))
+    assert out["jain_due"] == pytest.approx((1 + 1 / 6) ** 2 / (2 * (1 + 1 / 36)))
+    # The node fails for good at 100, just before a would end: a queues again, and neither
+    # runs again. What they are due while they wait, one GPU each, counts up to the last
+    # event (the node failing again at 130), though the replay ends with no job ending then.
+    down = [(0, 100.0, None), (0, 130.0, None)]
+    sim = Simulator(jobs, policies.get("fifo"), Cluster.uniform(1, 2), quotas, failures=down)
+    sim.run()
+    assert sim.record.got_s == {"a": 200.0, "b": 0.0}
+    assert sim.record.due_s == {"a": 180.0, "b": 80.0}
