@@ -161,10 +161,10 @@ def kind(node: NodeCapacity) -> tuple[str | None, int] | None:
     return _inventory(node.gpus)[0]
 
 
-#: Inventories already read, by the id of their tuple (with the tuple, so that an id reused
-#: by another tuple is not taken for it): a replay's nodes keep theirs for good, so each is
-#: read once, not once per node per round. Emptied when it grows past _MEMO entries (a live
-#: round reads nodes afresh).
+#: Inventories already read, by the id of their tuple, each kept with its tuple (alive in
+#: here, so its id is not another's): a replay's nodes keep theirs for good, so each is read
+#: once, not once per node per round. Emptied when it grows past _MEMO entries (a live round
+#: reads nodes afresh).
 _memo: dict[int, tuple[tuple[Gpu, ...], tuple[str | None, int] | None, dict[int, int] | None]] = {}
 _MEMO = 4096
 
@@ -175,7 +175,7 @@ def _inventory(
     """A node's :func:`kind` and NVLink groups by GPU index (None without topology); the
     dict is shared: read it, never change it."""
     found = _memo.get(id(gpus))
-    if found is not None and found[0] is gpus:
+    if found is not None:
         return found[1], found[2]
     shape: tuple[str | None, int] | None = (None, 0)
     if gpus:

@@ -7,7 +7,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler import Gpu, NodeCapacity, Pending, Snapshot, plan
+from scheduler import Gpu, NodeCapacity, Pending, Snapshot, capacity, plan
 from scheduler import placement as pl
 from scheduler.capacity import Capacity
 
@@ -292,3 +292,16 @@ def test_nodes_hidden_for_a_while_come_back_as_they_were(
     for call in after:
         assert (cap.place(call) is None) == (fresh.place(call) is None)
         assert cap.free_gpus == fresh.free_gpus
+
+
+def test_a_node_s_kind_is_its_own_inventory_s_however_many_inventories_come_and_go() -> None:
+    # Inventories are remembered by the identity of their tuple (a replay's nodes keep
+    # theirs). Tuples made and dropped one after another, past the memo's bound, each read
+    # as what they are: a dropped tuple's id, reused by the next, is never mistaken for it.
+    for i in range(3 * capacity._MEMO):
+        model = f"m{i % 7}"
+        mixed = i % 5 == 0
+        gpus = (Gpu(0, model, 80), Gpu(1, "other" if mixed else model, 80))
+        node = NodeCapacity(i, [0, 1], 0, gpus)
+        assert capacity.kind(node) == (None if mixed else (model, 80))
+        assert len(capacity._memo) <= capacity._MEMO
