@@ -19,7 +19,7 @@ import bisect
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import overload
+from typing import cast, overload
 
 from scheduler.model import Pending, service_class
 
@@ -213,10 +213,10 @@ class Queue(Sequence[Pending]):
         keys = sorted(key for key in map(self._by_id.get, ids) if key is not None)
         return [self._calls[bisect.bisect_left(self._keys, key)] for key in keys]
 
-    def ranked(self) -> Sequence[Pending]:
-        """The queued calls in the order of :attr:`rank`, lowest first (the queue's own
-        list: read it, never change it); empty without a rank."""
-        return self._ranked.calls
+    def ranked(self) -> Iterator[tuple[Rank, Pending]]:
+        """The queued calls with their :attr:`rank`, lowest first (as worked out when each
+        call came); none without a rank."""
+        return zip(cast("list[Rank]", self._ranked.keys), self._ranked.calls, strict=True)
 
     def buckets(self) -> dict[Bucket, list[list[Pending]]]:
         """Per (priority, group, user) with calls queued: its calls of each tier, lowest

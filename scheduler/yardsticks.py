@@ -79,7 +79,7 @@ class _Preemptive:
         pending = snapshot.pending
         ranked: Iterable[tuple[Rank, Pending]]
         if isinstance(pending, Queue) and pending.rank == self.queue_rank:
-            ranked = ((self.rank(c, now), c) for c in pending.ranked())  # (kept in order)
+            ranked = pending.ranked()  # (kept in order: no sort, no rank worked out again)
         else:
             ranked = sorted((self.rank(c, now), c) for c in pending)
         worst = self.worst()

@@ -86,7 +86,7 @@ def test_a_queue_agrees_with_sorting_after_any_adds_and_pops(
             model[str(seq)] = c
         ordered = sorted(model.values(), key=lambda c: (-c.priority, int(c.id)))
         assert list(queue) == ordered
-        assert list(queue.ranked()) == sorted(model.values(), key=rank)
+        assert list(queue.ranked()) == sorted((rank(c), c) for c in model.values())
         # Each kind's run holds that kind's calls in queue order, and its durations sorted.
         runs = queue._runs
         assert set(runs) == {kind(c) for c in ordered}
