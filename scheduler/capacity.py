@@ -44,7 +44,7 @@ class NodeState:
         self.cpu = node.free_cpu_slots
         self.pool = pool
         self.withdrawn = False
-        self.links: dict[int, int] | None = _inventory(node.gpus)[1]
+        self.links: dict[int, int] | None = placement.inventory(node.gpus).links
         self.conn = 0
 
     def connected(self) -> int:
@@ -158,39 +158,7 @@ def plain_call(call: Pending) -> bool:
 
 def kind(node: NodeCapacity) -> tuple[str | None, int] | None:
     """(model, memory) of a homogeneous node, (None, 0) if unknown, None if mixed."""
-    return _inventory(node.gpus)[0]
-
-
-#: Inventories already read, by the id of their tuple, each kept with its tuple (alive in
-#: here, so its id is not another's): a replay's nodes keep theirs for good, so each is read
-#: once, not once per node per round. Emptied when it grows past _MEMO entries (a live round
-#: reads nodes afresh).
-_memo: dict[int, tuple[tuple[Gpu, ...], tuple[str | None, int] | None, dict[int, int] | None]] = {}
-_MEMO = 4096
-
-
-def _inventory(
-    gpus: tuple[Gpu, ...],
-) -> tuple[tuple[str | None, int] | None, dict[int, int] | None]:
-    """A node's :func:`kind` and NVLink groups by GPU index (None without topology); the
-    dict is shared: read it, never change it."""
-    found = _memo.get(id(gpus))
-    if found is not None:
-        return found[1], found[2]
-    shape: tuple[str | None, int] | None = (None, 0)
-    if gpus:
-        first = gpus[0]
-        model = first.model.casefold()
-        shape = (model, first.memory_mib)
-        for g in gpus:
-            if g.memory_mib != first.memory_mib or g.model.casefold() != model:
-                shape = None
-                break
-    links = {g.index: g.nvlink for g in gpus if g.nvlink is not None} or None
-    if len(_memo) >= _MEMO:
-        _memo.clear()
-    _memo[id(gpus)] = (gpus, shape, links)
-    return shape, links
+    return placement.inventory(node.gpus).kind
 
 
 class Capacity:

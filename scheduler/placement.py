@@ -96,7 +96,7 @@ def usable(node: NodeCapacity, free: Iterable[int], call: Pending) -> list[int]:
         return []
     if not constrained(call):
         return sorted(free)
-    by_index = {g.index: g for g in node.gpus}
+    by_index = inventory(node.gpus).by_index
     return sorted(i for i in free if i in by_index and gpu_ok(by_index[i], call))
 
 
@@ -106,7 +106,7 @@ def choose(node: NodeCapacity, free: Sequence[int], n: int) -> tuple[tuple[int, 
     Best fit inside the node too: the smallest NVLink group that holds all ``n``; failing that,
     the fewest groups, largest first. Without topology: the lowest indices.
     """
-    links = {g.index: g.nvlink for g in node.gpus if g.nvlink is not None}
+    links = inventory(node.gpus).links
     if not links or n <= 1:
         return tuple(free[:n]), True
     groups: dict[int | None, list[int]] = defaultdict(list)
@@ -143,8 +143,9 @@ def plenty(nodes: Iterable[NodeCapacity]) -> dict[str, int]:
             continue
         if not node.gpus:
             count[""] += len(node.free_gpus)
-        for gpu in node.gpus:
-            count[gpu.model] += 1
+            continue
+        for model, n in inventory(node.gpus).models:
+            count[model] += n
     out: dict[str, int] = defaultdict(int)
     for model, n in count.items():
         out[model.casefold()] += n
@@ -218,19 +219,82 @@ class Fits:
         key = (call.gpu_model, call.min_memory_mib)
         found = self._wholes.get(key)
         if found is None:
-            found = self._wholes[key] = {n.node_id for n in self.nodes if whole_node_ok(n, call)}
+            if not constrained(call):  # (every GPU qualifies)
+                found = {n.node_id for n in self.nodes if n.gpus}
+            else:  # (each shape of node judged once)
+                verdicts: dict[Shape, bool] = {}
+                found = set()
+                for n in self.nodes:
+                    form = inventory(n.gpus).shape
+                    ok = verdicts.get(form) if form is not None else None
+                    if ok is None:
+                        ok = whole_node_ok(n, call)
+                        if form is not None:
+                            verdicts[form] = ok
+                    if ok:
+                        found.add(n.node_id)
+            self._wholes[key] = found
         return found
 
 
 def shape(node: NodeCapacity) -> Shape | None:
     """(model, memory, GPUs) of a node whose GPUs are all alike; None if they differ or are
     unknown."""
-    if not node.gpus:
-        return None
-    first = node.gpus[0]
-    if any(g.model != first.model or g.memory_mib != first.memory_mib for g in node.gpus):
-        return None
-    return first.model, first.memory_mib, len(node.gpus)
+    return inventory(node.gpus).shape
+
+
+class Inventory:
+    """What a round reads of a node's GPU inventory, worked out once per inventory (see
+    :func:`inventory`): read it, never change it."""
+
+    __slots__ = ("by_index", "kind", "links", "models", "shape")
+
+    def __init__(self, gpus: tuple[Gpu, ...]) -> None:
+        #: (model, memory, GPUs) when all its GPUs are alike (:func:`shape`), else None.
+        self.shape: Shape | None = None
+        #: (model casefolded, memory) when all alike, (None, 0) if unknown, None if mixed
+        #: (:func:`scheduler.capacity.kind`).
+        self.kind: tuple[str | None, int] | None = (None, 0)
+        if gpus:
+            first = gpus[0]
+            alike = all(g.model == first.model and g.memory_mib == first.memory_mib
+                        for g in gpus)  # fmt: skip
+            self.shape = (first.model, first.memory_mib, len(gpus)) if alike else None
+            folded = first.model.casefold()
+            same = all(g.memory_mib == first.memory_mib and g.model.casefold() == folded
+                       for g in gpus)  # fmt: skip
+            self.kind = (folded, first.memory_mib) if same else None
+        #: NVLink group by GPU index; None without topology.
+        self.links: dict[int, int] | None = {
+            g.index: g.nvlink for g in gpus if g.nvlink is not None
+        } or None
+        #: The GPUs by index.
+        self.by_index: dict[int, Gpu] = {g.index: g for g in gpus}
+        #: (model, how many GPUs of it), models as named.
+        counts: dict[str, int] = {}
+        for g in gpus:
+            counts[g.model] = counts.get(g.model, 0) + 1
+        self.models: tuple[tuple[str, int], ...] = tuple(counts.items())
+
+
+#: Inventories already read, by the id of their tuple, each kept with its tuple (alive in
+#: here, so its id is not another's): a replay's nodes keep theirs for good, and the
+#: gateway's nodes keep theirs while unchanged, so each is read once, not once per node per
+#: round. Emptied when it grows past _MEMO entries.
+_memo: dict[int, tuple[tuple[Gpu, ...], Inventory]] = {}
+_MEMO = 4096
+
+
+def inventory(gpus: tuple[Gpu, ...]) -> Inventory:
+    """The :class:`Inventory` of a node's GPUs, shared: read it, never change it."""
+    found = _memo.get(id(gpus))
+    if found is not None:
+        return found[1]
+    made = Inventory(gpus)
+    if len(_memo) >= _MEMO:
+        _memo.clear()
+    _memo[id(gpus)] = (gpus, made)
+    return made
 
 
 def whole_node_ok(node: NodeCapacity, call: Pending) -> bool:

@@ -158,9 +158,12 @@ class Victims:
                     continue
                 runs.append(run)
                 have += _on_for(run, node, call) if kept_to else _on(run, node.node_id)
-            if have >= call.gpus and runs and (best is None or _cost(runs) < best[0]):
-                best = (_cost(runs), node.node_id, runs)
             if have >= call.gpus and runs:
+                cost = _cost(runs)
+                if best is None or cost < best[0]:
+                    best = (cost, node.node_id, runs)
+                    if cost == _LEAST:
+                        break  # (no node can cost less: a later one never replaces it)
                 found += 1
                 if self.look is not None and found >= self.look:
                     break  # (enough nodes compared)
@@ -248,6 +251,10 @@ def _on_for(run: Running, node: NodeCapacity, call: Pending) -> int:
     """The GPUs ``run`` holds on ``node`` that ``call`` may use."""
     mine = {i for part in run.parts if part.node_id == node.node_id for i in part.gpu_indices}
     return sum(1 for g in node.gpus if g.index in mine and placement.gpu_ok(g, call))
+
+
+#: The least a choice can cost: one run of one GPU.
+_LEAST = (1, 1)
 
 
 def _cost(runs: list[Running]) -> tuple[int, int]:

@@ -298,10 +298,14 @@ def test_a_node_s_kind_is_its_own_inventory_s_however_many_inventories_come_and_
     # Inventories are remembered by the identity of their tuple (a replay's nodes keep
     # theirs). Tuples made and dropped one after another, past the memo's bound, each read
     # as what they are: a dropped tuple's id, reused by the next, is never mistaken for it.
-    for i in range(3 * capacity._MEMO):
+    for i in range(3 * pl._MEMO):
         model = f"m{i % 7}"
         mixed = i % 5 == 0
-        gpus = (Gpu(0, model, 80), Gpu(1, "other" if mixed else model, 80))
+        linked = i % 3 == 0
+        gpus = (Gpu(0, model, 80, 0 if linked else None), Gpu(1, "other" if mixed else model, 80))
         node = NodeCapacity(i, [0, 1], 0, gpus)
         assert capacity.kind(node) == (None if mixed else (model, 80))
-        assert len(capacity._memo) <= capacity._MEMO
+        assert pl.shape(node) == (None if mixed else (model, 80, 2))
+        assert pl.choose(node, [0, 1], 2) == ((0, 1), not linked)
+        assert pl.plenty([node]) == ({model: 1, "other": 1} if mixed else {model: 2})
+        assert len(pl._memo) <= pl._MEMO
