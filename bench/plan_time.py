@@ -1,23 +1,28 @@
 """Decision time of one ``plan()``: 1,000 nodes x 8 GPUs, 5,000 running, 10,000 pending calls.
 
-Run: ``python bench/plan_time.py [--runs 7]``. Prints the median wall time of one plan per
-policy and snapshot variant (target: at most 100 ms on one core). The snapshot is synthetic
-but shaped like a busy lab: 8-GPU nodes (two NVLink groups of four in the ``nvlink`` variant,
-a fifth of them H100s and the rest A100s), running calls mostly single-GPU, leaving about
-2,500 GPUs free; pending calls of 1, 2, 4, 8 and 16 GPUs from 10 groups and 50 users, a tenth
-with a GPU model constraint; warm workers advertised on a tenth of the nodes; 10 groups with
-equal guarantees summing to the cluster. ``balanced``: the running calls are spread over all
-groups (no one borrows); ``reclaim``: three groups hold them all, so the seven others reclaim
-(the worst case for ``fair``, which then preempts up to ``max_reclaims`` = 128 times);
-``starving``: ``balanced`` with every free GPU taken (a call per node) and the clock an hour
-past the last submission plus fair's starvation bound (12 hours; before session 17 only the
-hour, so nobody starved there once the bound had become 12 hours), so every whole-node call
-has waited past fair's starvation bound and none fits, each one reserved for by the
-previous round (so kept beyond the guard's share of the cluster): the worst case for the
-guard, which then reserves (``reserved``);
-``per model``: ``balanced`` with quotas per GPU model as well (each group guaranteed its
-share of the A100s and of the H100s, and borrowing at most 80 H100s), so every placement
-is kept to the models its group may still take.
+Run: ``python bench/plan_time.py [--runs 7] [--bytecodes]``. Prints the median wall time of one
+plan per policy and snapshot variant (target: at most 100 ms on one core). ``--bytecodes``
+also counts the Python bytecodes one plan executes (a second plan of the same snapshot, as
+the timed ones are; under a tracer, so slow): unlike the time, the count does not move with
+the machine's speed, which on a shared VM swings by half between minutes, so it compares
+two versions of the code exactly (calls into C count as one bytecode each).
+
+The snapshot is synthetic but shaped like a busy lab: 8-GPU nodes (two NVLink groups of four
+in the ``nvlink`` variant, a fifth of them H100s and the rest A100s), running calls mostly
+single-GPU, leaving about 2,500 GPUs free; pending calls of 1, 2, 4, 8 and 16 GPUs from 10
+groups and 50 users, a tenth with a GPU model constraint; warm workers advertised on a tenth
+of the nodes; 10 groups with equal guarantees summing to the cluster. ``balanced``: the
+running calls are spread over all groups (no one borrows); ``reclaim``: three groups hold
+them all, so the seven others reclaim (the worst case for ``fair``, which then preempts up
+to ``max_reclaims`` = 128 times); ``starving``: ``balanced`` with every free GPU taken (a
+call per node) and the clock an hour past the last submission plus fair's starvation bound
+(12 hours; before session 17 only the hour, so nobody starved there once the bound had
+become 12 hours), so every whole-node call has waited past fair's starvation bound and none
+fits, each one reserved for by the previous round (so kept beyond the guard's share of the
+cluster): the worst case for the guard, which then reserves (``reserved``); ``per model``:
+``balanced`` with quotas per GPU model as well (each group guaranteed its share of the A100s
+and of the H100s, and borrowing at most 80 H100s), so every placement is kept to the models
+its group may still take.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from types import FrameType
+from typing import Any
 
 from scheduler import Gpu, NodeCapacity, Pending, Quota, Running, Snapshot, plan
 from scheduler.fair import DEFAULT_STARVE_AFTER_S
@@ -92,13 +100,34 @@ def snapshot(
     return Snapshot(nodes, pending, running, quotas, usage, {}, now=now, reserved=kept)
 
 
+def bytecodes(snap: Snapshot, policy: str) -> int:
+    """Python bytecodes executed by one ``plan()`` of ``snap``."""
+    count = 0
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal count
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        count += event == "opcode"
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        plan(snap, policy)
+    finally:
+        sys.settrace(None)
+    return count
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="also count the bytecodes one plan executes")  # fmt: skip
     args = parser.parse_args()
+    extra = " bytecodes |" if args.bytecodes else ""
     print("| policy | snapshot | NVLink topology | free GPUs | placed | preempted | reserved "
-          "| plan() ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          f"| plan() ms |{extra}")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if args.bytecodes else ""))
     variants = ((False, False, False), (True, False, False), (False, True, False),
                 (False, False, True))  # fmt: skip
     for borrowing, starving, models in variants:
@@ -114,9 +143,10 @@ def main() -> None:
                     out = plan(snap, policy)
                     times.append(time.perf_counter() - start)
                 ms = statistics.median(times) * 1000
+                ops = f" {bytecodes(snap, policy) / 1e6:.2f} M |" if args.bytecodes else ""
                 print(
                     f"| {policy} | {name} | {'yes' if nvlink else 'no'} | {free} | {len(out)} "
-                    f"| {len(out.preemptions)} | {len(out.reserved)} | {ms:.1f} |"
+                    f"| {len(out.preemptions)} | {len(out.reserved)} | {ms:.1f} |{ops}"
                 )
     print(f"\n(median of {args.runs} runs each; {NODES} nodes x {GPUS} GPUs, {RUNNING} running, "
           f"{PENDING} pending)")  # fmt: skip

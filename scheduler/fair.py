@@ -169,7 +169,8 @@ class _Round:
         self.snapshot = snapshot
         self.why = why
         self.cap = Capacity(snapshot.nodes, snapshot.share_across_users)
-        self.book = Book(snapshot.running, snapshot.quotas, policy.default_quota, snapshot.nodes)
+        self.book = Book(snapshot.running, snapshot.quotas, policy.default_quota, snapshot.nodes,
+                         snapshot.held)  # fmt: skip
         #: The (priority, group, user) buckets in fair-share order, each as its calls per
         #: class of service received, lowest first, each class in queue order.
         self.tiers: list[list[list[Pending]]] = []
@@ -425,13 +426,24 @@ class _Round:
             if run.share != 1.0 or not run.preemptible or run.id in chosen:
                 continue
             if not run.preempting:
+                # (run.attained, run.gpus, starved and service_class inlined, the cheapest
+                # tests first: this runs per running call per round)
                 ran = now - run.start_time
-                got = run.attained_gpu_s + run.gpus * ran  # (run.attained, inlined: hot)
-                if got < bar or ran < min_run or ran <= 0:
+                if ran < min_run or ran <= 0:
                     continue
-                if starved_whole(run, after, self.by_id, self.whole_sizes):
+                gpus = len(run.gpu_indices) if not run.more else run.gpus
+                got = run.attained_gpu_s + gpus * ran
+                if got < bar:
                     continue
-                ranks[run.id] = service_class(thresholds, got)
+                queued = run.queued_time
+                if (
+                    after is not None
+                    and queued is not None
+                    and run.start_time - queued >= after
+                    and starved_whole(run, after, self.by_id, self.whole_sizes)
+                ):
+                    continue
+                ranks[run.id] = bisect.bisect_right(thresholds, got)
                 if policy.shelter_whole_nodes and run.attained_gpu_s > 0:
                     size = run.whole_size(self.by_id)
                     if size:

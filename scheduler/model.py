@@ -279,6 +279,10 @@ class Snapshot:
     #: The running calls' expected ends per node, kept up to date by the caller (the
     #: replay); None: derived from ``running`` when a round needs them.
     ends: Ends | None = None
+    #: GPUs held per group by the running calls not being preempted (a share counted as its
+    #: part of a GPU), kept up to date by the caller (the replay); None: derived from
+    #: ``running`` when a round needs them.
+    held: Mapping[str, float] | None = None
 
 
 class Ends:

@@ -72,7 +72,11 @@ class Book:
         quotas: Mapping[str, Quota],
         default: Quota = DEFAULT_QUOTA,
         nodes: Sequence[NodeCapacity] = (),
+        held: Mapping[str, float] | None = None,
     ) -> None:
+        """``held``: the GPUs per group of ``running``'s calls not being preempted
+        (:attr:`Snapshot.held`), when the caller keeps that count; it then spares a pass over
+        them (unless some quota lists models, which needs them one by one)."""
         self.quotas = quotas
         self.default = default
         self.used: dict[str, float] = defaultdict(int)
@@ -106,6 +110,9 @@ class Book:
             self.names = tuple(sorted({name.casefold() for name in every}))
             self._plain = not any("|" in name for name in self.names)
         used, model_used = self.used, self.model_used
+        if held is not None and not self.per_model:
+            used.update(held)
+            return
         for run in running:
             if run.preempting:
                 continue

@@ -179,6 +179,11 @@ class Simulator:
         self.running: dict[str, Running] = {}
         #: The running calls' expected ends per node (Snapshot.ends), kept as they change.
         self.ends = Ends()
+        #: GPUs held per group by the running calls not being preempted (Snapshot.held), and
+        #: how many calls those are (a group holding none is set to exactly 0: sums of shares
+        #: in floating point do not drift).
+        self.held: dict[str, float] = {}
+        self.holding: dict[str, int] = {}
         self.remaining = [j.duration for j in self.jobs]
         #: GPU-seconds each job received in its runs before the current one.
         self.attained = [0.0] * len(self.jobs)
@@ -378,6 +383,8 @@ class Simulator:
     def release(self, i: int, now: float) -> Running:
         run = self.running.pop(str(i))
         self.ends.remove(run)
+        if not run.preempting:
+            self.hold(run, -1)
         self.generation[i] += 1
         if run.share != 1.0:
             node_id, index = run.node_id, run.gpu_indices[0]
@@ -401,6 +408,12 @@ class Simulator:
         self.open_shares -= {(node_id, g.index) for g in self.nodes[node_id].shared}
         self.open_shares |= {(node_id, g.index) for g in shared if g.left > EPSILON}
         self.nodes[node_id].shared = shared
+
+    def hold(self, run: Running, sign: int) -> None:
+        """Count a running call's GPUs in (``sign`` 1) or out of (-1) :attr:`held`."""
+        group = run.group
+        count = self.holding[group] = self.holding.get(group, 0) + sign
+        self.held[group] = self.held.get(group, 0) + sign * run.amount if count else 0
 
     def note_held(self, group: str, user: str, gpus: float, now: float) -> None:
         self.groups.change(group, gpus, now)
@@ -435,6 +448,7 @@ class Simulator:
             promised=self.promised,
             share_across_users=self.share_across_users,
             ends=self.ends,
+            held=self.held,
         )
         out = self.policy.plan(snapshot)
         self.reserved = dict(out.reserved)
@@ -472,6 +486,7 @@ class Simulator:
             )
             self.running[call.id] = run
             self.ends.add(run)
+            self.hold(run, 1)
             if call.share != 1.0:
                 holders[call.id] = run
                 self.reshare(d.node_id)
@@ -484,6 +499,7 @@ class Simulator:
                 continue  # already told: its notice stands
             self.preemptions += 1
             self.running[run.id] = replace(run, preempting=True)
+            self.hold(run, -1)
             self.push(now + self.grace_s, STOP, int(run.id))
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from scheduler import Plan, Quota, Snapshot, policies, replay, traces
 from scheduler.backfill import releases
+from scheduler.quotas import Book
 from scheduler.replay import Cluster, Simulator
 from scheduler.traces import Job, TraceError
 
@@ -304,12 +305,13 @@ def test_a_negative_starvation_bound_is_refused(
 
 
 @pytest.mark.parametrize("policy", ["fifo", "fair", "las"])
-def test_the_replay_keeps_each_node_s_expected_ends_as_its_running_calls_say(
+def test_the_replay_keeps_each_node_s_expected_ends_and_each_group_s_gpus_as_its_running_calls_say(
     policy: str,
 ) -> None:
-    # The replay hands rounds the running calls' expected ends kept up to date (Snapshot.ends)
-    # rather than derived each round: through starts, ends, preemptions, a node failure and
-    # calls sharing a GPU, every round must see what deriving them would give.
+    # The replay hands rounds the running calls' expected ends and the GPUs each group holds
+    # kept up to date (Snapshot.ends, Snapshot.held) rather than derived each round: through
+    # starts, ends, preemptions, a node failure and calls sharing a GPU, every round must see
+    # what deriving them would give.
     jobs = [
         Job(str(i), float(3 * i), float(20 + 7 * (i % 5)), gpus, group=f"g{i % 3}",
             user=f"u{i % 2}")
@@ -324,6 +326,8 @@ def test_the_replay_keeps_each_node_s_expected_ends_as_its_running_calls_say(
         derived = releases(Snapshot(sim.nodes, [], list(sim.running.values()), now=now), [])
         kept = releases(Snapshot(sim.nodes, [], [], now=now, ends=sim.ends), [])
         assert {n: e for n, e in kept.items() if e} == {n: e for n, e in derived.items() if e}
+        counted = Book(list(sim.running.values()), quotas).used
+        assert {g: n for g, n in sim.held.items() if n} == {g: n for g, n in counted.items() if n}
         rounds.append(now)
         return planner(now)
 
