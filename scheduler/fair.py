@@ -544,8 +544,9 @@ class _Round:
 
     def rebalance(self) -> None:
         """Step 4, fair share among borrowers (Kueue's fair sharing, its "less than or equal
-        to the final share" rule): a call still waiting that would borrow may take the place
-        of other groups' borrowed calls while each of those groups, once its calls are gone,
+        to the final share" rule): a call still waiting that would borrow (past its group's
+        guarantee in all, or of each model it may use) may take the place of other groups'
+        borrowed calls while each of those groups, once its calls are gone,
         still borrows at least as much for its weight (:meth:`Book.lent`) as the call's group will
         with the call: so the swap could never be swapped straight back, and a group never
         goes below its guarantee (in all, and of each model) for it. Without it a small group
@@ -615,8 +616,10 @@ class _Round:
                     break
                 if call.id in done or call.share != 1.0 or call.gpus <= 0:
                     continue
-                if book.nominal(call) or not book.within_ceiling(call):
-                    continue  # (within its guarantee reclaim serves it; past its ceiling: no)
+                if not book.within_ceiling(call):
+                    continue  # (past its ceiling: no)
+                if book.nominal(call) and self.keep(call, nominal=True) is not None:
+                    continue  # (within its guarantee, of a model it may use too: reclaim's)
                 mine = book.lent(group, call.amount)
                 if mine >= top:
                     continue

@@ -184,3 +184,24 @@ def test_reclaim_takes_back_from_the_group_borrowing_most_for_its_weight_first()
     out = reclaim_only.plan(state)
     assert preempted(out) == ["s3"]
     assert out.promised == {"v": (1,)}
+
+
+def test_a_call_past_its_group_s_guarantee_of_a_model_but_not_in_all_shares_that_model() -> None:
+    # "a" is guaranteed 4 GPUs, of them 1 H100, and holds that H100; "b", guaranteed none,
+    # borrows the node's 3 others. a's call for an H100 is within a's guarantee in all but
+    # past its guarantee of H100s: reclaim cannot serve it (it would take back nothing a is
+    # guaranteed), so it borrows, and as a borrower it takes the youngest of b's (b still
+    # borrows 2). Before, it was passed over as "within its guarantee" and waited for b.
+    h100 = tuple(Gpu(g, "H100", 81920) for g in range(4))
+    quotas = {"a": Quota(4, None, (("H100", Quota(1)),)), "b": Quota(0)}
+    running = [run("a0", 0, "a", borrowed=False)]
+    running += [run(f"b{g}", g, "b", started=4_000.0 - 100 * g) for g in (1, 2, 3)]
+    state = Snapshot([NodeCapacity(0, [], 0, h100)],
+                     [Pending("want", 1, "bob", "a", gpu_model="H100", submit_time=NOW - 10)],
+                     running, quotas, now=NOW)  # fmt: skip
+    out = SHARE.plan(state)
+    assert preempted(out) == ["b3"] and out.promised == {"want": (0,)}
+    assert "fair share among borrowers" in out.preemptions[0].reason
+    # Held at its guarantee of H100s in all ("b" guaranteed 3 of them), b gives up none.
+    quotas["b"] = Quota(3, None, (("H100", Quota(3)),))
+    assert not SHARE.plan(state).preemptions
