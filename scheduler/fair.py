@@ -932,7 +932,12 @@ class _Round:
         # GPUs of whole-node calls running after a wait past the bound (the guard's calls)
         nodes, sizes = self.by_id, self.whole_sizes
         held = sum(
-            r.gpus for r in self.snapshot.running if starved_whole(r, after_s, nodes, sizes)
+            r.gpus
+            for r in self.snapshot.running
+            # (starved's test inlined first: this runs per running call per round)
+            if r.queued_time is not None
+            and r.start_time - r.queued_time >= after_s
+            and starved_whole(r, after_s, nodes, sizes)
         )
         total = sum(len(node.gpus) for node in self.snapshot.nodes)
         return (asked + held) / (waited + held) * total - held
