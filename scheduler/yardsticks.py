@@ -25,6 +25,7 @@ backfills: every call that fits starts. Calls holding a share of a GPU are never
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -95,8 +96,9 @@ class _Preemptive:
             if klass >= worst:
                 continue  # (nothing is of a worse class: it may only be placed)
             if victims is None:
+                # (a partial, not a lambda: one Python call per running call, not two)
                 victims = Victims(snapshot.nodes, snapshot.running,
-                                  lambda r: self.running_class(r, now))  # fmt: skip
+                                  functools.partial(self.running_class, now=now))  # fmt: skip
             chosen = victims.free_for(call, klass, cap)
             out.preemptions.extend(Preemption(r.id, f"preempted by {self.name}") for r in chosen)
         return out
