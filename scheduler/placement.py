@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from scheduler.model import Gpu, NodeCapacity, Pending
 
@@ -187,7 +187,6 @@ class Fits:
         self.nodes = [n for n in nodes if not n.draining]
         #: The same nodes by id.
         self.by_id = {n.node_id: n for n in self.nodes}
-        self._shapes: list[Shape | None] | None = None
         self._kinds: dict[tuple[int, str | None, int], list[NodeCapacity]] = {}
         self._wholes: dict[tuple[str | None, int], set[int]] = {}
 
@@ -199,18 +198,7 @@ class Fits:
         if not constrained(call):
             found = [n for n in self.nodes if n.size >= call.gpus]
         else:
-            if self._shapes is None:
-                self._shapes = [shape(n) for n in self.nodes]
-            verdicts: dict[Shape, bool] = {}
-            found = []
-            for node, form in zip(self.nodes, self._shapes, strict=True):
-                ok = verdicts.get(form) if form is not None else None
-                if ok is None:
-                    ok = node_fits_ever(node, call)
-                    if form is not None:
-                        verdicts[form] = ok
-                if ok:
-                    found.append(node)
+            found = _by_shape(self.nodes, lambda node: node_fits_ever(node, call))
         self._kinds[kind] = found
         return found
 
@@ -221,20 +209,30 @@ class Fits:
         if found is None:
             if not constrained(call):  # (every GPU qualifies)
                 found = {n.node_id for n in self.nodes if n.gpus}
-            else:  # (each shape of node judged once)
-                verdicts: dict[Shape, bool] = {}
-                found = set()
-                for n in self.nodes:
-                    form = inventory(n.gpus).shape
-                    ok = verdicts.get(form) if form is not None else None
-                    if ok is None:
-                        ok = whole_node_ok(n, call)
-                        if form is not None:
-                            verdicts[form] = ok
-                    if ok:
-                        found.add(n.node_id)
+            else:
+                ok = _by_shape(self.nodes, lambda node: whole_node_ok(node, call))
+                found = {n.node_id for n in ok}
             self._wholes[key] = found
         return found
+
+
+def _by_shape(
+    nodes: Iterable[NodeCapacity], test: Callable[[NodeCapacity], bool]
+) -> list[NodeCapacity]:
+    """The nodes that pass ``test``, in order; a test that depends only on a node's GPUs, so
+    each :func:`shape` of node is judged once (nodes of mixed or unknown GPUs each)."""
+    verdicts: dict[Shape, bool] = {}
+    found = []
+    for node in nodes:
+        form = inventory(node.gpus).shape
+        ok = verdicts.get(form) if form is not None else None
+        if ok is None:
+            ok = test(node)
+            if form is not None:
+                verdicts[form] = ok
+        if ok:
+            found.append(node)
+    return found
 
 
 def shape(node: NodeCapacity) -> Shape | None:
