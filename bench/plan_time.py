@@ -5,7 +5,8 @@ plan per policy and snapshot variant (target: at most 100 ms on one core). ``--b
 also counts the Python bytecodes one plan executes (a second plan of the same snapshot, as
 the timed ones are; under a tracer, so slow): unlike the time, the count does not move with
 the machine's speed, which on a shared VM swings by half between minutes, so it compares
-two versions of the code exactly (calls into C count as one bytecode each).
+two versions of the code exactly (calls into C count as one bytecode each; the script runs
+itself again with ``PYTHONHASHSEED=0``, as set orders follow the per-process hash salt).
 
 The snapshot is synthetic but shaped like a busy lab: 8-GPU nodes (two NVLink groups of four
 in the ``nvlink`` variant, a fifth of them H100s and the rest A100s), running calls mostly
@@ -28,6 +29,7 @@ its group may still take.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -124,6 +126,11 @@ def main() -> None:
     parser.add_argument("--bytecodes", action="store_true",
                         help="also count the bytecodes one plan executes")  # fmt: skip
     args = parser.parse_args()
+    if args.bytecodes and os.environ.get("PYTHONHASHSEED") != "0":
+        # (string hashing is salted per process, which reorders sets and so what a plan
+        # executes by about 1 %: an exact count needs the same salt each time)
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  {**os.environ, "PYTHONHASHSEED": "0"})  # fmt: skip
     extra = " bytecodes |" if args.bytecodes else ""
     print("| policy | snapshot | NVLink topology | free GPUs | placed | preempted | reserved "
           f"| plan() ms |{extra}")  # fmt: skip

@@ -113,23 +113,30 @@ class Book:
         if held is not None and not self.per_model:
             used.update(held)
             return
+        if not self.per_model:
+            for run in running:
+                if not run.preempting:  # (run.amount inlined: this runs per running call)
+                    used[run.group] += run.gpus if run.share == 1.0 else run.share
+            return
+        # (the common case, one node of one model, with _alike_name, quota and _model
+        # inlined and without add_run's memo: this runs per running call each round)
+        alike_of, quota_of, default = self._alike.get, quotas.get, self.default
+        memo = self._model_memo
         for run in running:
             if run.preempting:
                 continue
-            if self.per_model:
-                # (the common case, without add_run's memo: this runs per running call)
-                name = None if run.more or run.gpu_models else self._alike_name(run)
-                if name is not None and run.gpu_indices:
-                    group = run.group
-                    used[group] += run.amount
-                    if self.quota(group).models:
-                        model = self._model(group, name)
-                        if model is not None:
-                            model_used[(group, model)] += run.share * len(run.gpu_indices)
-                    continue
+            indices = run.gpu_indices
+            alike = None if run.more or run.gpu_models or not indices else alike_of(run.node_id)
+            if alike is None or not alike[1].issuperset(indices):
                 self.add_run(run)
-            else:  # (run.amount inlined: this runs over every running call each round)
-                self.used[run.group] += run.gpus if run.share == 1.0 else run.share
+                continue
+            group = run.group
+            used[group] += len(indices) if run.share == 1.0 else run.share
+            if quota_of(group, default).models:
+                key = (group, alike[0])
+                model = memo[key] if key in memo else self._model(group, alike[0])
+                if model is not None:
+                    model_used[(group, model)] += run.share * len(indices)
 
     def quota(self, group: str) -> Quota:
         return self.quotas.get(group, self.default)
