@@ -266,6 +266,8 @@ def test_nodes_judged_by_shape_are_the_nodes_judged_one_by_one(
     for call in asked:
         assert fits(call) == [n for n in nodes if not n.draining and pl.node_fits_ever(n, call)]
         assert cap.largest_for(call) == pl.largest_for(nodes, call)
+        wholes = {n.node_id for n in nodes if not n.draining and pl.whole_node_ok(n, call)}
+        assert fits.wholes(call) == wholes
 
 
 @settings(max_examples=300)
