@@ -618,9 +618,14 @@ class _Round:
                     continue
                 if not book.within_ceiling(call):
                     continue  # (past its ceiling: no)
-                if book.nominal(call) and self.keep(call, nominal=True) is not None:
+                nominal = book.nominal(call)
+                if nominal and self.keep(call, nominal=True) is not None:
                     continue  # (within its guarantee, of a model it may use too: reclaim's)
                 mine = book.lent(group, call.amount)
+                if nominal:  # (it borrows a model only: weighed by what it borrows of that
+                    # model, else it would pass for the least borrowing group and take
+                    # nearly all of the model from a group without a guarantee)
+                    mine = max(mine, book.model_lent(call, call.amount))
                 if mine >= top:
                     continue
                 kept = self.keep(call)

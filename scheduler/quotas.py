@@ -21,6 +21,7 @@ its model's quota.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 
@@ -75,8 +76,9 @@ class Book:
         held: Mapping[str, float] | None = None,
     ) -> None:
         """``held``: the GPUs per group of ``running``'s calls not being preempted
-        (:attr:`Snapshot.held`), when the caller keeps that count; it then spares a pass over
-        them (unless some quota lists models, which needs them one by one)."""
+        (:attr:`Snapshot.held`: whole GPUs plus ``math.fsum`` of the shares, as counted here),
+        when the caller keeps that count; it then spares a pass over them (unless some quota
+        lists models, which needs them one by one)."""
         self.quotas = quotas
         self.default = default
         self.used: dict[str, float] = defaultdict(int)
@@ -114,9 +116,16 @@ class Book:
             used.update(held)
             return
         if not self.per_model:
+            parts: dict[str, list[float]] = {}
             for run in running:
-                if not run.preempting:  # (run.amount inlined: this runs per running call)
-                    used[run.group] += run.gpus if run.share == 1.0 else run.share
+                if run.preempting:
+                    continue
+                if run.share == 1.0:  # (run.amount inlined: this runs per running call)
+                    used[run.group] += run.gpus
+                else:
+                    parts.setdefault(run.group, []).append(run.share)
+            for group, shares in parts.items():  # (summed exactly: in any order, the same)
+                used[group] += math.fsum(shares)
             return
         # (the common case, one node of one model, with _alike_name, quota and _model
         # inlined and without add_run's memo: this runs per running call each round)
@@ -328,18 +337,35 @@ class Book:
         if not self.quota(call.group).models:
             return room
         group = call.group
-        key = (group, kept.gpu_model)
+        used = self.model_used
+        for model, quota in self._listed_for(group, kept.gpu_model):  # (_model_left inlined)
+            room = min(room, quota.ceiling - used[(group, model)] + EPSILON)
+        return room
+
+    def _listed_for(self, group: str, gpu_model: str | None) -> tuple[tuple[str, Quota], ...]:
+        """The group's listed models (with their quotas) that a call of ``gpu_model`` may
+        use: fixed for the round."""
+        key = (group, gpu_model)
         listed = self._limits.get(key)
-        if listed is None:  # (the listed models it may use: fixed for the round)
+        if listed is None:
             found = {self._model(group, name) for name in self.names
-                     if placement.model_ok(name, kept.gpu_model)}  # fmt: skip
+                     if placement.model_ok(name, gpu_model)}  # fmt: skip
             listed = self._limits[key] = tuple(
                 (m, self._model_quota(group, m)) for m in sorted(m for m in found if m is not None)
             )
-        used = self.model_used
-        for model, quota in listed:  # (_model_left inlined: this runs per call)
-            room = min(room, quota.ceiling - used[(group, model)] + EPSILON)
-        return room
+        return listed
+
+    def model_lent(self, call: Pending, extra: float = 0.0) -> float:
+        """How much the call's group borrows for its weight of the listed models the call may
+        use (:meth:`lent` for one model: its GPUs of it past the model's guarantee, with
+        ``extra`` more, over that guarantee plus one), the most of them; -inf if it may use
+        none."""
+        group, used = call.group, self.model_used
+        return max(
+            ((used[(group, model)] + extra - quota.guaranteed) / (quota.guaranteed + 1)
+             for model, quota in self._listed_for(group, call.gpu_model)),
+            default=-math.inf,
+        )  # fmt: skip
 
     def reclaimable(
         self, run: Running, released: Mapping[str | tuple[str, str], float], keep: bool = False

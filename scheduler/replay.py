@@ -44,6 +44,7 @@ import argparse
 import csv
 import heapq
 import json
+import math
 import sys
 import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
@@ -179,11 +180,12 @@ class Simulator:
         self.running: dict[str, Running] = {}
         #: The running calls' expected ends per node (Snapshot.ends), kept as they change.
         self.ends = Ends()
-        #: GPUs held per group by the running calls not being preempted (Snapshot.held), and
-        #: how many calls those are (a group holding none is set to exactly 0: sums of shares
-        #: in floating point do not drift).
+        #: GPUs held per group by the running calls not being preempted (Snapshot.held):
+        #: their whole GPUs, and the shares of a GPU by call, summed exactly (math.fsum, as
+        #: Book does), so that no rounding builds up as calls come and go.
         self.held: dict[str, float] = {}
-        self.holding: dict[str, int] = {}
+        self.whole: dict[str, int] = {}
+        self.parts: dict[str, dict[str, float]] = {}
         self.remaining = [j.duration for j in self.jobs]
         #: GPU-seconds each job received in its runs before the current one.
         self.attained = [0.0] * len(self.jobs)
@@ -412,8 +414,15 @@ class Simulator:
     def hold(self, run: Running, sign: int) -> None:
         """Count a running call's GPUs in (``sign`` 1) or out of (-1) :attr:`held`."""
         group = run.group
-        count = self.holding[group] = self.holding.get(group, 0) + sign
-        self.held[group] = self.held.get(group, 0) + sign * run.amount if count else 0
+        whole = self.whole.get(group, 0)
+        parts = self.parts.setdefault(group, {})
+        if run.share == 1.0:
+            whole = self.whole[group] = whole + sign * run.gpus
+        elif sign > 0:
+            parts[run.id] = run.share
+        else:
+            del parts[run.id]
+        self.held[group] = whole + math.fsum(parts.values()) if parts else whole
 
     def note_held(self, group: str, user: str, gpus: float, now: float) -> None:
         self.groups.change(group, gpus, now)

@@ -315,7 +315,7 @@ def test_the_replay_keeps_each_node_s_expected_ends_and_each_group_s_gpus_as_its
     jobs = [
         Job(str(i), float(3 * i), float(20 + 7 * (i % 5)), gpus, group=f"g{i % 3}",
             user=f"u{i % 2}")
-        for i, gpus in enumerate([1, 2, 4, 0.5, 8, 0.25, 1, 3, 4, 0.5, 2, 8, 1, 1, 0.25, 4] * 3)
+        for i, gpus in enumerate([1, 2, 4, 0.5, 8, 0.3, 1, 3, 4, 0.1, 2, 8, 1, 0.7, 0.2, 4] * 3)
     ]  # fmt: skip
     quotas = {"g0": Quota(4), "g1": Quota(2), "g2": Quota(2)}
     sim = Simulator(jobs, replay.get_policy(policy), Cluster.uniform(3, 4), quotas,

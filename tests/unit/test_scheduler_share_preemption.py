@@ -205,3 +205,22 @@ def test_a_call_past_its_group_s_guarantee_of_a_model_but_not_in_all_shares_that
     # Held at its guarantee of H100s in all ("b" guaranteed 3 of them), b gives up none.
     quotas["b"] = Quota(3, None, (("H100", Quota(3)),))
     assert not SHARE.plan(state).preemptions
+
+
+@pytest.mark.parametrize(("mine", "taken"), [(4, True), (5, False)])
+def test_a_group_borrowing_a_model_only_is_weighed_by_what_it_borrows_of_that_model(
+    mine: int, taken: bool
+) -> None:
+    # "a" is guaranteed 100 GPUs in all but 1 H100 (weight 2 for H100s); "b" none (weight 1).
+    # On an 8-H100 node a's call weighs what a would borrow of H100s, not of its 100 GPUs
+    # (where it would pass for borrowing least and take nearly all): holding 4, with the
+    # call it borrows 4 H100s, 2 for its weight, and b keeps 3, one more than the margin;
+    # holding 5, it would borrow 2.5 for its weight and b keep 2: a waits.
+    h100 = tuple(Gpu(g, "H100", 81920) for g in range(8))
+    quotas = {"a": Quota(100, None, (("H100", Quota(1)),)), "b": Quota(0)}
+    running = [run(f"a{g}", g, "a", borrowed=g > 0) for g in range(mine)]
+    running += [run(f"b{g}", g, "b", started=9_000.0 - 100 * g) for g in range(mine, 8)]
+    state = Snapshot([NodeCapacity(0, [], 0, h100)],
+                     [Pending("want", 1, "bob", "a", gpu_model="H100", submit_time=NOW - 10)],
+                     running, quotas, now=NOW)  # fmt: skip
+    assert preempted(SHARE.plan(state)) == (["b7"] if taken else [])
