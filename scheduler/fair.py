@@ -734,14 +734,13 @@ class _Round:
         pending = self.snapshot.pending
         if isinstance(pending, Queue):  # (the queue keeps count: no pass over every call)
             waited = pending.waited(since)
-            if waited is not None:
-                found = [
-                    call
-                    for call in pending.waiting_large(since, largest)
-                    if call.gpus and call.gpus >= cap.largest_for(call) > 0
-                    and call.id not in self.done
-                ]  # (in queue order among equals, as a pass over the queue finds them)
-                return sorted(found, key=lambda c: (_age_key(c), pending.key(c.id))), waited
+            if waited is not None:  # (oldest first, in queue order among equals, as a pass
+                # over the queue sorted by age finds them; whether a kind is whole-node is
+                # asked once per kind)
+                calls = pending.waiting_large(
+                    since, largest, lambda c: bool(c.gpus) and c.gpus >= cap.largest_for(c) > 0
+                )
+                return [call for call in calls if call.id not in self.done], waited
         found, whole, parts = [], 0, []
         for call in pending:  # (waiting_since inlined: this loop is hot)
             queued = call.queued_time

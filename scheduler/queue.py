@@ -64,25 +64,34 @@ class _Seq:
 class _Run(_Seq):
     """One kind's calls in queue order with their expected durations (:func:`expected`), and
     those durations sorted (the shortest says at once whether any of them may backfill
-    before a reservation)."""
+    before a reservation); and the calls oldest first (:meth:`Queue.waiting_large`)."""
 
-    __slots__ = ("expected", "lengths")
+    __slots__ = ("aged", "expected", "lengths")
 
     def __init__(self) -> None:
         super().__init__()
         self.expected: list[float] = []
         self.lengths: list[float] = []  # (in queue order, beside calls)
+        self.aged = _Seq()  # (by _age(key, call))
 
     def add(self, key: tuple[float | str, ...], call: Pending) -> int:
         i = super().add(key, call)
         length = expected(call)
         self.lengths.insert(i, length)
         bisect.insort(self.expected, length)
+        self.aged.add(_age(key, call), call)
         return i
 
     def drop(self, key: Key, call: Pending) -> None:
         del self.lengths[self.remove(key)]
         del self.expected[bisect.bisect_left(self.expected, expected(call))]
+        self.aged.remove(_age(key, call))
+
+
+def _age(key: tuple[float | str, ...], call: Pending) -> tuple[float | str, ...]:
+    """A call's place among the oldest first: higher priority first, then by when it entered
+    the queue, then in queue order (``key``: its place in the queue)."""
+    return (key[0], call.waiting_since, key[1])
 
 
 def expected(call: Pending) -> float:
@@ -198,15 +207,24 @@ class Queue(Sequence[Pending]):
         enter the queue in the order of those times (then count them one by one)."""
         return self._waits.total(since)
 
-    def waiting_large(self, since: float, largest: int) -> Iterator[Pending]:
+    def waiting_large(
+        self, since: float, largest: int, usable: Callable[[Pending], bool]
+    ) -> list[Pending]:
         """The queued calls of whole GPUs that have waited since ``since`` or earlier and ask
-        for ``largest`` GPUs or more, or for a model or memory; in no particular order."""
+        for ``largest`` GPUs or more, or for a model or memory, of the kinds ``usable`` says
+        yes to (asked of one call of each kind); oldest first: higher priority first, then by
+        when each entered the queue, then in queue order (no sort: each kind keeps its calls
+        in that order)."""
+        found = []
         for (gpus, model, memory, share, _), run in self._runs.items():
             if share != 1.0 or (gpus < largest and model is None and not memory):
                 continue
-            for call in run.calls:
-                if call.waiting_since <= since:
-                    yield call
+            if not usable(run.calls[0]):
+                continue
+            aged = run.aged
+            pairs = zip(aged.keys, aged.calls, strict=True)
+            found.append([(k, c) for k, c in pairs if c.waiting_since <= since])
+        return [call for _, call in heapq.merge(*found)]
 
     def among(self, ids: Iterable[str]) -> list[Pending]:
         """The queued calls of these ids, in queue order (ids not queued are left out)."""

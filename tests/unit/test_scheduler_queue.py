@@ -87,12 +87,16 @@ def test_a_queue_agrees_with_sorting_after_any_adds_and_pops(
         ordered = sorted(model.values(), key=lambda c: (-c.priority, int(c.id)))
         assert list(queue) == ordered
         assert list(queue.ranked()) == sorted((rank(c), c) for c in model.values())
-        # Each kind's run holds that kind's calls in queue order, and its durations sorted.
+        # Each kind's run holds that kind's calls in queue order, and its durations sorted,
+        # and its calls oldest first (by priority, then since when, then in queue order).
         runs = queue._runs
         assert set(runs) == {kind(c) for c in ordered}
         for k, run in runs.items():
             assert run.calls == [c for c in ordered if kind(c) == k]
             assert run.expected == sorted(c.expected_s or 0.0 for c in run.calls)
+            assert run.aged.calls == sorted(
+                run.calls, key=lambda c: (-c.priority, c.waiting_since, int(c.id))
+            )
         # GPUs waiting since a time: counted as calls entered the queue, in order of that.
         for since in (-1.0, 3.0, 20.0, 1e9):
             want = sum(c.gpus for c in ordered if (c.queued_time or 0.0) <= since)
