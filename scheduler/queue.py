@@ -64,28 +64,42 @@ class _Seq:
 class _Run(_Seq):
     """One kind's calls in queue order with their expected durations (:func:`expected`), and
     those durations sorted (the shortest says at once whether any of them may backfill
-    before a reservation); and the calls oldest first (:meth:`Queue.waiting_large`)."""
+    before a reservation); and, once first asked for (:meth:`oldest`), the calls oldest
+    first."""
 
-    __slots__ = ("aged", "expected", "lengths")
+    __slots__ = ("_aged", "expected", "lengths")
 
     def __init__(self) -> None:
         super().__init__()
         self.expected: list[float] = []
         self.lengths: list[float] = []  # (in queue order, beside calls)
-        self.aged = _Seq()  # (by _age(key, call))
+        self._aged: _Seq | None = None  # (by _age(key, call); None until asked for)
 
     def add(self, key: tuple[float | str, ...], call: Pending) -> int:
         i = super().add(key, call)
         length = expected(call)
         self.lengths.insert(i, length)
         bisect.insort(self.expected, length)
-        self.aged.add(_age(key, call), call)
+        if self._aged is not None:
+            self._aged.add(_age(key, call), call)
         return i
 
     def drop(self, key: Key, call: Pending) -> None:
         del self.lengths[self.remove(key)]
         del self.expected[bisect.bisect_left(self.expected, expected(call))]
-        self.aged.remove(_age(key, call))
+        if self._aged is not None:
+            self._aged.remove(_age(key, call))
+
+    def oldest(self) -> _Seq:
+        """The calls oldest first, kept from the first time asked for (only the fair guard
+        asks: other policies' queues never pay for it)."""
+        if self._aged is None:
+            self._aged = _Seq()
+            pairs = sorted(zip(map(_age, self.keys, self.calls), self.calls, strict=True),
+                           key=lambda pair: pair[0])  # fmt: skip
+            self._aged.keys = [age for age, _ in pairs]
+            self._aged.calls = [c for _, c in pairs]
+        return self._aged
 
 
 def _age(key: tuple[float | str, ...], call: Pending) -> tuple[float | str, ...]:
@@ -221,7 +235,7 @@ class Queue(Sequence[Pending]):
                 continue
             if not usable(run.calls[0]):
                 continue
-            aged = run.aged
+            aged = run.oldest()
             pairs = zip(aged.keys, aged.calls, strict=True)
             found.append([(k, c) for k, c in pairs if c.waiting_since <= since])
         return [call for _, call in heapq.merge(*found)]

@@ -87,16 +87,20 @@ def test_a_queue_agrees_with_sorting_after_any_adds_and_pops(
         ordered = sorted(model.values(), key=lambda c: (-c.priority, int(c.id)))
         assert list(queue) == ordered
         assert list(queue.ranked()) == sorted((rank(c), c) for c in model.values())
-        # Each kind's run holds that kind's calls in queue order, and its durations sorted,
-        # and its calls oldest first (by priority, then since when, then in queue order).
+        # Each kind's run holds that kind's calls in queue order, and its durations sorted.
         runs = queue._runs
         assert set(runs) == {kind(c) for c in ordered}
         for k, run in runs.items():
             assert run.calls == [c for c in ordered if kind(c) == k]
             assert run.expected == sorted(c.expected_s or 0.0 for c in run.calls)
-            assert run.aged.calls == sorted(
-                run.calls, key=lambda c: (-c.priority, c.waiting_since, int(c.id))
-            )
+        # The big (or 2-GPU) calls waiting since a time, oldest first: by priority, then since
+        # when, then in queue order (each kind's order made when first asked, kept after).
+        for since, largest in ((-1.0, 8), (3.0, 2), (20.0, 8), (1e9, 2)):
+            aged = sorted((c for c in ordered if c.gpus >= largest and c.waiting_since <= since),
+                          key=lambda c: (-c.priority, c.waiting_since, int(c.id)))  # fmt: skip
+            assert queue.waiting_large(since, largest, lambda c: True) == aged
+            twos = [c for c in aged if c.gpus == 2]
+            assert queue.waiting_large(since, largest, lambda c: c.gpus == 2) == twos
         # GPUs waiting since a time: counted as calls entered the queue, in order of that.
         for since in (-1.0, 3.0, 20.0, 1e9):
             want = sum(c.gpus for c in ordered if (c.queued_time or 0.0) <= since)
