@@ -31,24 +31,25 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def work(directory: str, key: str, seconds: float) -> str:
-    """One execution: note a nonce in ``directory/key`` (and, on GPUs, this process and its
-    GPUs in ``directory/gpus``), run ``seconds``, return the nonce."""
+    """One execution: note (on GPUs) this process and its GPUs in ``directory/gpus``, then a
+    nonce in ``directory/key``; run ``seconds``, return the nonce."""
     import os
     import secrets
     import time
 
-    nonce = secrets.token_hex(6)
-    with open(os.path.join(directory, key), "a") as file:
-        file.write(nonce + "\n")
     devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if devices:
         # The worker's parent is its nodelet, started with --name NODE: GPU i of a node is
-        # (NODE, i), whichever incarnation of it runs.
+        # (NODE, i), whichever incarnation of it runs. Noted before the nonce, so a test that
+        # saw the execution start (and then kills the nodelet) finds its GPUs noted too.
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as cmdline:
             args = cmdline.read().decode().split("\0")
         node = args[args.index("--name") + 1]
         with open(os.path.join(directory, "gpus"), "a") as file:
             file.write(f"{os.getpid()} {node} {devices}\n")
+    nonce = secrets.token_hex(6)
+    with open(os.path.join(directory, key), "a") as file:
+        file.write(nonce + "\n")
     time.sleep(seconds)
     return nonce
 
