@@ -349,7 +349,7 @@ class _Round:
     @functools.cached_property
     def fits(self) -> placement.Fits:
         """The nodes that may ever hold each kind of call (shared by the round's swaps)."""
-        return placement.Fits(self.snapshot.nodes)
+        return placement.fits_of(self.snapshot.nodes)
 
     @functools.cached_property
     def leaving(self) -> set[int]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -283,6 +283,68 @@ class Snapshot:
     #: part of a GPU), kept up to date by the caller (the replay); None: derived from
     #: ``running`` when a round needs them.
     held: Mapping[str, float] | None = None
+    #: The running calls a preemptive policy may take, per node in the order of its
+    #: standing key, kept up to date by the caller (the replay); None: a round ranks the
+    #: running calls itself. A policy uses it only if its ``key`` is the policy's own.
+    standing: Standing | None = None
+
+
+class Standing:
+    """Per node, the running calls a policy may preempt (whole GPUs, preemptible, not told to
+    stop yet) as ``(key, start, id, run)`` in ascending order, ``key`` being the policy's
+    standing key: a time-invariant value that the policy's class of a running call never
+    decreases with, at any instant (``srtf``: its expected end; see
+    :meth:`scheduler.yardsticks.Srtf.standing_key`). So a node's worst-ranked call is its
+    last, and its calls worst first are its list reversed (up to ties in class), without a
+    class worked out for any other. Also the GPUs of the calls told to stop, per node (they
+    are on their way back). The replay keeps one as calls start, are told to stop and end
+    (``Snapshot.standing``); it must list exactly the snapshot's running calls."""
+
+    __slots__ = ("by_node", "key", "leaving")
+
+    def __init__(self, key: Callable[[Running], float], running: Iterable[Running] = ()) -> None:
+        self.key = key
+        self.by_node: dict[int, list[tuple[float, float, str, Running]]] = {}
+        self.leaving: dict[int, list[int]] = {}
+        for run in running:
+            self.add(run)
+
+    def add(self, run: Running) -> None:
+        if run.share != 1.0:
+            return  # (never a victim: its GPU is busy until all its sharers end)
+        if run.preempting:
+            for part in run.parts:
+                self.leaving.setdefault(part.node_id, []).extend(part.gpu_indices)
+            return
+        if not run.preemptible:
+            return
+        entry = (self.key(run), run.start_time, run.id, run)
+        for part in run.parts:
+            bisect.insort(self.by_node.setdefault(part.node_id, []), entry)
+
+    def remove(self, run: Running) -> None:
+        """Take out a call :meth:`add` was given (as it was then, or an equal one)."""
+        if run.share != 1.0:
+            return
+        if run.preempting:
+            for part in run.parts:
+                gpus = self.leaving[part.node_id]
+                for g in part.gpu_indices:
+                    gpus.remove(g)
+                if not gpus:
+                    del self.leaving[part.node_id]
+            return
+        if not run.preemptible:
+            return
+        entry = (self.key(run), run.start_time, run.id)
+        for part in run.parts:
+            held = self.by_node[part.node_id]
+            at = bisect.bisect_left(held, entry)  # (ids are unique: no other entry ties)
+            if at == len(held) or held[at][2] != run.id:
+                raise ValueError(f"call {run.id} is not in the standing of node {part.node_id}")
+            del held[at]
+            if not held:
+                del self.by_node[part.node_id]
 
 
 class Ends:

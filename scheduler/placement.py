@@ -216,6 +216,26 @@ class Fits:
         return found
 
 
+#: The last :class:`Fits` made by :func:`fits_of`, with what it was made of.
+_last_fits: tuple[list[tuple[NodeCapacity, bool, tuple[Gpu, ...], int]], Fits] | None = None
+
+
+def fits_of(nodes: Sequence[NodeCapacity]) -> Fits:
+    """A :class:`Fits` of ``nodes``: the last one made, while the same nodes are as they were
+    then (draining or not, inventory, size), so its verdicts per kind of call carry from one
+    round to the next (a replay's nodes stay, the gateway keeps unchanged inventories); read
+    it, never change it."""
+    global _last_fits
+    # (the nodes themselves, compared first by identity: equal fields are as good; their
+    # inventory tuples are kept alive in here with them)
+    key = [(n, n.draining, n.gpus, 0 if n.gpus else len(n.free_gpus)) for n in nodes]
+    if _last_fits is not None and _last_fits[0] == key:
+        return _last_fits[1]
+    made = Fits(nodes)
+    _last_fits = (key, made)
+    return made
+
+
 def _by_shape(
     nodes: Iterable[NodeCapacity], test: Callable[[NodeCapacity], bool]
 ) -> list[NodeCapacity]:

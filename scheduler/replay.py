@@ -67,6 +67,7 @@ from scheduler.model import (
     SchedulerError,
     SharedGpu,
     Snapshot,
+    Standing,
 )
 from scheduler.policies import Policy
 from scheduler.queue import Queue
@@ -180,6 +181,10 @@ class Simulator:
         self.running: dict[str, Running] = {}
         #: The running calls' expected ends per node (Snapshot.ends), kept as they change.
         self.ends = Ends()
+        #: The running calls in the policy's standing order, where it has one
+        #: (Snapshot.standing), kept as they change.
+        key = getattr(policy, "standing_key", None)
+        self.standing = Standing(key) if key is not None else None
         #: GPUs held per group by the running calls not being preempted (Snapshot.held):
         #: their whole GPUs, and the shares of a GPU by call, summed exactly (math.fsum, as
         #: Book does), so that no rounding builds up as calls come and go.
@@ -385,6 +390,8 @@ class Simulator:
     def release(self, i: int, now: float) -> Running:
         run = self.running.pop(str(i))
         self.ends.remove(run)
+        if self.standing is not None:
+            self.standing.remove(run)
         if not run.preempting:
             self.hold(run, -1)
         self.generation[i] += 1
@@ -458,6 +465,7 @@ class Simulator:
             share_across_users=self.share_across_users,
             ends=self.ends,
             held=self.held,
+            standing=self.standing,
         )
         out = self.policy.plan(snapshot)
         self.reserved = dict(out.reserved)
@@ -495,6 +503,8 @@ class Simulator:
             )
             self.running[call.id] = run
             self.ends.add(run)
+            if self.standing is not None:
+                self.standing.add(run)
             self.hold(run, 1)
             if call.share != 1.0:
                 holders[call.id] = run
@@ -507,7 +517,10 @@ class Simulator:
             if run.preempting:
                 continue  # already told: its notice stands
             self.preemptions += 1
-            self.running[run.id] = replace(run, preempting=True)
+            self.running[run.id] = told = replace(run, preempting=True)
+            if self.standing is not None:
+                self.standing.remove(run)
+                self.standing.add(told)
             self.hold(run, -1)
             self.push(now + self.grace_s, STOP, int(run.id))
 

@@ -11,11 +11,11 @@ equals); GPUs already on their way back count as free.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from scheduler import placement
 from scheduler.capacity import Capacity
-from scheduler.model import NodeCapacity, Pending, Running
+from scheduler.model import NodeCapacity, Pending, Running, Standing
 from scheduler.quotas import Released
 
 
@@ -35,6 +35,7 @@ class Victims:
         count: Callable[[Released, Running], None] | None = None,
         look: int | None = None,
         fits: placement.Fits | None = None,
+        standing: Standing | None = None,
     ) -> None:
         #: Whether a run may still be taken, what this choice takes already considered (and
         #: how to count it): None, every run may.
@@ -45,13 +46,24 @@ class Victims:
         #: Per node: (class, start, id, call), sorted worst first when first looked at.
         self.by_node: dict[int, list[tuple[float, float, str, Running]]] = {}
         self.sorted: set[int] = set()
+        #: The running calls by node in an order their class never decreases with, kept by
+        #: the caller (then ``running`` is not read, and a node's calls are ranked only when
+        #: it is looked at, its worst call's class read off its last): see :class:`Standing`.
+        self.standing = standing
+        self.klass = klass
+        #: The calls this index chose (left out of the nodes ranked after).
+        self.taken: set[str] = set()
+        #: Nodes whose calls were read from the standing once (the next read ranks them all).
+        self._read: set[int] = set()
+        #: Per node looked at, the class of its worst call that may still be taken.
+        self._tops: dict[int, float] = {}
         #: GPUs per node already on their way back (preempting, or chosen this round), by
         #: index (a call kept to some models counts only those it may use).
         self.leaving: dict[int, list[int]] = {}
         #: The nodes that may ever hold a kind of call (GPUs, model, memory), live nodes by
         #: id, and those that may be whole nodes of a gang: may be shared by the indexes of
         #: one round (made of the same nodes).
-        self.fits = placement.Fits(nodes) if fits is None else fits
+        self.fits = placement.fits_of(list(nodes)) if fits is None else fits
         #: Live nodes not yet freed for a call.
         self.nodes = dict(self.fits.by_id)
         #: The nodes the last choice freed for its call.
@@ -66,6 +78,13 @@ class Victims:
         #: Per kind of call, the nodes of ``fits`` where some run of this index is.
         self._holding: dict[tuple[int, str | None, int], list[NodeCapacity]] = {}
         by_node = self.by_node
+        if standing is not None:
+            self.leaving = {n: list(gpus) for n, gpus in standing.leaving.items()}
+            for held in standing.by_node.values():
+                k = klass(held[-1][3])
+                if k > self.worst:
+                    self.worst = k
+            return
         for run in running:
             if run.share != 1.0:
                 continue  # (never a victim; its GPU is busy until all its sharers end)
@@ -129,18 +148,15 @@ class Victims:
         fitting = self.fits(call)
         single, found = bool(fitting), 0  # (a call some node may hold is never a gang)
         kept_to = placement.constrained(call)  # (a model or memory: not every GPU will do)
-        holding = self._holding.get(kind)
+        holding, tops = self._holding.get(kind), self._tops
         if holding is None:  # (the nodes where this index has runs, in the same order)
-            by_node = self.by_node
+            by_node = self.by_node if self.standing is None else self.standing.by_node
             holding = self._holding[kind] = [n for n in fitting if n.node_id in by_node]
         for node in holding:
             if node.node_id in gone or node.node_id not in self.nodes:
                 continue
-            held = self.by_node.get(node.node_id)
-            if not held:
-                continue  # nothing to preempt there
-            self._sort(node.node_id)
-            if held[0][0] <= klass:
+            top = tops.get(node.node_id)
+            if (self._top(node.node_id) if top is None else top) <= klass:
                 continue  # (nothing there of a lower class than the call's)
             have = 0
             if not alone and not kept_to:
@@ -151,7 +167,7 @@ class Victims:
                 have = len(placement.usable(node, [*cap.free_of(node.node_id), *back], call))
             runs: list[Running] = []
             taken: Released = {}
-            for k, _, _, run in held:  # (worst first: those of a lower class than the call's)
+            for k, _, _, run in self._worst_first(node.node_id):  # (those of a lower class)
                 if k <= klass or have >= call.gpus:
                     break
                 if not self._may(run, taken):
@@ -204,16 +220,71 @@ class Victims:
         return self._take(chosen, nodes, cap)
 
     def _lower(self, node: int, klass: float) -> list[Running]:
-        held = self.by_node.get(node)
-        if not held:
-            return []
-        self._sort(node)
-        return [e[3] for e in held if e[0] > klass]
+        out = []
+        for k, _, _, run in self._worst_first(node):
+            if k <= klass:
+                break
+            out.append(run)
+        return out
 
-    def _sort(self, node: int) -> None:
-        if node not in self.sorted:
-            self.by_node[node].sort(reverse=True)
+    def _worst_first(self, node: int) -> Iterator[tuple[float, float, str, Running]]:
+        """The node's calls that may still be taken, worst first: from a standing, ranked
+        only as far as they are read (calls of one class in the order a sort would give)."""
+        held = self.by_node.get(node)
+        if held is not None or self.standing is None or node in self._read:
+            yield from self._held(node)  # (read again: ranked once, for the round)
+            return
+        self._read.add(node)
+        index, klass, taken = self.standing.by_node.get(node, ()), self.klass, self.taken
+        i = len(index) - 1
+        while i >= 0:
+            e = index[i]
+            i -= 1
+            if e[2] in taken:
+                continue
+            k = klass(e[3])
+            tied = [(k, e[1], e[2], e[3])]
+            while i >= 0:  # (a class never decreases with the key: ties are adjacent)
+                e = index[i]
+                if e[2] in taken:
+                    i -= 1
+                    continue
+                if klass(e[3]) != k:
+                    break
+                tied.append((k, e[1], e[2], e[3]))
+                i -= 1
+            if len(tied) > 1:
+                tied.sort(reverse=True)
+            yield from tied
+
+    def _held(self, node: int) -> list[tuple[float, float, str, Running]]:
+        """The node's calls that may still be taken, worst first."""
+        held = self.by_node.get(node)
+        if held is None:
+            if self.standing is None:
+                return []
+            klass, taken = self.klass, self.taken
+            held = self.by_node[node] = [
+                (klass(e[3]), e[1], e[2], e[3])
+                for e in reversed(self.standing.by_node.get(node, ()))
+                if e[2] not in taken
+            ]
+        if node not in self.sorted:  # (from a standing: in order already but for ties)
+            held.sort(reverse=True)
             self.sorted.add(node)
+        return held
+
+    def _top(self, node: int) -> float:
+        """The worst class among the node's calls that may still be taken (-inf: none),
+        kept until a call is taken there."""
+        index = None if self.standing is None else self.standing.by_node.get(node)
+        if node not in self.by_node and index and index[-1][2] not in self.taken:
+            top = self.klass(index[-1][3])  # (the worst: its class is the node's)
+        else:
+            held = self._held(node)
+            top = held[0][0] if held else -math.inf
+        self._tops[node] = top
+        return top
 
     def _may(self, run: Running, taken: Released) -> bool:
         """Whether ``run`` may be taken besides ``taken`` (then counted in it)."""
@@ -230,10 +301,13 @@ class Victims:
 
     def _take(self, runs: list[Running], nodes: list[int], cap: Capacity) -> list[Running]:
         for run in runs:
+            self.taken.add(run.id)
             for part in run.parts:
+                self._tops.pop(part.node_id, None)
                 self._leave(part.node_id, part.gpu_indices)
-                held = self.by_node[part.node_id]
-                held[:] = [e for e in held if e[3] is not run]
+                held = self.by_node.get(part.node_id)
+                if held is not None:  # (else left out when ranked)
+                    held[:] = [e for e in held if e[3] is not run]
         for node_id in nodes:
             cap.withdraw(node_id)
             self.nodes.pop(node_id)

@@ -72,6 +72,10 @@ class _Preemptive:
         """No running call's class is worse than this: a call of this class preempts none."""
         return math.inf
 
+    #: A running call's standing key (see :class:`~scheduler.model.Standing`), for a replay
+    #: to keep its running calls in: a policy whose classes change order over time has none.
+    standing_key: Callable[[Running], float] | None = None
+
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan:
         now = snapshot.now
         cap = Capacity(snapshot.nodes, snapshot.share_across_users)
@@ -97,8 +101,12 @@ class _Preemptive:
                 continue  # (nothing is of a worse class: it may only be placed)
             if victims is None:
                 # (a partial, not a lambda: one Python call per running call, not two)
-                victims = Victims(snapshot.nodes, snapshot.running,
-                                  functools.partial(self.running_class, now=now))  # fmt: skip
+                klass_of = functools.partial(self.running_class, now=now)
+                standing = snapshot.standing
+                if standing is not None and standing.key == self.standing_key:
+                    victims = Victims(snapshot.nodes, (), klass_of, standing=standing)
+                else:
+                    victims = Victims(snapshot.nodes, snapshot.running, klass_of)
             chosen = victims.free_for(call, klass, cap)
             out.preemptions.extend(Preemption(r.id, f"preempted by {self.name}") for r in chosen)
         return out
@@ -144,6 +152,11 @@ class Srtf(_Preemptive):
             return math.inf
         left = run.start_time + run.expected_s - now
         return left if left > 0 else 0.0
+
+    def standing_key(self, run: Running) -> float:
+        """Its expected end: :meth:`running_class` is that minus ``now`` (at least 0), the
+        same sum worked out the same way, so it never decreases as the end grows."""
+        return math.inf if run.expected_s is None else run.start_time + run.expected_s
 
 
 #: Name -> factory, as :data:`scheduler.policies.POLICIES`; for the replay only.

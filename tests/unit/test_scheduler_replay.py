@@ -10,6 +10,7 @@ import pytest
 
 from scheduler import Plan, Quota, Snapshot, policies, replay, traces
 from scheduler.backfill import releases
+from scheduler.model import Standing
 from scheduler.quotas import Book
 from scheduler.replay import Cluster, Simulator
 from scheduler.traces import Job, TraceError
@@ -304,7 +305,7 @@ def test_a_negative_starvation_bound_is_refused(
     assert replay.main([path, "--policy", "fair", "--starve-after-s", "3600"]) == 0
 
 
-@pytest.mark.parametrize("policy", ["fifo", "fair", "las"])
+@pytest.mark.parametrize("policy", ["fifo", "fair", "las", "srtf"])
 def test_the_replay_keeps_each_node_s_expected_ends_and_each_group_s_gpus_as_its_running_calls_say(
     policy: str,
 ) -> None:
@@ -328,6 +329,12 @@ def test_the_replay_keeps_each_node_s_expected_ends_and_each_group_s_gpus_as_its
         assert {n: e for n, e in kept.items() if e} == {n: e for n, e in derived.items() if e}
         counted = Book(list(sim.running.values()), quotas).used
         assert {g: n for g, n in sim.held.items() if n} == {g: n for g, n in counted.items() if n}
+        if sim.standing is not None:  # (srtf: its running calls in expected-end order)
+            fresh = Standing(sim.standing.key, sim.running.values())
+            assert sim.standing.by_node == fresh.by_node
+            assert {n: sorted(g) for n, g in sim.standing.leaving.items()} == {
+                n: sorted(g) for n, g in fresh.leaving.items()
+            }
         rounds.append(now)
         return planner(now)
 
@@ -335,6 +342,8 @@ def test_the_replay_keeps_each_node_s_expected_ends_and_each_group_s_gpus_as_its
     sim.run()
     assert len(sim.completed) == len(jobs) and len(rounds) > len(jobs) // 2
     assert not any(sim.ends.by_node.values())  # (everything ended: nothing left listed)
+    assert (sim.standing is None) == (policy != "srtf")
+    assert sim.standing is None or not (sim.standing.by_node or sim.standing.leaving)
 
 
 def test_the_replay_adds_up_what_each_group_held_and_was_due_over_time() -> None:

@@ -4,16 +4,19 @@ and when, and what the replay records of attained service and preemption costs."
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
 
 from scheduler import Quota, replay, traces
-from scheduler.model import Gpu, NodeCapacity, Pending, Running, Snapshot
+from scheduler.model import Gpu, NodeCapacity, Pending, Running, Snapshot, Standing
 from scheduler.replay import Cluster, Simulator
 from scheduler.traces import Job
 from scheduler.yardsticks import Las, Srtf
+from tests.unit.test_scheduler_invariants import snapshots
 
 TIRESIAS = Path(__file__).resolve().parents[1] / "data" / "traces" / "tiresias_60_job.csv"
 
@@ -60,6 +63,32 @@ def test_srtf_preempts_only_for_a_shorter_remainder() -> None:
     assert sim.preemptions == 1 and (sim.started[1], sim.completed[0]) == (100, 1010)
     sim = simulate([Job("a", 0, 100, 2), Job("b", 10, 500, 2)], Srtf(), 1, 2)
     assert sim.preemptions == 0 and sim.started[1] == 100
+
+
+@settings(max_examples=400, deadline=None)
+@given(snapshots())
+def test_srtf_plans_the_same_from_the_standing_a_replay_keeps(snap: Snapshot) -> None:
+    # The replay hands srtf its running calls kept in expected-end order (Snapshot.standing),
+    # so that a round ranks only the nodes it looks at. Calls past their expected end all rank
+    # 0 whatever their end: the plan must be the one ranking every call gives, ties included.
+    srtf = Srtf()
+    kept = dataclasses.replace(snap, standing=Standing(srtf.standing_key, snap.running))
+    fresh, got = srtf.plan(snap), srtf.plan(kept)
+    assert list(got) == list(fresh)
+    assert got.preemptions == fresh.preemptions
+
+
+def test_srtf_reads_a_node_s_longest_call_off_the_standing_and_no_other_policy_s() -> None:
+    # 90 s left and 40 s left: a call of 60 s preempts the first. A standing in another
+    # order (its last call the one of 40 s) would make it look as if nothing were longer.
+    nodes = [node(0, (), 2)]
+    running = [Running("late", 0, (0,), start_time=0, expected_s=100),
+               Running("soon", 0, (1,), start_time=0, expected_s=50)]  # fmt: skip
+    snap = Snapshot(nodes, [Pending("new", 1, expected_s=60)], running, now=10)
+    other = Standing(lambda r: -r.start_time - (r.expected_s or 0), running)
+    for standing in (None, other, Standing(Srtf().standing_key, running)):
+        plan = Srtf().plan(dataclasses.replace(snap, standing=standing))
+        assert [p.invocation_id for p in plan.preemptions] == ["late"]
 
 
 def test_preemption_frees_one_node_at_the_least_cost() -> None:
