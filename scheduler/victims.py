@@ -148,9 +148,9 @@ class Victims:
         fitting = self.fits(call)
         single, found = bool(fitting), 0  # (a call some node may hold is never a gang)
         kept_to = placement.constrained(call)  # (a model or memory: not every GPU will do)
-        holding, tops = self._holding.get(kind), self._tops
+        holding, tops, standing = self._holding.get(kind), self._tops, self.standing
         if holding is None:  # (the nodes where this index has runs, in the same order)
-            by_node = self.by_node if self.standing is None else self.standing.by_node
+            by_node = self.by_node if standing is None else standing.by_node
             holding = self._holding[kind] = [n for n in fitting if n.node_id in by_node]
         for node in holding:
             if node.node_id in gone or node.node_id not in self.nodes:
@@ -167,7 +167,10 @@ class Victims:
                 have = len(placement.usable(node, [*cap.free_of(node.node_id), *back], call))
             runs: list[Running] = []
             taken: Released = {}
-            for k, _, _, run in self._worst_first(node.node_id):  # (those of a lower class)
+            # (worst first: those of a lower class than the call's; read lazily off a standing)
+            node_id = node.node_id
+            ranked = self._held(node_id) if standing is None else self._worst_first(node_id)
+            for k, _, _, run in ranked:
                 if k <= klass or have >= call.gpus:
                     break
                 if not self._may(run, taken):

@@ -88,7 +88,14 @@ class _Preemptive:
         else:
             ranked = sorted((self.rank(c, now), c) for c in pending)
         worst = self.worst()
+        # Kinds of call (GPUs, model, memory) that found neither room nor victims: room only
+        # shrinks in a round and later calls are of a class no better, so no later call of
+        # the kind finds either (a share of a GPU is never passed over: its room is per user).
+        dead: set[tuple[int, str | None, int] | None] = set()
         for (klass, _, _), call in ranked:
+            kind = (call.gpus, call.gpu_model, call.min_memory_mib) if call.share == 1.0 else None
+            if kind in dead:
+                continue
             if cap.exhausted() and (
                 klass >= worst or (victims is not None and victims.spent(klass))
             ):
@@ -98,7 +105,9 @@ class _Preemptive:
                 out.append(Decision.of(call.id, parts))
                 continue
             if klass >= worst:
-                continue  # (nothing is of a worse class: it may only be placed)
+                if kind is not None:  # (nothing is of a worse class: it may only be placed)
+                    dead.add(kind)
+                continue
             if victims is None:
                 # (a partial, not a lambda: one Python call per running call, not two)
                 klass_of = functools.partial(self.running_class, now=now)
@@ -108,6 +117,8 @@ class _Preemptive:
                 else:
                     victims = Victims(snapshot.nodes, snapshot.running, klass_of)
             chosen = victims.free_for(call, klass, cap)
+            if not chosen and kind is not None:
+                dead.add(kind)
             out.preemptions.extend(Preemption(r.id, f"preempted by {self.name}") for r in chosen)
         return out
 
