@@ -288,6 +288,7 @@ class _Round:
         snapshot, policy, thresholds = self.snapshot, self.policy, self.policy.las_thresholds
         if (
             isinstance(pending, Queue)
+            and pending.tiers
             and pending.thresholds == thresholds
             and pending.shortest_first == policy.shortest_first
         ):
@@ -732,7 +733,7 @@ class _Round:
         and the GPUs asked by every call, whole-node or not, that has waited that long."""
         cap, largest, since = self.cap, self.cap.largest, self.snapshot.now - after_s
         pending = self.snapshot.pending
-        if isinstance(pending, Queue):  # (the queue keeps count: no pass over every call)
+        if isinstance(pending, Queue) and pending.kinds:  # (it keeps count: no pass over all)
             waited = pending.waited(since)
             if waited is not None:  # (oldest first, in queue order among equals, as a pass
                 # over the queue sorted by age finds them; whether a kind is whole-node is

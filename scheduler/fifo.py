@@ -37,6 +37,8 @@ class Fifo:
     name: str = "fifo"
     uses_quotas: bool = False
     preempts: ClassVar[bool] = False  # (what the policy does, not a setting)
+    #: What it reads of a replay's queue (scheduler.queue.Queue): the lists per kind only.
+    queue_tiers: ClassVar[bool] = False
 
     def plan(self, snapshot: Snapshot, why: Why | None = None) -> Plan:
         cap = Capacity(snapshot.nodes, snapshot.share_across_users)
@@ -66,7 +68,7 @@ class Fifo:
         # round can do nothing for are passed over (a kind of call at a time in a Queue).
         if why is not None or self.max_backfill is not None:
             calls: Iterable[tuple[int, Pending]] = enumerate(order, 1)
-        elif isinstance(queue, Queue):
+        elif isinstance(queue, Queue) and queue.kinds:
             calls = ((0, call) for call in queue.walk(dead, dead))
         else:
             calls = ((0, call) for call in order if not dead(call))

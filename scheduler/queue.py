@@ -125,12 +125,19 @@ class Queue(Sequence[Pending]):
         thresholds: tuple[float, ...] = (),
         shortest_first: bool = False,
         rank: Callable[[Pending], Rank] | None = None,
+        kinds: bool = True,
+        tiers: bool = True,
     ) -> None:
         self.thresholds = thresholds
         #: Each tier in order of expected duration, shortest first (then in queue order).
         self.shortest_first = shortest_first
         #: Also keep every call in the order of this rank (:meth:`ranked`), if given.
         self.rank = rank
+        #: Whether to keep the lists per kind of call (:meth:`walk`, :meth:`waiting_large`:
+        #: fifo and fair), and the tiers per bucket with the GPUs queued by when they came
+        #: (:meth:`buckets`, :meth:`waited`: fair). A replay of a policy that reads neither
+        #: keeps neither, and its calls come and go cheaper.
+        self.kinds, self.tiers = kinds, tiers
         self._ranked = _Seq()
         self._keys: list[Key] = []
         self._calls: list[Pending] = []
@@ -147,10 +154,12 @@ class Queue(Sequence[Pending]):
         thresholds: tuple[float, ...] = (),
         shortest_first: bool = False,
         rank: Callable[[Pending], Rank] | None = None,
+        kinds: bool = True,
+        tiers: bool = True,
     ) -> Queue:
         """A queue of ``calls`` in the order given (calls of higher priority are moved ahead
         of lower ones; the order is kept otherwise)."""
-        queue = cls(thresholds, shortest_first, rank)
+        queue = cls(thresholds, shortest_first, rank, kinds, tiers)
         for seq, call in enumerate(calls):
             queue.add(call, seq)
         return queue
@@ -165,18 +174,20 @@ class Queue(Sequence[Pending]):
         self._keys.insert(i, key)
         self._calls.insert(i, call)
         self._by_id[call.id] = key
-        run = self._runs.get(kind(call))
-        if run is None:
-            run = self._runs[kind(call)] = _Run()
-        run.add(key, call)
-        bucket = (call.priority, call.group, call.user)
-        tiers = self._tiers.get(bucket)
-        if tiers is None:
-            tiers = self._tiers[bucket] = [_Seq() for _ in range(len(self.thresholds) + 1)]
-            self._sizes[bucket] = 0
-        tiers[self.tier(call)].add(self._tier_key(key, call), call)
-        self._sizes[bucket] += 1
-        self._waits.add(call)
+        if self.kinds:
+            run = self._runs.get(kind(call))
+            if run is None:
+                run = self._runs[kind(call)] = _Run()
+            run.add(key, call)
+        if self.tiers:
+            bucket = (call.priority, call.group, call.user)
+            tiers = self._tiers.get(bucket)
+            if tiers is None:
+                tiers = self._tiers[bucket] = [_Seq() for _ in range(len(self.thresholds) + 1)]
+                self._sizes[bucket] = 0
+            tiers[self.tier(call)].add(self._tier_key(key, call), call)
+            self._sizes[bucket] += 1
+            self._waits.add(call)
         if self.rank is not None:
             self._ranked.add(self.rank(call), call)
 
@@ -196,17 +207,19 @@ class Queue(Sequence[Pending]):
         i = bisect.bisect_left(self._keys, key)
         call = self._calls[i]
         del self._keys[i], self._calls[i]
-        k = kind(call)
-        run = self._runs[k]
-        run.drop(key, call)
-        if not run.keys:
-            del self._runs[k]
-        bucket = (call.priority, call.group, call.user)
-        self._tiers[bucket][self.tier(call)].remove(self._tier_key(key, call))
-        self._sizes[bucket] -= 1
-        if not self._sizes[bucket]:
-            del self._tiers[bucket], self._sizes[bucket]
-        self._waits.remove(call)
+        if self.kinds:
+            k = kind(call)
+            run = self._runs[k]
+            run.drop(key, call)
+            if not run.keys:
+                del self._runs[k]
+        if self.tiers:
+            bucket = (call.priority, call.group, call.user)
+            self._tiers[bucket][self.tier(call)].remove(self._tier_key(key, call))
+            self._sizes[bucket] -= 1
+            if not self._sizes[bucket]:
+                del self._tiers[bucket], self._sizes[bucket]
+            self._waits.remove(call)
         if self.rank is not None:
             self._ranked.remove(self.rank(call))
         return call
@@ -219,7 +232,7 @@ class Queue(Sequence[Pending]):
         """GPUs asked by the queued calls that have waited since ``since`` or earlier
         (:attr:`Pending.waiting_since`), shares of a GPU included; None when calls did not
         enter the queue in the order of those times (then count them one by one)."""
-        return self._waits.total(since)
+        return self._waits.total(since) if self.tiers else None
 
     def waiting_large(
         self, since: float, largest: int, usable: Callable[[Pending], bool]
@@ -229,6 +242,7 @@ class Queue(Sequence[Pending]):
         yes to (asked of one call of each kind); oldest first: higher priority first, then by
         when each entered the queue, then in queue order (no sort: each kind keeps its calls
         in that order)."""
+        self._needs(self.kinds, "kinds")
         found = []
         for (gpus, model, memory, share, _), run in self._runs.items():
             if share != 1.0 or (gpus < largest and model is None and not memory):
@@ -254,7 +268,13 @@ class Queue(Sequence[Pending]):
         """Per (priority, group, user) with calls queued: its calls of each tier, lowest
         first, each in queue order (with ``shortest_first``, by expected duration, then in
         queue order). The lists are the queue's own: read them, never change them."""
+        self._needs(self.tiers, "tiers")
         return {b: [seq.calls for seq in tiers] for b, tiers in self._tiers.items()}
+
+    @staticmethod
+    def _needs(kept: bool, view: str) -> None:
+        if not kept:
+            raise RuntimeError(f"this queue keeps no {view} (made with {view}=False)")
 
     def __contains__(self, call: object) -> bool:
         return isinstance(call, Pending) and self._by_id.get(call.id) is not None
@@ -283,6 +303,7 @@ class Queue(Sequence[Pending]):
         ``dead`` must say of a kind's calls that it is dead of each one expected to run as
         long as a dead one, or longer (as backfill does: one that ends later fits no
         better), so that such calls are passed over without asking."""
+        self._needs(self.kinds, "kinds")
         heap = [(run.keys[0], 0, k) for k, run in self._runs.items()]
         heapq.heapify(heap)
         runs = self._runs

@@ -177,6 +177,9 @@ class Simulator:
             getattr(policy, "las_thresholds", ()),
             getattr(policy, "shortest_first", False),
             getattr(policy, "queue_rank", None),  # (a yardstick's order, kept)
+            # (the views the policy reads of a queue: all of them unless it says otherwise)
+            kinds=getattr(policy, "queue_kinds", True),
+            tiers=getattr(policy, "queue_tiers", True),
         )
         self.running: dict[str, Running] = {}
         #: The running calls' expected ends per node (Snapshot.ends), kept as they change.

@@ -53,6 +53,9 @@ class _Preemptive:
     name = ""
     uses_quotas = False
     preempts: ClassVar[bool] = True  # (what the policy does, not a setting)
+    #: What it reads of a replay's queue (scheduler.queue.Queue): its own order only.
+    queue_kinds: ClassVar[bool] = False
+    queue_tiers: ClassVar[bool] = False
 
     def rank(self, call: Pending, now: float) -> Rank:
         """A waiting call's standing (neither policy's depends on ``now``)."""

@@ -58,6 +58,24 @@ def test_a_call_is_queued_once() -> None:
         queue.add(call(1), 0)  # (one sequence number, one call)
 
 
+def test_a_queue_keeps_only_the_views_asked_for_and_refuses_to_read_the_others() -> None:
+    calls = [Pending(f"c{i}", 1 + i % 3, group="g", user="u") for i in range(6)]
+    queue = Queue.of(calls, kinds=False, tiers=False)
+    queue.pop("c2")
+    queue.add(calls[2], 2)  # (back in its place)
+    assert [c.id for c in queue] == [f"c{i}" for i in range(6)]
+    assert queue.waited(0.0) is None  # (not counted: a caller counts them itself)
+    with pytest.raises(RuntimeError, match="no kinds"):
+        list(queue.walk(lambda c: False, lambda c, s: False))
+    with pytest.raises(RuntimeError, match="no kinds"):
+        queue.waiting_large(0.0, 1, lambda c: True)
+    with pytest.raises(RuntimeError, match="no tiers"):
+        queue.buckets()
+    full = Queue.of(calls)
+    assert [c.id for c in full.walk(lambda c: False, lambda c, s: False)] == [c.id for c in full]
+    assert sum(len(t) for tiers in full.buckets().values() for t in tiers) == 6
+
+
 def test_a_walk_passes_over_dead_calls_and_whole_kinds() -> None:
     queue = Queue.of([call(0, 8), call(1, 1, expected=50), call(2, 8), call(3, 2), call(4, 1)])
     seen = [c.id for c in queue.walk(lambda c: c.id == "4", lambda c, _: c.gpus == 8)]
@@ -143,7 +161,11 @@ def test_fifo_passing_over_a_backlog_starts_what_a_full_scan_starts(snap: Snapsh
     quick = Fifo().plan(snap)
     queued = Fifo().plan(dataclasses.replace(snap, pending=Queue.of(snap.pending)))
     full = Fifo().plan(snap, why={})  # (explaining: every call in turn)
-    for other in (queued, full):
+    # (the replay's queue for fifo keeps no tiers; one without kinds is read in order)
+    lean = [Fifo().plan(dataclasses.replace(
+                snap, pending=Queue.of(snap.pending, kinds=kinds, tiers=False)))
+            for kinds in (True, False)]  # fmt: skip
+    for other in (queued, full, *lean):
         assert [(d.invocation_id, d.parts) for d in quick] == [
             (d.invocation_id, d.parts) for d in other
         ]
@@ -174,7 +196,10 @@ def test_fair_plans_the_same_from_the_replay_s_queue_as_from_a_list(
     for seq, c in by_wait:
         timely.add(c, seq)
     assert timely.waited(snap.now) is not None
-    for queue in (Queue.of(snap.pending, policy.las_thresholds, policy.shortest_first), timely):
+    # (a queue without fair's views is read as a list would be)
+    bare = Queue.of(snap.pending, policy.las_thresholds, policy.shortest_first, tiers=False)
+    for queue in (Queue.of(snap.pending, policy.las_thresholds, policy.shortest_first), timely,
+                  bare):  # fmt: skip
         queued = policy.plan(dataclasses.replace(snap, pending=queue))
         assert [(d.invocation_id, d.parts, d.borrowed) for d in listed] == [
             (d.invocation_id, d.parts, d.borrowed) for d in queued
@@ -190,14 +215,16 @@ def test_fair_plans_the_same_from_the_replay_s_queue_as_from_a_list(
 def test_a_yardstick_plans_the_same_from_a_queue_kept_in_its_order(
     snap: Snapshot, policy: Las | Srtf
 ) -> None:
-    # The replay keeps its queue in the yardstick's order (no sort per round).
+    # The replay keeps its queue in the yardstick's order (no sort per round), and none of
+    # the views the yardsticks do not read.
     listed = policy.plan(snap)
-    queue = Queue.of(snap.pending, rank=policy.queue_rank)
-    queued = policy.plan(dataclasses.replace(snap, pending=queue))
-    assert [(d.invocation_id, d.parts) for d in listed] == [
-        (d.invocation_id, d.parts) for d in queued
-    ]
-    assert listed.preemptions == queued.preemptions
+    for kept in (True, False):
+        queue = Queue.of(snap.pending, rank=policy.queue_rank, kinds=kept, tiers=kept)
+        queued = policy.plan(dataclasses.replace(snap, pending=queue))
+        assert [(d.invocation_id, d.parts) for d in listed] == [
+            (d.invocation_id, d.parts) for d in queued
+        ]
+        assert listed.preemptions == queued.preemptions
 
 
 @settings(max_examples=300, deadline=None)
