@@ -53,8 +53,6 @@ class Victims:
         self.klass = klass
         #: The calls this index chose (left out of the nodes ranked after).
         self.taken: set[str] = set()
-        #: Nodes whose calls were read from the standing once (the next read ranks them all).
-        self._read: set[int] = set()
         #: Per node looked at, the class of its worst call that may still be taken.
         self._tops: dict[int, float] = {}
         #: GPUs per node already on their way back (preempting, or chosen this round), by
@@ -167,10 +165,8 @@ class Victims:
                 have = len(placement.usable(node, [*cap.free_of(node.node_id), *back], call))
             runs: list[Running] = []
             taken: Released = {}
-            # (worst first: those of a lower class than the call's; read lazily off a standing)
-            node_id = node.node_id
-            ranked = self._held(node_id) if standing is None else self._worst_first(node_id)
-            for k, _, _, run in ranked:
+            # (worst first: those of a lower class than the call's)
+            for k, _, _, run in self._worst_first(node.node_id):
                 if k <= klass or have >= call.gpus:
                     break
                 if not self._may(run, taken):
@@ -231,14 +227,20 @@ class Victims:
         return out
 
     def _worst_first(self, node: int) -> Iterator[tuple[float, float, str, Running]]:
-        """The node's calls that may still be taken, worst first: from a standing, ranked
-        only as far as they are read (calls of one class in the order a sort would give)."""
-        held = self.by_node.get(node)
-        if held is not None or self.standing is None or node in self._read:
-            yield from self._held(node)  # (read again: ranked once, for the round)
-            return
-        self._read.add(node)
-        index, klass, taken = self.standing.by_node.get(node, ()), self.klass, self.taken
+        """The node's calls that may still be taken, worst first: off the standing, ranked
+        only as far as they are read, until the node is ranked whole (:meth:`_held`)."""
+        if self.standing is None or node in self.by_node:
+            return iter(self._held(node))
+        return self._off_standing(self.standing.by_node.get(node, []))
+
+    def _off_standing(
+        self, index: list[tuple[float, float, str, Running]]
+    ) -> Iterator[tuple[float, float, str, Running]]:
+        """A node's calls on the standing (``index``) that may still be taken, worst first,
+        as a sort by (class, start, id) would give them: the standing's order reversed, each
+        run of calls of one class (adjacent there: a class never decreases with the key)
+        sorted."""
+        klass, taken = self.klass, self.taken
         i = len(index) - 1
         while i >= 0:
             e = index[i]
@@ -247,7 +249,7 @@ class Victims:
                 continue
             k = klass(e[3])
             tied = [(k, e[1], e[2], e[3])]
-            while i >= 0:  # (a class never decreases with the key: ties are adjacent)
+            while i >= 0:
                 e = index[i]
                 if e[2] in taken:
                     i -= 1
@@ -261,18 +263,16 @@ class Victims:
             yield from tied
 
     def _held(self, node: int) -> list[tuple[float, float, str, Running]]:
-        """The node's calls that may still be taken, worst first."""
+        """The node's calls that may still be taken, worst first, ranked whole (kept for
+        the round)."""
         held = self.by_node.get(node)
         if held is None:
             if self.standing is None:
                 return []
-            klass, taken = self.klass, self.taken
-            held = self.by_node[node] = [
-                (klass(e[3]), e[1], e[2], e[3])
-                for e in reversed(self.standing.by_node.get(node, ()))
-                if e[2] not in taken
-            ]
-        if node not in self.sorted:  # (from a standing: in order already but for ties)
+            index = self.standing.by_node.get(node, [])
+            held = self.by_node[node] = list(self._off_standing(index))
+            self.sorted.add(node)
+        elif node not in self.sorted:
             held.sort(reverse=True)
             self.sorted.add(node)
         return held
